@@ -1,0 +1,42 @@
+"""Pure encoding of pseudo-gradients for the wire: quantization, framing, digests, feedback.
+
+No network and no asyncio here; callers run these (CPU-bound) functions in a thread.
+"""
+
+from neuronode.codec.feedback import ErrorFeedback
+from neuronode.codec.framing import (
+    Assembler,
+    ContributionDigest,
+    Frame,
+    chunk_ranges,
+    contribution_digest,
+    decode_frame,
+    encode_frames,
+    expected_raw_lens,
+    roundtrip,
+    shuffle_width,
+)
+from neuronode.codec.quant import BLOCK_ELEMS, CODECS, Codec, CodecError, check_finite, get_codec
+
+Digest = ContributionDigest
+
+__all__ = [
+    "BLOCK_ELEMS",
+    "CODECS",
+    "Assembler",
+    "Codec",
+    "CodecError",
+    "ContributionDigest",
+    "Digest",
+    "ErrorFeedback",
+    "Frame",
+    "check_finite",
+    "chunk_ranges",
+    "contribution_digest",
+    "decode_frame",
+    "encode_frames",
+    "expected_raw_lens",
+    "get_codec",
+    "roundtrip",
+    "shuffle_width",
+]

@@ -1,0 +1,27 @@
+"""Pure DiLoCo engine: inner/outer optimisation, pseudo-gradients and their aggregation.
+
+No networking lives here; callers move the flat float32 vectors between peers.
+"""
+
+from neuronode.diloco.aggregate import (
+    Aggregator,
+    Contribution,
+    available_aggregators,
+    average,
+    get_aggregator,
+)
+from neuronode.diloco.engine import DiLoCo, InnerConfig, OuterConfig, StateMismatchError
+from neuronode.diloco.schedule import lr_at
+
+__all__ = [
+    "Aggregator",
+    "Contribution",
+    "DiLoCo",
+    "InnerConfig",
+    "OuterConfig",
+    "StateMismatchError",
+    "available_aggregators",
+    "average",
+    "get_aggregator",
+    "lr_at",
+]

@@ -1,0 +1,141 @@
+"""Command line: argument parsing -> config -> daemon. No logic of its own.
+
+Every user mistake ends in one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any, NoReturn, Sequence
+
+from neuronode.config import NodeConfig, build_config, flag_name, parse_hostport
+from neuronode.errors import NeuronodeError
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Raised by the parser instead of printing usage; becomes one line and exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a mistake as one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per NodeConfig field, default None so we can tell 'not given' apart."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with options (keys as flag names)")
+    for f in dataclasses.fields(NodeConfig):
+        meta = f.metadata
+        default = f.default
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        parser.add_argument(
+            flag_name(f.name),
+            dest=f.name,
+            default=None,
+            metavar=meta.get("metavar") or None,
+            choices=meta.get("choices"),
+            help=f"{meta['help']} (default: {shown!s})".replace("(default: )", "(default: none)"),
+        )
+
+
+def build_parser() -> Parser:
+    start_help = "train, alone or with --peers; Ctrl-C / SIGTERM stops cleanly"
+    parser = Parser(
+        prog="neuronode",
+        description="Peer-to-peer DiLoCo training daemon.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    start = sub.add_parser("start", help=start_help, description=start_help)
+    add_config_flags(start)
+    status = sub.add_parser("status", help="print a node's status (JSON when piped or with --json)")
+    where = status.add_mutually_exclusive_group()
+    where.add_argument("--data-dir", help="read a (stopped) node's last checkpoint in DIR")
+    where.add_argument("--peer", metavar="HOST:PORT", help="ask a live node over gRPC")
+    status.add_argument("--json", action="store_true", help="print JSON even on a terminal")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default: 5)")
+    add_bench_parser(sub)
+    parser.epilog = "flags of 'neuronode start':\n" + start.format_help().split("options:", 1)[-1]
+    return parser
+
+
+def add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
+    kinds = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=Parser)
+    sync = kinds.add_parser("sync", help="average a P-parameter pseudo-gradient among N local nodes")
+    sync.add_argument("--nodes", type=int, default=4, help="local node processes (default: 4)")
+    sync.add_argument("--params", type=float, default=10e6, help="parameters P (default: 10e6)")
+    sync.add_argument("--codec", default="fp32", choices=("fp32", "fp16", "bf16", "int8", "int4"),
+                      help="wire codec (default: fp32)")
+    sync.add_argument("--averaging", default="all-to-all", choices=("all-to-all",),
+                      help="averaging scheme (default: all-to-all)")
+    sync.add_argument("--rounds", type=int, default=3, help="rounds timed; the median is reported (default: 3)")
+    sync.add_argument("--zstd-level", type=int, default=1, help="zstd level (default: 1)")
+    sync.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
+    sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `neuronode` console script."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "start":
+            return run_start(args)
+        if args.command == "status":
+            return run_status(args)
+        if args.command == "bench":
+            return run_bench(args, parser)
+        parser.print_help()
+        return EXIT_USAGE
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    except NeuronodeError as exc:
+        print(f"neuronode: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def run_start(args: argparse.Namespace) -> int:
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(NodeConfig)}
+    cfg = build_config(flags, config_file=args.config)
+    from neuronode.daemon import run_daemon  # heavy imports (torch) only when starting
+
+    return run_daemon(cfg)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from neuronode import status as status_mod
+
+    if args.peer:
+        parse_hostport(args.peer, "--peer")
+        report = status_mod.from_peer(args.peer, timeout_s=args.timeout)
+    else:
+        report = status_mod.from_data_dir(args.data_dir or NodeConfig().data_dir)
+    if args.json or not sys.stdout.isatty():
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(status_mod.format_table(report))
+    return 0
+
+
+def run_bench(args: argparse.Namespace, parser: Parser) -> int:
+    if args.bench == "sync":
+        from neuronode.bench.sync import run_sync_bench
+
+        result = run_sync_bench(args)
+    else:
+        raise UsageError("neuronode bench: choose a benchmark: sync")
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Error feedback for lossy codecs.
+
+What quantization drops in one round is added back before encoding the next, so the error does
+not accumulate in the model: over many rounds the sum of what was sent tracks the sum of the
+true pseudo-gradients to within one round's quantization error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neuronode.codec.quant import CodecError
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Holds the float32 residual ``compensated - decoded`` of the last round.
+
+    Per round: ``c = ef.compensate(delta)``; send ``c``; ``ef.update(c, roundtrip(c, codec))``.
+    """
+
+    def __init__(self, *, n_elems: int) -> None:
+        if n_elems < 0:
+            raise CodecError(f"n_elems must be >= 0, got {n_elems}")
+        self.residual = torch.zeros(n_elems, dtype=torch.float32)
+
+    def _check(self, t: torch.Tensor, what: str) -> None:
+        if t.shape != self.residual.shape or t.dtype != torch.float32:
+            raise CodecError(
+                f"{what} must be float32 of shape {tuple(self.residual.shape)}, "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+
+    def compensate(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta + residual`` as a new tensor (delta is left untouched)."""
+        self._check(delta, "delta")
+        return delta + self.residual.to(delta.device)
+
+    def update(self, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Set residual = compensated - decoded (what the wire lost this round)."""
+        self._check(compensated, "compensated")
+        self._check(decoded, "decoded")
+        torch.sub(compensated.detach().cpu(), decoded.detach().cpu(), out=self.residual)
+
+    def reset(self) -> None:
+        """Forget the residual, e.g. after the node resynchronizes its model from a peer."""
+        self.residual.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Checkpointable state (a copy)."""
+        return {"residual": self.residual.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore from ``state_dict()``; raises CodecError on shape or dtype mismatch."""
+        residual = state.get("residual")
+        if not isinstance(residual, torch.Tensor):
+            raise CodecError("error-feedback state has no 'residual' tensor")
+        self._check(residual, "residual")
+        self.residual.copy_(residual)

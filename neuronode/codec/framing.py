@@ -1,0 +1,305 @@
+"""Chunking, zstd framing, digests and reassembly of one encoded contribution.
+
+A contribution (one peer's flat pseudo-gradient for one round) travels as ``count`` frames.
+Frame ``i`` carries the codec payload of elements ``chunk_ranges(...)[i]``, zstd-compressed
+when that makes it smaller.  The *raw payload* of a frame is the uncompressed codec output;
+digests and the Assembler work on raw payloads, so they do not depend on the zstd level or on
+which frames happened to compress.
+
+Optional byte shuffle: before zstd, the bytes of each element are split into planes (all first
+bytes, then all second bytes, ...).  It only touches compressed frames; a frame sent raw is the
+plain payload.  Sender and receiver must agree on it (it belongs in the contribution header).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard as zstd
+
+from neuronode.codec.quant import CodecError, get_codec
+
+__all__ = [
+    "Assembler",
+    "ContributionDigest",
+    "Frame",
+    "chunk_ranges",
+    "contribution_digest",
+    "decode_frame",
+    "encode_frames",
+    "expected_raw_lens",
+    "roundtrip",
+    "shuffle_width",
+]
+
+MAX_ZSTD_LEVEL = 22
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One chunk on the wire: ``data`` is zstd output if ``compressed`` else the raw payload."""
+
+    index: int
+    count: int
+    compressed: bool
+    data: bytes
+    raw_len: int
+
+
+def chunk_ranges(n_elems: int, codec: str, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Element ranges ``[start, stop)`` covering ``n_elems``, block-aligned, each at most
+    ``chunk_bytes`` of payload.  All chunks but the last have the same length."""
+    if n_elems < 0:
+        raise CodecError(f"n_elems must be >= 0, got {n_elems}")
+    c = get_codec(codec)
+    block_bytes = c.payload_bytes(c.block_elems)
+    blocks_per_chunk = chunk_bytes // block_bytes
+    if blocks_per_chunk < 1:
+        raise CodecError(
+            f"chunk_bytes={chunk_bytes} is below one {codec} block ({block_bytes} bytes); raise it"
+        )
+    # payload_bytes is monotone in n, so a partial last chunk is no larger than a full one.
+    step = blocks_per_chunk * c.block_elems
+    return [(start, min(start + step, n_elems)) for start in range(0, n_elems, step)]
+
+
+def expected_raw_lens(n_elems: int, codec: str, chunk_bytes: int) -> list[int]:
+    """Raw payload length of each chunk; receivers use it to bound every frame."""
+    c = get_codec(codec)
+    return [c.payload_bytes(b - a) for a, b in chunk_ranges(n_elems, codec, chunk_bytes)]
+
+
+def shuffle_width(codec: str, shuffle: bool) -> int:
+    """Byte-plane width for ``decode_frame``: element size if shuffling, else 1 (no-op)."""
+    return get_codec(codec).shuffle_width if shuffle else 1
+
+
+def _shuffle(raw: bytes, width: int) -> bytes:
+    if width == 1:
+        return raw
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes()
+
+
+def _unshuffle(raw: bytes, width: int) -> bytes:
+    if width == 1:
+        return raw
+    if len(raw) % width:
+        raise CodecError(f"shuffled payload of {len(raw)} bytes is not a multiple of {width}")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(width, -1).T.tobytes()
+
+
+def _check_level(zstd_level: int) -> None:
+    if not 0 <= zstd_level <= MAX_ZSTD_LEVEL:
+        raise CodecError(f"zstd_level must be in 0..{MAX_ZSTD_LEVEL} (0 = off), got {zstd_level}")
+
+
+def encode_frames(
+    x: torch.Tensor,
+    *,
+    codec: str,
+    chunk_bytes: int,
+    zstd_level: int,
+    shuffle: bool = False,
+    digest: ContributionDigest | None = None,
+) -> Iterator[Frame]:
+    """Quantize and compress ``x`` one chunk at a time, yielding Frames in index order.
+
+    ``zstd_level`` 0 never compresses; otherwise a chunk is sent compressed only if zstd made
+    it strictly smaller.  If ``digest`` is given it is fed each raw payload, so the sender has
+    the contribution digest when the generator is exhausted.  Deterministic for a given
+    zstandard build.  Raises CodecError for bad arguments or NaN/Inf in ``x``.
+    """
+    _check_level(zstd_level)
+    c = get_codec(codec)
+    if x.dim() != 1:
+        raise CodecError(f"expected a 1-D tensor, got shape {tuple(x.shape)}")
+    ranges = chunk_ranges(x.numel(), codec, chunk_bytes)
+    width = c.shuffle_width if shuffle else 1
+    # zstandard compressors are not thread-safe: one per generator, never shared.
+    compressor = zstd.ZstdCompressor(level=zstd_level, write_content_size=True) if zstd_level else None
+    for index, (start, stop) in enumerate(ranges):
+        raw = c.encode(x[start:stop])
+        if digest is not None:
+            digest.update(raw)
+        data, compressed = raw, False
+        if compressor is not None:
+            packed = compressor.compress(_shuffle(raw, width))
+            if len(packed) < len(raw):
+                data, compressed = packed, True
+        yield Frame(index=index, count=len(ranges), compressed=compressed, data=data, raw_len=len(raw))
+
+
+def decode_frame(
+    frame_data: bytes, compressed: bool, *, expected_raw_len: int, shuffle_width: int = 1
+) -> bytes:
+    """Return the raw payload of a frame, allocating at most ``expected_raw_len`` bytes.
+
+    A compressed frame must declare its content size in the zstd header, that size must equal
+    ``expected_raw_len``, and the frame must be shorter than that (the sender only compresses
+    when it helps).  So a decompression bomb is rejected from its header, before any output is
+    allocated.  Raises CodecError on any mismatch or corrupt data.
+    """
+    if not compressed:
+        if len(frame_data) != expected_raw_len:
+            raise CodecError(f"raw frame is {len(frame_data)} bytes, expected {expected_raw_len}")
+        return bytes(frame_data)
+    if len(frame_data) >= expected_raw_len:
+        raise CodecError(
+            f"compressed frame of {len(frame_data)} bytes is not smaller than its "
+            f"{expected_raw_len}-byte payload"
+        )
+    try:
+        declared = zstd.frame_content_size(frame_data)
+    except zstd.ZstdError as e:
+        raise CodecError(f"bad zstd frame header: {e}") from None
+    if declared != expected_raw_len:  # also catches -1 (size not in the header)
+        raise CodecError(
+            f"zstd frame declares {declared} bytes of content, expected {expected_raw_len}"
+        )
+    try:
+        # Content size is known, so the output buffer is exactly expected_raw_len bytes; zstd
+        # fails rather than write past it.  Trailing bytes after the frame are malformed.
+        raw = zstd.ZstdDecompressor().decompress(
+            frame_data, max_output_size=expected_raw_len, allow_extra_data=False
+        )
+    except zstd.ZstdError as e:
+        raise CodecError(f"corrupt zstd frame: {e}") from None
+    if len(raw) != expected_raw_len:
+        raise CodecError(f"frame decompressed to {len(raw)} bytes, expected {expected_raw_len}")
+    return _unshuffle(raw, shuffle_width)
+
+
+class ContributionDigest:
+    """sha256 over a contribution's raw payloads, fed in chunk index order."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, raw_payload: bytes) -> None:
+        """Feed the next chunk's raw (uncompressed, still quantized) payload."""
+        self._h.update(raw_payload)
+
+    def hexdigest(self) -> str:
+        """Hex sha256 of everything fed so far (the object stays usable)."""
+        return self._h.hexdigest()
+
+
+def contribution_digest(x: torch.Tensor, *, codec: str, chunk_bytes: int) -> str:
+    """Digest of ``x`` as ``encode_frames`` would send it, without compressing anything."""
+    d = ContributionDigest()
+    for _ in encode_frames(x, codec=codec, chunk_bytes=chunk_bytes, zstd_level=0, digest=d):
+        pass
+    return d.hexdigest()
+
+
+class Assembler:
+    """Collects the raw payloads of one contribution, in any order, and decodes them.
+
+    Holds payloads still quantized (P x bytes-per-param of the codec), not float32.
+    """
+
+    def __init__(self, *, n_elems: int, codec: str, chunk_bytes: int, shuffle: bool = False) -> None:
+        self._codec = get_codec(codec)
+        self._ranges = chunk_ranges(n_elems, codec, chunk_bytes)
+        self._raw_lens = [self._codec.payload_bytes(b - a) for a, b in self._ranges]
+        self._width = self._codec.shuffle_width if shuffle else 1
+        self._n_elems = n_elems
+        self._chunks: dict[int, bytes] = {}
+        self._held_bytes = 0
+
+    @property
+    def count(self) -> int:
+        """Number of chunks in the contribution."""
+        return len(self._ranges)
+
+    @property
+    def complete(self) -> bool:
+        """True once every chunk has arrived."""
+        return len(self._chunks) == self.count
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of payload held so far (for memory accounting)."""
+        return self._held_bytes
+
+    def missing(self) -> list[int]:
+        """Indices not yet received, ascending."""
+        return [i for i in range(self.count) if i not in self._chunks]
+
+    def expected_raw_len(self, index: int) -> int:
+        """Raw payload length of chunk ``index``; raises CodecError if out of range."""
+        self._check_index(index)
+        return self._raw_lens[index]
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.count:
+            raise CodecError(f"chunk index {index} out of range for {self.count} chunks")
+
+    def add(self, index: int, raw_payload: bytes) -> None:
+        """Store chunk ``index``; rejects out-of-range, duplicate and wrong-length chunks."""
+        self._check_index(index)
+        if index in self._chunks:
+            raise CodecError(f"duplicate chunk {index} of {self.count}")
+        if len(raw_payload) != self._raw_lens[index]:
+            raise CodecError(
+                f"chunk {index} has {len(raw_payload)} bytes, expected {self._raw_lens[index]}"
+            )
+        self._chunks[index] = bytes(raw_payload)
+        self._held_bytes += len(raw_payload)
+
+    def add_frame(self, frame: Frame) -> None:
+        """Check a received Frame against this contribution, decompress (bounded) and add it."""
+        if frame.count != self.count:
+            raise CodecError(f"frame says {frame.count} chunks, contribution has {self.count}")
+        expected = self.expected_raw_len(frame.index)
+        if frame.raw_len != expected:
+            raise CodecError(f"frame {frame.index} says raw_len {frame.raw_len}, expected {expected}")
+        if frame.index in self._chunks:  # before decompressing: a duplicate costs no CPU
+            raise CodecError(f"duplicate chunk {frame.index} of {self.count}")
+        raw = decode_frame(
+            frame.data, frame.compressed, expected_raw_len=expected, shuffle_width=self._width
+        )
+        self.add(frame.index, raw)
+
+    def _require_complete(self) -> None:
+        if not self.complete:
+            missing = self.missing()
+            raise CodecError(f"contribution incomplete: {len(missing)} chunks missing, first {missing[0]}")
+
+    def digest(self) -> str:
+        """ContributionDigest hex of the payloads in index order; requires ``complete``."""
+        self._require_complete()
+        d = ContributionDigest()
+        for i in range(self.count):
+            d.update(self._chunks[i])
+        return d.hexdigest()
+
+    def decode(self) -> torch.Tensor:
+        """The contribution as one float32 vector; raises CodecError if incomplete or non-finite."""
+        self._require_complete()
+        out = torch.empty(self._n_elems, dtype=torch.float32)
+        for i, (start, stop) in enumerate(self._ranges):
+            out[start:stop] = self._codec.decode(self._chunks[i], stop - start)
+        return out
+
+
+def roundtrip(x: torch.Tensor, codec: str, *, chunk_elems: int = 1 << 20) -> torch.Tensor:
+    """What a receiver decodes from ``x``: encode then decode, chunk by chunk.
+
+    Decoded values do not depend on chunking (chunks are block-aligned), so this equals
+    ``Assembler.decode()`` for any ``chunk_bytes``.  A node averages this form of its own
+    contribution so that replicas stay identical under lossy codecs.
+    """
+    c = get_codec(codec)
+    if x.dim() != 1:
+        raise CodecError(f"expected a 1-D tensor, got shape {tuple(x.shape)}")
+    step = max(c.block_elems, chunk_elems - chunk_elems % c.block_elems)
+    out = torch.empty(x.numel(), dtype=torch.float32)
+    for start in range(0, x.numel(), step):
+        stop = min(start + step, x.numel())
+        out[start:stop] = c.decode(c.encode(x[start:stop]), stop - start)
+    return out

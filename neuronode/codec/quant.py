@@ -1,0 +1,252 @@
+"""Quantization codecs for flat float32 pseudo-gradient vectors.
+
+Every codec maps a 1-D float32 tensor of ``n`` elements to exactly ``payload_bytes(n)`` bytes
+and back.  The byte layout is fixed little-endian so that peers on any host agree, and encoding
+is deterministic (same input, same bytes), which the contribution digest relies on.
+
+Block codecs (``int8``, ``int4``) quantize symmetric, round-to-nearest-even, with one float32
+scale per block of ``BLOCK_ELEMS`` elements.  A payload is ``[scales][codes]``: all scales of
+the vector first, then the codes.  Chunking (see ``framing``) cuts at block boundaries, so a
+chunk's payload is itself a valid payload of its elements, and the decoded values do not depend
+on how the vector was chunked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BLOCK_ELEMS",
+    "CODECS",
+    "Codec",
+    "CodecError",
+    "check_finite",
+    "get_codec",
+]
+
+# 64 keeps one outlier from flattening many neighbours; with a float32 scale the overhead is
+# 4/64 = 0.0625 bytes/param (int8: 1.0625 B/param, int4: 0.5625 B/param).
+BLOCK_ELEMS = 64
+
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+class CodecError(ValueError):
+    """Malformed, truncated or non-finite data, or a bad codec argument."""
+
+
+def check_finite(t: torch.Tensor) -> None:
+    """Raise CodecError if ``t`` holds any NaN or Inf."""
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
+
+
+def _check_input(x: torch.Tensor) -> torch.Tensor:
+    """Validate an encoder input and return it as a contiguous CPU tensor without grad."""
+    if x.dim() != 1 or x.dtype != torch.float32:
+        raise CodecError(f"expected a 1-D float32 tensor, got {x.dtype} with shape {tuple(x.shape)}")
+    x = x.detach().to("cpu").contiguous()
+    # NaN/Inf would poison every peer's average (and int scales); stop it at the sender.
+    check_finite(x)
+    return x
+
+
+def _check_length(buf: bytes, n: int, expected: int, name: str) -> None:
+    if n < 0:
+        raise CodecError(f"element count must be >= 0, got {n}")
+    if len(buf) != expected:
+        raise CodecError(f"{name}: payload for {n} elements must be {expected} bytes, got {len(buf)}")
+
+
+def _ints_from(buf: bytes, le_dtype: str, native: type[np.generic]) -> torch.Tensor:
+    """Little-endian ints from ``buf`` as a writable tensor (np.frombuffer of bytes is read-only)."""
+    return torch.from_numpy(np.frombuffer(buf, dtype=le_dtype).astype(native, copy=True))
+
+
+class Codec:
+    """Base codec: subclasses set the class attributes and implement the three methods."""
+
+    name: str = ""
+    lossy: bool = False
+    block_elems: int = 1  # chunk boundaries must be multiples of this
+    shuffle_width: int = 1  # bytes per element for the optional byte-shuffle filter
+
+    def payload_bytes(self, n: int) -> int:
+        """Exact encoded size in bytes of ``n`` elements."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        """Encode a 1-D float32 tensor; raises CodecError on bad shape/dtype or NaN/Inf."""
+        raise NotImplementedError
+
+    def decode(self, buf: bytes, n: int) -> torch.Tensor:
+        """Decode ``n`` float32 elements; raises CodecError on wrong length or non-finite data."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name}>"
+
+
+class Fp32Codec(Codec):
+    """Lossless: the float32 bytes themselves."""
+
+    name = "fp32"
+    shuffle_width = 4
+
+    def payload_bytes(self, n: int) -> int:
+        return 4 * n
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        return _check_input(x).numpy().astype("<f4", copy=False).tobytes()
+
+    def decode(self, buf: bytes, n: int) -> torch.Tensor:
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        out = torch.from_numpy(np.frombuffer(buf, dtype="<f4").astype(np.float32, copy=True))
+        check_finite(out)
+        return out
+
+
+class _Half16Codec(Codec):
+    """Shared code of the 16-bit float codecs: cast, then ship the raw 16-bit patterns."""
+
+    lossy = True
+    shuffle_width = 2
+    dtype: torch.dtype = torch.float16
+
+    def payload_bytes(self, n: int) -> int:
+        return 2 * n
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)  # round-to-nearest-even
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        bits = self._cast(_check_input(x)).view(torch.int16).numpy()
+        return bits.astype("<i2", copy=False).tobytes()
+
+    def decode(self, buf: bytes, n: int) -> torch.Tensor:
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        out = _ints_from(buf, "<i2", np.int16).view(self.dtype).to(torch.float32)
+        check_finite(out)
+        return out
+
+
+class Fp16Codec(_Half16Codec):
+    """IEEE half.  Saturates at +-65504 so finite input never turns into Inf on the wire."""
+
+    name = "fp16"
+    dtype = torch.float16
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+
+
+class Bf16Codec(_Half16Codec):
+    """bfloat16: float32's range, 8 bits of mantissa."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+class _BlockIntCodec(Codec):
+    """Symmetric per-block integer quantization with float32 scales = absmax / qmax."""
+
+    lossy = True
+    block_elems = BLOCK_ELEMS
+    qmax: int = 127
+
+    def n_blocks(self, n: int) -> int:
+        return -(-n // self.block_elems)
+
+    def code_bytes(self, n: int) -> int:
+        raise NotImplementedError
+
+    def payload_bytes(self, n: int) -> int:
+        return 4 * self.n_blocks(n) + self.code_bytes(n)
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scales (nb,), codes (n,) int8 in [-qmax, qmax])."""
+        n, nb = x.numel(), self.n_blocks(x.numel())
+        padded = torch.zeros(nb * self.block_elems, dtype=torch.float32)
+        padded[:n] = x
+        blocks = padded.view(nb, self.block_elems)  # (nb, B)
+        scales = blocks.abs().amax(dim=1) / self.qmax  # (nb,)
+        # An all-zero block has scale 0; divide by 1 instead so its codes are 0, not NaN.
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(blocks / safe[:, None]).clamp_(-self.qmax, self.qmax)
+        return scales, codes.to(torch.int8).view(-1)[:n]
+
+    def _pack(self, codes: torch.Tensor) -> bytes:
+        raise NotImplementedError
+
+    def _unpack(self, buf: bytes, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        scales, codes = self._quantize(_check_input(x))
+        return scales.numpy().astype("<f4", copy=False).tobytes() + self._pack(codes)
+
+    def decode(self, buf: bytes, n: int) -> torch.Tensor:
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        nb = self.n_blocks(n)
+        scales = torch.from_numpy(np.frombuffer(buf, dtype="<f4", count=nb).astype(np.float32))
+        # Codes are bounded integers, so checking the scales is enough for a finite output.
+        check_finite(scales)
+        codes = self._unpack(buf[4 * nb :], n).to(torch.float32)
+        padded = torch.zeros(nb * self.block_elems, dtype=torch.float32)
+        padded[:n] = codes
+        return (padded.view(nb, self.block_elems) * scales[:, None]).view(-1)[:n].clone()
+
+
+class Int8Codec(_BlockIntCodec):
+    """One signed byte per element plus a float32 scale per block."""
+
+    name = "int8"
+    qmax = 127
+
+    def code_bytes(self, n: int) -> int:
+        return n
+
+    def _pack(self, codes: torch.Tensor) -> bytes:
+        return codes.numpy().tobytes()
+
+    def _unpack(self, buf: bytes, n: int) -> torch.Tensor:
+        return _ints_from(buf, "i1", np.int8)
+
+
+class Int4Codec(_BlockIntCodec):
+    """Two elements per byte (low nibble first), codes in [-7, 7] stored offset by 8."""
+
+    name = "int4"
+    qmax = 7
+
+    def code_bytes(self, n: int) -> int:
+        return -(-n // 2)
+
+    def _pack(self, codes: torch.Tensor) -> bytes:
+        nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
+        if nibbles.numel() % 2:
+            nibbles = torch.cat([nibbles, torch.full((1,), 8, dtype=torch.uint8)])
+        pairs = nibbles.view(-1, 2)  # (n/2, 2)
+        return (pairs[:, 0] | (pairs[:, 1] << 4)).numpy().tobytes()
+
+    def _unpack(self, buf: bytes, n: int) -> torch.Tensor:
+        packed = _ints_from(buf, "u1", np.uint8)
+        # A hostile peer may send nibble 0 (code -8); it decodes to a finite -8 * scale.
+        nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:n]
+        return nibbles.to(torch.int8) - 8
+
+
+_REGISTRY: dict[str, Codec] = {
+    c.name: c for c in (Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(), Int4Codec())
+}
+
+CODECS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered under ``name`` (one of CODECS); raises CodecError otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}") from None

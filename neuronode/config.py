@@ -1,0 +1,235 @@
+"""One typed, frozen node configuration.
+
+Every option is a field of `NodeConfig`; its metadata (help text, choices) builds the CLI flags,
+the `NEURONODE_*` environment variables and the keys of `--config node.toml`. Precedence:
+flag > environment > config file > default. Validation errors are `ConfigError`s naming the
+flag and the fix; the CLI prints them as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from neuronode.errors import ConfigError
+
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "NEURONODE_"
+
+
+def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str = "") -> Any:
+    """A config field with the metadata the CLI, environment and TOML loaders use."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+
+
+def parse_hostport(value: str, flag: str) -> tuple[str, int]:
+    """Split HOST:PORT (IPv6 as [::1]:PORT); raise ConfigError naming `flag` when malformed."""
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise ConfigError(f"{flag}: '{value}' is not HOST:PORT (for example 127.0.0.1:7420)")
+    port = int(port_s)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{flag}: port {port} in '{value}' is outside 0-65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{flag}: '{value}' has a malformed IPv6 address") from None
+    elif any(c.isspace() or c in "/[]" for c in host):
+        raise ConfigError(f"{flag}: '{value}' has a malformed host")
+    return host, port
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything `neuronode start` needs. Field names map to --flags-with-dashes."""
+
+    data_dir: str = opt("neuronode-data", "folder for the node id, checkpoints and state", metavar="DIR")
+    node_id: str = opt("", "this node's id; empty: generated once and kept in the data dir")
+    swarm_id: str = opt("neuronode-default", "name of the swarm; peers with another swarm id are refused")
+    listen: str = opt("127.0.0.1:7420", "address to serve gRPC on (port 0 picks a free port)", metavar="HOST:PORT")
+    advertise: str = opt("", "address peers should dial; empty: derived from --listen", metavar="HOST:PORT")
+    peers: tuple[str, ...] = opt((), "comma list of bootstrap peers; one live peer is enough", metavar="HOST:PORT,...")
+    task: str = opt("bytelm", "built-in task name or a plug-in 'package.module:factory'")
+    task_option: tuple[str, ...] = opt((), "comma list of KEY=VALUE options passed to the task", metavar="K=V,...")
+    rounds: int = opt(0, "stop after this many completed rounds in total (0: run until stopped)")
+    inner_steps: int = opt(50, "inner optimizer steps per round (H)")
+    batch_size: int = opt(16, "sequences per inner step")
+    seq_len: int = opt(128, "tokens per sequence")
+    d_model: int = opt(128, "model width of the built-in task")
+    n_layers: int = opt(4, "transformer blocks of the built-in task")
+    n_heads: int = opt(4, "attention heads of the built-in task")
+    inner_lr: float = opt(3e-3, "peak inner AdamW learning rate")
+    weight_decay: float = opt(0.1, "inner AdamW weight decay")
+    warmup_steps: int = opt(-1, "linear warm-up steps (-1: 5%% of the schedule)")
+    schedule_steps: int = opt(0, "cosine schedule length in inner steps (0: rounds x inner-steps, or 10000)")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --inner-lr")
+    grad_clip: float = opt(1.0, "clip gradient norm to this (0: off)")
+    grad_accum: int = opt(1, "micro-batches accumulated per inner step")
+    outer_lr: float = opt(0.7, "outer Nesterov learning rate")
+    outer_momentum: float = opt(0.9, "outer Nesterov momentum")
+    seed: int = opt(0, "model-initialisation seed (must match across the swarm)")
+    threads: int = opt(0, "torch threads for this node (0: half the cores, at most 8)")
+    device: str = opt("auto", "where to train", choices=DEVICES)
+    codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire", choices=CODECS)
+    zstd_level: int = opt(1, "zstd level for contribution chunks (0: no compression)")
+    chunk_bytes: int = opt(1 << 20, "encoded bytes per contribution chunk")
+    sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
+    min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
+    heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
+    keep_checkpoints: int = opt(3, "checkpoints kept in the data dir")
+    log_format: str = opt("text", "log line format", choices=LOG_FORMATS)
+    log_level: str = opt("info", "log verbosity", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            validate_field(f.name, getattr(self, f.name), f.metadata)
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"--d-model {self.d_model} must be divisible by --n-heads {self.n_heads}")
+
+    @property
+    def advertise_address(self) -> str:
+        """The address peers dial: --advertise, else --listen (0.0.0.0 becomes 127.0.0.1)."""
+        if self.advertise:
+            return self.advertise
+        host, port = parse_hostport(self.listen, "--listen")
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+POSITIVE_INT = {"inner_steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads",
+                "grad_accum", "min_peers", "chunk_bytes", "keep_checkpoints"}
+NON_NEGATIVE_INT = {"rounds", "threads", "schedule_steps", "seed"}
+POSITIVE_FLOAT = {"inner_lr", "outer_lr", "sync_timeout", "heartbeat_s"}
+RANGES: dict[str, tuple[Any, str]] = {
+    "warmup_steps": (lambda v: v >= -1, "-1 (auto) or more"),
+    "weight_decay": (lambda v: v >= 0, "0 or more"),
+    "grad_clip": (lambda v: v >= 0, "0 (off) or more"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
+    "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "zstd_level": (lambda v: 0 <= v <= 22, "between 0 (off) and 22"),
+    "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
+}
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_field(name: str, value: Any, meta: Mapping[str, Any]) -> None:
+    """Range checks for one field; raises ConfigError naming the flag."""
+    flag = flag_name(name)
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{flag}: '{value}' is not one of {', '.join(meta['choices'])}")
+    if name in POSITIVE_INT and value < 1:
+        raise ConfigError(f"{flag} must be a positive integer (got {value})")
+    if name in NON_NEGATIVE_INT and value < 0:
+        raise ConfigError(f"{flag} must be 0 or more (got {value})")
+    if name in POSITIVE_FLOAT and not value > 0:
+        raise ConfigError(f"{flag} must be greater than 0 (got {value})")
+    in_range = RANGES.get(name)
+    if in_range and not in_range[0](value):
+        raise ConfigError(f"{flag} must be {in_range[1]} (got {value})")
+    if name in ("listen", "advertise") and value:
+        parse_hostport(value, flag)
+    if name == "peers":
+        for peer in value:
+            parse_hostport(peer, flag)
+    if name == "task_option":
+        for kv in value:
+            if "=" not in kv:
+                raise ConfigError(f"{flag}: '{kv}' is not KEY=VALUE")
+    if name in ("swarm_id", "node_id") and (len(value) > 128 or any(c.isspace() for c in value)):
+        raise ConfigError(f"{flag}: '{value}' must be at most 128 characters without spaces")
+
+
+def convert(name: str, raw: Any, source: str) -> Any:
+    """Turn a string (flag, env) or TOML value into the field's type."""
+    ftype = FIELD_TYPES[name]
+    try:
+        if ftype == "tuple[str, ...]":
+            if isinstance(raw, (list, tuple)):
+                return tuple(str(x) for x in raw)
+            return tuple(p.strip() for p in str(raw).split(",") if p.strip())
+        if ftype == "int":
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw)
+        if ftype == "float":
+            return float(raw)
+        return str(raw)
+    except ValueError:
+        kind = {"int": "an integer", "float": "a number"}.get(ftype, "a value")
+        raise ConfigError(f"{flag_name(name)}: '{raw}' from {source} is not {kind}") from None
+
+
+FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(NodeConfig)}
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Read --config FILE into field names; unknown keys are errors."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file '{path}' does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config: cannot read '{path}': {exc}") from None
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in FIELD_TYPES:
+            raise ConfigError(f"--config: unknown key '{key}' in {path}")
+        out[name] = convert(name, value, path)
+    return out
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Read NEURONODE_<FIELD> variables (e.g. NEURONODE_INNER_STEPS=20)."""
+    out: dict[str, Any] = {}
+    for name in FIELD_TYPES:
+        var = ENV_PREFIX + name.upper()
+        if var in environ and environ[var] != "":
+            out[name] = convert(name, environ[var], f"${var}")
+    return out
+
+
+def build_config(
+    flags: Mapping[str, Any],
+    *,
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> NodeConfig:
+    """Merge default < config file < environment < flags into a validated NodeConfig."""
+    values: dict[str, Any] = {}
+    if config_file:
+        values.update(read_toml(config_file))
+    values.update(read_env(os.environ if environ is None else environ))
+    values.update({k: convert(k, v, flag_name(k)) for k, v in flags.items() if v is not None})
+    return NodeConfig(**values)
+
+
+def check_data_dir(path: str) -> Path:
+    """Create the data dir if needed and make sure we can write there."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / ".write-test"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(
+            f"--data-dir: cannot write to '{path}' ({reason}); choose a folder you own"
+        ) from None
+    return p

@@ -1,0 +1,418 @@
+"""The DiLoCo engine: inner AdamW steps on the model, outer Nesterov SGD on global params.
+
+Pure torch, no networking: how pseudo-gradients travel between peers is someone else's job.
+The engine is also meant for a person's own training loop::
+
+    from neuronode.diloco import DiLoCo, InnerConfig, OuterConfig, average
+
+    engine = DiLoCo(model, inner=InnerConfig(total_steps=10_000), outer=OuterConfig())
+    loss_fn = lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+    for round_id in range(num_rounds):
+        for _ in range(steps_per_round):          # H inner steps, no communication
+            engine.inner_step([next(batches)], loss_fn)
+        delta = engine.pseudo_gradient()           # flat float32 CPU vector
+        contributions = exchange(round_id, delta, engine.samples_this_round)  # your transport
+        engine.outer_step(average(contributions))  # every peer applies the same vector
+
+After ``outer_step`` the model holds the new global parameters and the next round starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from neuronode.diloco.schedule import lr_at
+
+__all__ = ["DiLoCo", "InnerConfig", "OuterConfig", "StateMismatchError"]
+
+STATE_VERSION = 1
+
+
+class StateMismatchError(ValueError):
+    """A state dict or flat vector does not fit this engine's model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerConfig:
+    """Inner (local) optimiser: AdamW with warm-up + cosine schedule and clipping.
+
+    ``total_steps`` is the schedule horizon in global inner steps and has no default on
+    purpose: a silently wrong horizon decays the rate too early or never. ``grad_clip=0``
+    turns clipping off. ``grad_accum`` is how many micro-batches a training loop should pass
+    to :meth:`DiLoCo.inner_step`; the engine itself averages over whatever it is given.
+    """
+
+    total_steps: int
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"inner lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"inner weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"inner betas must be two numbers in [0, 1), got {self.betas}")
+        if self.total_steps < 1:
+            raise ValueError(f"inner total_steps must be >= 1, got {self.total_steps}")
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            raise ValueError(
+                f"inner warmup_steps must be in [0, total_steps={self.total_steps}], "
+                f"got {self.warmup_steps}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"inner min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ValueError(f"inner grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if self.grad_accum < 1:
+            raise ValueError(f"inner grad_accum must be >= 1, got {self.grad_accum}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for global inner step ``step`` under this config."""
+        return lr_at(
+            step,
+            base_lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """Outer optimiser: SGD with (Nesterov) momentum on the global parameters.
+
+    Nesterov is applied only when ``momentum > 0`` (torch rejects it otherwise), so
+    ``OuterConfig(lr=1.0, momentum=0.0)`` is plain averaging of the peers' weights.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+
+    @property
+    def effective_nesterov(self) -> bool:
+        """Whether the SGD step really uses Nesterov momentum."""
+        return self.nesterov and self.momentum > 0
+
+
+class DiLoCo:
+    """One replica's DiLoCo state: working model, global params and both optimisers.
+
+    The model's own parameters are the working (local) weights trained by AdamW. The global
+    parameters ``θ_g`` are a detached float32 copy on ``outer_device``, one tensor per
+    parameter in ``model.named_parameters()`` order, stepped by ``torch.optim.SGD``.
+
+    Counters: ``round`` (completed outer steps), ``inner_steps_total`` (drives the inner
+    schedule, persists across rounds), ``steps_this_round`` and ``samples_this_round``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        inner: InnerConfig,
+        outer: OuterConfig,
+        outer_device: str | torch.device = "cpu",
+    ) -> None:
+        self.model = model
+        self.inner_config = inner
+        self.outer_config = outer
+        self.outer_device = torch.device(outer_device)
+        named = list(model.named_parameters())
+        if not named:
+            raise ValueError("model has no parameters to train")
+        self._names = [name for name, _ in named]
+        self._params = [param for _, param in named]
+        self.global_params = [
+            p.detach().to(self.outer_device, torch.float32, copy=True) for p in self._params
+        ]
+        self._numels = [p.numel() for p in self._params]
+        self.num_elements = sum(self._numels)
+        self.inner_optimizer = torch.optim.AdamW(
+            self._params, lr=inner.lr, betas=inner.betas, weight_decay=inner.weight_decay
+        )
+        self.outer_optimizer = torch.optim.SGD(
+            self.global_params,
+            lr=outer.lr,
+            momentum=outer.momentum,
+            nesterov=outer.effective_nesterov,
+        )
+        self.round = 0
+        self.inner_steps_total = 0
+        self.steps_this_round = 0
+        self.samples_this_round = 0
+
+    # ----------------------------------------------------------------- inner loop
+
+    def inner_step(
+        self,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[nn.Module, Any], Tensor],
+        *,
+        samples: int | None = None,
+    ) -> float:
+        """One AdamW step over ``micro_batches`` with gradient accumulation.
+
+        Each micro-batch's loss is divided by their count before ``backward`` so the step
+        sees the mean gradient. Gradients are clipped (if ``grad_clip > 0``), the rate is
+        taken from the schedule at ``inner_steps_total``, and the mean loss is returned.
+        ``samples`` (default: number of micro-batches) is added to ``samples_this_round``,
+        the weight this replica's pseudo-gradient gets in the average.
+        """
+        if not micro_batches:
+            raise ValueError("inner_step needs at least one micro-batch")
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        loss_sum: Tensor | None = None
+        for batch in micro_batches:
+            loss = loss_fn(self.model, batch) / len(micro_batches)
+            loss.backward()
+            # Summed as a tensor so a GPU is synchronised once per step, not per micro-batch.
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        if self.inner_config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self._params, self.inner_config.grad_clip)
+        lr = self.inner_config.lr_at(self.inner_steps_total)
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = lr
+        self.inner_optimizer.step()
+        self.inner_steps_total += 1
+        self.steps_this_round += 1
+        self.samples_this_round += len(micro_batches) if samples is None else samples
+        assert loss_sum is not None
+        return float(loss_sum)
+
+    # ----------------------------------------------------------------- outer step
+
+    def pseudo_gradient(self) -> Tensor:
+        """This round's pseudo-gradient as a flat float32 CPU vector.
+
+        Sign convention (the one place it is stated): ``Δ = θ_g − θ_local``, i.e. the
+        round's start minus the trained weights. Δ points like a gradient (uphill), so
+        ``outer_step`` can hand it to SGD as ``.grad`` unchanged.
+        """
+        with torch.no_grad():
+            parts = [
+                (g - p.detach().to(self.outer_device, torch.float32)).reshape(-1)
+                for g, p in zip(self.global_params, self._params, strict=True)
+            ]
+            return torch.cat(parts).cpu()
+
+    def outer_step(self, avg_delta: Tensor) -> None:
+        """Apply the averaged pseudo-gradient to ``θ_g`` and restart the model from it.
+
+        The SGD step moves the global parameters (the round's starting point), never the
+        locally trained weights; those are overwritten with the new ``θ_g`` afterwards.
+        """
+        self._check_flat(avg_delta, "avg_delta")
+        # On CUDA, SGD's foreach path adds momentum into .grad in place; copy so the
+        # caller's vector is never modified. On CPU the single-tensor path leaves it alone.
+        source = avg_delta.to(self.outer_device, copy=self.outer_device.type != "cpu")
+        for g, view in zip(self.global_params, self._split(source), strict=True):
+            g.grad = view.reshape(g.shape)
+        self.outer_optimizer.step()
+        for g in self.global_params:
+            g.grad = None  # drop the references to the caller's vector
+        self._copy_global_into_model()
+        self.round += 1
+        self.steps_this_round = 0
+        self.samples_this_round = 0
+
+    # --------------------------------------------------------- global parameters
+
+    def flat_global(self) -> Tensor:
+        """A flat float32 CPU copy of the global parameters."""
+        return torch.cat([g.detach().reshape(-1) for g in self.global_params]).cpu()
+
+    def load_flat_global(self, flat: Tensor) -> None:
+        """Set ``θ_g`` and the model's weights from a flat vector (state transfer).
+
+        Optimiser states and counters are left alone; see :meth:`load_flat_momentum`.
+        """
+        self._check_flat(flat, "flat")
+        source = flat.to(self.outer_device)
+        with torch.no_grad():
+            for g, view in zip(self.global_params, self._split(source), strict=True):
+                g.copy_(view.reshape(g.shape))
+        self._copy_global_into_model()
+
+    def flat_momentum(self) -> Tensor | None:
+        """The outer momentum buffer as a flat float32 CPU vector, or ``None`` if unset.
+
+        Every replica must hold the same buffer, or identical averages give different
+        ``θ_g``; a joining peer needs it along with :meth:`flat_global`.
+        """
+        state = self.outer_optimizer.state
+        buffers = [state.get(g, {}).get("momentum_buffer") for g in self.global_params]
+        if any(b is None for b in buffers):
+            return None
+        return torch.cat([b.reshape(-1) for b in buffers if b is not None]).cpu()
+
+    def load_flat_momentum(self, flat: Tensor | None) -> None:
+        """Set the outer momentum buffer from a flat vector (``None`` clears it)."""
+        if flat is None:
+            for g in self.global_params:
+                self.outer_optimizer.state.pop(g, None)
+            return
+        self._check_flat(flat, "flat momentum")
+        source = flat.to(self.outer_device)
+        for g, view in zip(self.global_params, self._split(source), strict=True):
+            self.outer_optimizer.state[g]["momentum_buffer"] = view.reshape(g.shape).clone()
+
+    def param_digest(self) -> str:
+        """sha256 hex of ``θ_g``: float32 little-endian bytes in parameter order."""
+        hasher = hashlib.sha256()
+        for g in self.global_params:
+            array = g.detach().cpu().contiguous().numpy()
+            hasher.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
+        return hasher.hexdigest()
+
+    def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """``(name, shape, dtype)`` per parameter, in order.
+
+        The dtype is that of what peers exchange (``θ_g`` and Δ, always float32), not the
+        model's working dtype, so a bf16 replica and a float32 replica stay compatible.
+        """
+        return [
+            (name, tuple(g.shape), str(g.dtype).removeprefix("torch."))
+            for name, g in zip(self._names, self.global_params, strict=True)
+        ]
+
+    def manifest_hash(self) -> str:
+        """sha256 hex of the manifest as compact JSON (peers must agree on it)."""
+        canonical = json.dumps(
+            [[name, list(shape), dtype] for name, shape, dtype in self.manifest()],
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+    # ---------------------------------------------------------------- state dict
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-exactly, as CPU copies.
+
+        Holds only tensors, numbers, strings, lists, tuples and dicts, so it loads with
+        ``torch.load(..., weights_only=True)``.
+        """
+        return {
+            "version": STATE_VERSION,
+            "manifest_hash": self.manifest_hash(),
+            "global_params": [g.detach().cpu().clone() for g in self.global_params],
+            "model": _cpu_copy(self.model.state_dict()),
+            "inner_optimizer": _cpu_copy(self.inner_optimizer.state_dict()),
+            "outer_optimizer": _cpu_copy(self.outer_optimizer.state_dict()),
+            "counters": {
+                "round": self.round,
+                "inner_steps_total": self.inner_steps_total,
+                "steps_this_round": self.steps_this_round,
+                "samples_this_round": self.samples_this_round,
+            },
+            "rng": _capture_rng(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, including RNG states.
+
+        Hyper-parameters come from this engine's configs, not the checkpoint, so a resumed
+        run can change e.g. the outer lr; moments, momentum and counters come from ``state``.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise StateMismatchError(
+                f"state version {state.get('version')!r} is not {STATE_VERSION}; "
+                "it was written by an incompatible neuronode"
+            )
+        if state["manifest_hash"] != self.manifest_hash():
+            raise StateMismatchError(
+                "checkpoint was written for a different model (manifest hash differs); "
+                "build the same model architecture before loading"
+            )
+        with torch.no_grad():
+            for g, saved in zip(self.global_params, state["global_params"], strict=True):
+                g.copy_(saved)
+        self.model.load_state_dict(state["model"])
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._apply_config_hyperparameters()
+        counters = state["counters"]
+        self.round = int(counters["round"])
+        self.inner_steps_total = int(counters["inner_steps_total"])
+        self.steps_this_round = int(counters["steps_this_round"])
+        self.samples_this_round = int(counters["samples_this_round"])
+        _restore_rng(state["rng"])
+
+    # ------------------------------------------------------------------- helpers
+
+    def _apply_config_hyperparameters(self) -> None:
+        for group in self.inner_optimizer.param_groups:
+            group.update(betas=self.inner_config.betas, weight_decay=self.inner_config.weight_decay)
+        for group in self.outer_optimizer.param_groups:
+            group.update(
+                lr=self.outer_config.lr,
+                momentum=self.outer_config.momentum,
+                nesterov=self.outer_config.effective_nesterov,
+            )
+
+    def _copy_global_into_model(self) -> None:
+        with torch.no_grad():
+            for p, g in zip(self._params, self.global_params, strict=True):
+                p.copy_(g)  # copy_ casts dtype and moves device as needed
+
+    def _split(self, flat: Tensor) -> tuple[Tensor, ...]:
+        return torch.split(flat, self._numels)
+
+    def _check_flat(self, flat: Tensor, what: str) -> None:
+        if flat.dim() != 1 or flat.dtype != torch.float32 or flat.numel() != self.num_elements:
+            raise StateMismatchError(
+                f"{what} must be a 1-D float32 tensor of {self.num_elements} elements, "
+                f"got shape {tuple(flat.shape)} dtype {flat.dtype}"
+            )
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Deep copy of a (nested) state dict with every tensor cloned to CPU."""
+    if isinstance(obj, Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: _cpu_copy(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu_copy(value) for value in obj)
+    return obj
+
+
+def _capture_rng() -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    # numpy's state holds an ndarray, which weights_only loading rejects; store plain ints.
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    rng["numpy"] = (kind, [int(k) for k in key], int(pos), int(has_gauss), float(gauss))
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "numpy" in rng:
+        kind, key, pos, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,0 +1,179 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_FP32: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
+    CODEC_INT4: _ClassVar[Codec]
+CODEC_UNSPECIFIED: Codec
+CODEC_FP32: Codec
+CODEC_FP16: Codec
+CODEC_BF16: Codec
+CODEC_INT8: Codec
+CODEC_INT4: Codec
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RECENT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    swarm_id: str
+    protocol_version: int
+    manifest_hash: str
+    advertise: str
+    round: int
+    param_digest: str
+    recent_digests: _containers.RepeatedCompositeFieldContainer[RoundDigest]
+    leaving: bool
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class RoundDigest(_message.Message):
+    __slots__ = ("round", "param_digest", "contributors")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    param_digest: str
+    contributors: int
+    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., contributors: _Optional[int] = ...) -> None: ...
+
+class PeerRecord(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("info", "known_peers")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
+    info: NodeInfo
+    known_peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ...) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("info", "known_peers")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
+    info: NodeInfo
+    known_peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node_id", "swarm_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    swarm_id: str
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ContributionChunk(_message.Message):
+    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    sender_id: str
+    chunk_index: int
+    chunk_count: int
+    codec: Codec
+    compressed: bool
+    payload: bytes
+    contribution_digest: str
+    weight: float
+    total_elements: int
+    swarm_id: str
+    chunk_elements: int
+    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("chunks_received",)
+    CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    chunks_received: int
+    def __init__(self, chunks_received: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("node_id", "address", "last_seen_s", "alive")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    last_seen_s: float
+    alive: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_CONTRIBUTOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    round: int
+    phase: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    last_round_contributors: int
+    param_digest: str
+    loss: float
+    val_loss: float
+    bytes_sent: int
+    bytes_received: int
+    swarm_id: str
+    advertise: str
+    inner_steps: int
+    agreement: str
+    tokens_per_s: float
+    protocol_version: int
+    last_round_contributor_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ...) -> None: ...
