@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from neuronode.config import NodeConfig, build_config, flag_name, parse_hostport
 from neuronode.errors import NeuronodeError

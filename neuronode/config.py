@@ -12,9 +12,10 @@ import dataclasses
 import ipaddress
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from neuronode.errors import ConfigError
 

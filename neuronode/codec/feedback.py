@@ -20,7 +20,7 @@ class ErrorFeedback:
     Per round: ``c = ef.compensate(delta)``; send ``c``; ``ef.update(c, roundtrip(c, codec))``.
     """
 
-    def __init__(self, *, n_elems: int) -> None:
+    def __init__(self, n_elems: int) -> None:
         if n_elems < 0:
             raise CodecError(f"n_elems must be >= 0, got {n_elems}")
         self.residual = torch.zeros(n_elems, dtype=torch.float32)

@@ -120,7 +120,9 @@ def encode_frames(
     ranges = chunk_ranges(x.numel(), codec, chunk_bytes)
     width = c.shuffle_width if shuffle else 1
     # zstandard compressors are not thread-safe: one per generator, never shared.
-    compressor = zstd.ZstdCompressor(level=zstd_level, write_content_size=True) if zstd_level else None
+    compressor = (
+        zstd.ZstdCompressor(level=zstd_level, write_content_size=True) if zstd_level else None
+    )
     for index, (start, stop) in enumerate(ranges):
         raw = c.encode(x[start:stop])
         if digest is not None:
@@ -130,7 +132,9 @@ def encode_frames(
             packed = compressor.compress(_shuffle(raw, width))
             if len(packed) < len(raw):
                 data, compressed = packed, True
-        yield Frame(index=index, count=len(ranges), compressed=compressed, data=data, raw_len=len(raw))
+        yield Frame(
+            index=index, count=len(ranges), compressed=compressed, data=data, raw_len=len(raw)
+        )
 
 
 def decode_frame(
@@ -202,7 +206,9 @@ class Assembler:
     Holds payloads still quantized (P x bytes-per-param of the codec), not float32.
     """
 
-    def __init__(self, *, n_elems: int, codec: str, chunk_bytes: int, shuffle: bool = False) -> None:
+    def __init__(
+        self, *, n_elems: int, codec: str, chunk_bytes: int, shuffle: bool = False
+    ) -> None:
         self._codec = get_codec(codec)
         self._ranges = chunk_ranges(n_elems, codec, chunk_bytes)
         self._raw_lens = [self._codec.payload_bytes(b - a) for a, b in self._ranges]
@@ -257,7 +263,9 @@ class Assembler:
             raise CodecError(f"frame says {frame.count} chunks, contribution has {self.count}")
         expected = self.expected_raw_len(frame.index)
         if frame.raw_len != expected:
-            raise CodecError(f"frame {frame.index} says raw_len {frame.raw_len}, expected {expected}")
+            raise CodecError(
+                f"frame {frame.index} says raw_len {frame.raw_len}, expected {expected}"
+            )
         if frame.index in self._chunks:  # before decompressing: a duplicate costs no CPU
             raise CodecError(f"duplicate chunk {frame.index} of {self.count}")
         raw = decode_frame(
@@ -268,7 +276,9 @@ class Assembler:
     def _require_complete(self) -> None:
         if not self.complete:
             missing = self.missing()
-            raise CodecError(f"contribution incomplete: {len(missing)} chunks missing, first {missing[0]}")
+            raise CodecError(
+                f"contribution incomplete: {len(missing)} chunks missing, first {missing[0]}"
+            )
 
     def digest(self) -> str:
         """ContributionDigest hex of the payloads in index order; requires ``complete``."""

@@ -45,7 +45,9 @@ def check_finite(t: torch.Tensor) -> None:
 def _check_input(x: torch.Tensor) -> torch.Tensor:
     """Validate an encoder input and return it as a contiguous CPU tensor without grad."""
     if x.dim() != 1 or x.dtype != torch.float32:
-        raise CodecError(f"expected a 1-D float32 tensor, got {x.dtype} with shape {tuple(x.shape)}")
+        raise CodecError(
+            f"expected a 1-D float32 tensor, got {x.dtype} with shape {tuple(x.shape)}"
+        )
     x = x.detach().to("cpu").contiguous()
     # NaN/Inf would poison every peer's average (and int scales); stop it at the sender.
     check_finite(x)
@@ -56,7 +58,9 @@ def _check_length(buf: bytes, n: int, expected: int, name: str) -> None:
     if n < 0:
         raise CodecError(f"element count must be >= 0, got {n}")
     if len(buf) != expected:
-        raise CodecError(f"{name}: payload for {n} elements must be {expected} bytes, got {len(buf)}")
+        raise CodecError(
+            f"{name}: payload for {n} elements must be {expected} bytes, got {len(buf)}"
+        )
 
 
 def _ints_from(buf: bytes, le_dtype: str, native: type[np.generic]) -> torch.Tensor:
@@ -171,6 +175,13 @@ class _BlockIntCodec(Codec):
         padded[:n] = x
         blocks = padded.view(nb, self.block_elems)  # (nb, B)
         scales = blocks.abs().amax(dim=1) / self.qmax  # (nb,)
+        # Near float32 max, absmax/qmax may round up so that qmax * scale overflows to Inf on
+        # decode; step such scales down one ulp (codes then clamp, error stays ~1 ulp).
+        overflow = torch.isinf(scales * self.qmax)
+        if bool(overflow.any()):
+            scales = torch.where(
+                overflow, torch.nextafter(scales, torch.zeros_like(scales)), scales
+            )
         # An all-zero block has scale 0; divide by 1 instead so its codes are 0, not NaN.
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(blocks / safe[:, None]).clamp_(-self.qmax, self.qmax)
@@ -190,12 +201,14 @@ class _BlockIntCodec(Codec):
         _check_length(buf, n, self.payload_bytes(n), self.name)
         nb = self.n_blocks(n)
         scales = torch.from_numpy(np.frombuffer(buf, dtype="<f4", count=nb).astype(np.float32))
-        # Codes are bounded integers, so checking the scales is enough for a finite output.
-        check_finite(scales)
         codes = self._unpack(buf[4 * nb :], n).to(torch.float32)
         padded = torch.zeros(nb * self.block_elems, dtype=torch.float32)
         padded[:n] = codes
-        return (padded.view(nb, self.block_elems) * scales[:, None]).view(-1)[:n].clone()
+        out = (padded.view(nb, self.block_elems) * scales[:, None]).view(-1)[:n].clone()
+        # Honest payloads always decode finite; a hostile one (Inf/NaN scale, huge scale times
+        # an out-of-range code) must not reach the average.
+        check_finite(out)
+        return out
 
 
 class Int8Codec(_BlockIntCodec):

@@ -31,13 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from neuronode.diloco.schedule import lr_at
+from neuronode.errors import NeuronodeError
 
 __all__ = ["DiLoCo", "InnerConfig", "OuterConfig", "StateMismatchError"]
 
 STATE_VERSION = 1
 
 
-class StateMismatchError(ValueError):
+class StateMismatchError(NeuronodeError, ValueError):
     """A state dict or flat vector does not fit this engine's model."""
 
 
@@ -178,10 +179,13 @@ class DiLoCo:
         sees the mean gradient. Gradients are clipped (if ``grad_clip > 0``), the rate is
         taken from the schedule at ``inner_steps_total``, and the mean loss is returned.
         ``samples`` (default: number of micro-batches) is added to ``samples_this_round``,
-        the weight this replica's pseudo-gradient gets in the average.
+        the weight this replica's pseudo-gradient gets in the average. The model's
+        train/eval mode is the caller's business and is left as it is.
         """
         if not micro_batches:
             raise ValueError("inner_step needs at least one micro-batch")
+        if samples is not None and samples < 0:
+            raise ValueError(f"samples must be >= 0, got {samples}")
         self.inner_optimizer.zero_grad(set_to_none=True)
         loss_sum: Tensor | None = None
         for batch in micro_batches:

@@ -249,7 +249,8 @@ class ByteBatches:
         return {"generator": self._generator.get_state(), "batches_drawn": self.batches_drawn}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._generator.set_state(state["generator"])
+        # .cpu(): a checkpoint loaded with map_location="cuda" would move the state there.
+        self._generator.set_state(state["generator"].cpu())
         self.batches_drawn = int(state["batches_drawn"])
 
 

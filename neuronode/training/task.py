@@ -176,7 +176,7 @@ def create_task(spec: str, cfg: TaskConfig) -> Task:
     task = load_task(spec)(cfg)
     if not isinstance(task, Task):
         raise TaskError(
-            f"--task {spec}: the factory returned a {type(task).__name__}, not a "
-            "neuronode.training.Task"
+            f"--task {spec}: the factory returned a value of type '{type(task).__name__}', "
+            "not a neuronode.training.Task"
         )
     return task

@@ -1,0 +1,265 @@
+"""The composition root: wires training, the swarm and checkpoints; owns tasks and signals.
+
+One asyncio process. Training, encoding, averaging, hashing and checkpoint writes run in
+worker threads, so the event loop keeps answering RPCs during inner steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from neuronode import checkpoint
+from neuronode.config import NodeConfig, check_data_dir
+from neuronode.errors import CheckpointError
+from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
+from neuronode.swarm.rounds import Contribution
+from neuronode.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def run_daemon(cfg: NodeConfig) -> int:
+    """Validate what needs the file system, build the trainer, run until done or stopped."""
+    data_dir = check_data_dir(cfg.data_dir)
+    setup_logging(cfg.log_format, cfg.log_level)
+    node_id = cfg.node_id or load_or_create_node_id(data_dir)
+    trainer = Trainer(cfg, node_id=node_id)
+    daemon = Daemon(cfg, trainer=trainer, node_id=node_id, data_dir=data_dir)
+    daemon.restore()
+    return run_async(daemon.run)
+
+
+def run_async(main: Callable[[], Awaitable[T]], *, use_uvloop: bool | None = None) -> T:
+    """Run `main` on uvloop where it is installed (or asked for), else on asyncio's loop."""
+    if use_uvloop is not False:
+        try:
+            import uvloop
+        except ImportError:
+            if use_uvloop:
+                raise
+        else:
+            return uvloop.run(main())
+    return asyncio.run(main())
+
+
+def load_or_create_node_id(data_dir: Path) -> str:
+    """A node id generated once and kept in the data dir, so restarts keep their identity."""
+    path = data_dir / "node_id"
+    if path.exists():
+        node_id = path.read_text().strip()
+        if node_id:
+            return node_id
+    node_id = f"node-{uuid.uuid4().hex[:12]}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(node_id + "\n")
+    tmp.replace(path)
+    return node_id
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                 "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("grpc").setLevel(logging.WARNING)
+
+
+class Daemon:
+    """Runs rounds: train H steps, encode, exchange, average, outer step, checkpoint."""
+
+    def __init__(self, cfg: NodeConfig, *, trainer: Trainer, node_id: str, data_dir: Path) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.node_id = node_id
+        self.data_dir = data_dir
+        self.phase = "starting"
+        self.param_digest = ""
+        self.last_contributors: list[str] = []
+        self.restored_meta: dict[str, Any] = {}
+        self.stop_flag = threading.Event()  # seen by the training thread between steps
+        self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
+        # One thread trains (torch state is not thread-safe); another encodes/decodes chunks.
+        self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.codec_pool = ThreadPoolExecutor(2, thread_name_prefix="codec")
+
+    @property
+    def engine(self) -> Any:
+        return self.trainer.engine
+
+    def restore(self) -> None:
+        """Resume from the newest good checkpoint in the data dir, if any."""
+        loaded = checkpoint.load_latest(self.data_dir)
+        if loaded is None:
+            return
+        if loaded.meta.get("manifest_hash") != self.engine.manifest_hash():
+            raise CheckpointError(
+                f"checkpoint {loaded.path} is for another model (different task or size flags); "
+                "use another --data-dir or the flags it was made with")
+        self.trainer.load_state_dict(loaded.state)
+        self.restored_meta = loaded.meta
+        self.last_contributors = list(loaded.meta.get("last_round_contributor_ids", []))
+        logger.info("resumed from %s (round %d)", loaded.path.name, self.engine.round)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+
+        def request_stop() -> None:
+            if not stopped.is_set():
+                logger.info("stop requested; finishing cleanly")
+            stopped.set()
+            self.stop_flag.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, request_stop)
+        self.param_digest = await self.off_loop(self.train_pool, self.engine.param_digest)
+        self.swarm = SwarmNode(self.swarm_config(), executor=self.codec_pool, status_provider=self.status)
+        self.swarm.counters.bytes_sent = int(self.restored_meta.get("bytes_sent", 0))
+        self.swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))
+        await self.swarm.start()
+        self.swarm.record_round(self.engine.round - 1, self.param_digest)
+        logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
+                    self.trainer.n_params, self.cfg.task, self.cfg.codec, self.engine.round,
+                    f" of {self.cfg.rounds}" if self.cfg.rounds else "")
+        try:
+            while not stopped.is_set() and not self.finished():
+                if not await self.one_round(stopped):
+                    break
+        finally:
+            self.progress.clear()
+            self.phase = "stopping"
+            await self.swarm.drain(timeout_s=5.0 if stopped.is_set() else self.cfg.sync_timeout)
+            await self.swarm.stop()
+            self.train_pool.shutdown(wait=True)
+            self.codec_pool.shutdown(wait=True)
+        logger.info("stopped at round %d; param_digest %s", self.engine.round, self.param_digest[:16])
+        return 0
+
+    def finished(self) -> bool:
+        return bool(self.cfg.rounds) and self.engine.round >= self.cfg.rounds
+
+    async def off_loop(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def one_round(self, stopped: asyncio.Event) -> bool:
+        """One DiLoCo round; False when a stop interrupted it (nothing half-applied)."""
+        round_id = self.engine.round
+        started = time.monotonic()
+        self.phase = "training"
+        await self.off_loop(self.train_pool, self.trainer.train_round, self.stop_flag, self.on_step)
+        if not self.trainer.round_complete():
+            return False
+        self.phase = "encoding"
+        enc = await self.off_loop(self.train_pool, self.trainer.encode)
+        out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames, digest=enc.digest,
+                       n_elements=self.trainer.n_params, chunk_elements=enc.chunk_elements,
+                       weight=enc.weight)
+        own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
+        self.phase = "syncing"
+        sync_started = time.monotonic()
+        exchange = asyncio.ensure_future(self.swarm.exchange(out, own))
+        stop_wait = asyncio.ensure_future(stopped.wait())
+        await asyncio.wait({exchange, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not exchange.done():
+            exchange.cancel()
+            await asyncio.gather(exchange, return_exceptions=True)
+            return False
+        contributions = exchange.result()
+        sync_s = time.monotonic() - sync_started
+        self.phase = "outer step"
+        by_node = {c.sender_id: (c.data, c.weight) for c in contributions.values()}
+        self.param_digest = await self.off_loop(self.train_pool, self.trainer.apply, by_node)
+        self.last_contributors = sorted(by_node)
+        self.swarm.record_round(round_id, self.param_digest)
+        await self.off_loop(self.train_pool, self.save_checkpoint)
+        self.progress.clear()
+        logger.info(
+            "round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs round %.1fs digest %s",
+            self.engine.round, self.trainer.loss, self.trainer.val_loss, len(by_node), sync_s,
+            time.monotonic() - started, self.param_digest[:12])
+        return True
+
+    def on_step(self, trainer: Trainer) -> None:
+        """Called in the training thread after each inner step: live progress on a TTY."""
+        eng = trainer.engine
+        lr = eng.inner_config.lr_at(max(eng.inner_steps_total - 1, 0))
+        total = f"/{self.cfg.rounds}" if self.cfg.rounds else ""
+        self.progress.show(
+            f"round {eng.round + 1}{total} step {eng.steps_this_round}/{self.cfg.inner_steps} "
+            f"loss {trainer.loss:.3f} lr {lr:.2e} {trainer.tokens_per_s:,.0f} tok/s "
+            f"peers {len(self.swarm.table.alive())}")
+
+    def swarm_config(self) -> SwarmConfig:
+        return SwarmConfig(
+            node_id=self.node_id, swarm_id=self.cfg.swarm_id, manifest_hash=self.engine.manifest_hash(),
+            n_elements=self.trainer.n_params, listen=self.cfg.listen, advertise=self.cfg.advertise,
+            peers=self.cfg.peers, sync_timeout_s=self.cfg.sync_timeout, min_contributors=self.cfg.min_peers,
+            heartbeat_s=self.cfg.heartbeat_s, first_round=self.engine.round,
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Daemon-side status fields (the swarm adds peers, bytes and agreement)."""
+        return {
+            "round": self.engine.round, "phase": self.phase, "param_digest": self.param_digest,
+            "loss": finite_or(self.trainer.loss), "val_loss": finite_or(self.trainer.val_loss),
+            "last_round_contributors": len(self.last_contributors),
+            "last_round_contributor_ids": self.last_contributors,
+            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": self.trainer.tokens_per_s,
+        }
+
+    def save_checkpoint(self) -> None:
+        meta = {**self.status(), **self.swarm.snapshot(), "phase": "stopped",
+                "manifest_hash": self.engine.manifest_hash(), "saved_at": time.time()}
+        checkpoint.save(self.data_dir, self.engine.round, meta, self.trainer.state_dict(),
+                        keep=self.cfg.keep_checkpoints)
+
+
+def finite_or(value: float, default: float = float("nan")) -> float:
+    return value if math.isfinite(value) else default
+
+
+class Progress:
+    """A single status line rewritten in place on a terminal; silent otherwise."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self._lock = threading.Lock()
+
+    def show(self, line: str) -> None:
+        if self.enabled:
+            with self._lock:
+                sys.stderr.write("\r\x1b[2K" + line)
+                sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            with self._lock:
+                sys.stderr.write("\r\x1b[2K")
+                sys.stderr.flush()

@@ -1,0 +1,488 @@
+"""The swarm side of a node: a grpc.aio server, peer discovery and heartbeats, and the
+per-round exchange of contributions. It moves encoded bytes and knows nothing of models.
+
+Exchange of round r: our contribution (already encoded into frames) is pushed to every live
+peer over one client stream each, and again to peers discovered while the round's push window
+(`sync_timeout`) is open. Peers' contributions arrive through `PushContribution`, are checked
+chunk by chunk (order, sizes, bounded decompression) and as a whole (digest), and wait in the
+RoundBook until our round closes (rounds.py states the rule).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, get_codec
+from neuronode.swarm.membership import PeerTable, agreement
+from neuronode.swarm.rounds import Contribution, RoundBook, RoundRefused
+from neuronode.swarm.wire import (
+    CHANNEL_OPTIONS,
+    CODEC_TO_PB,
+    MAX_ADDRESS_CHARS,
+    MAX_ID_CHARS,
+    MAX_PEERS_LISTED,
+    PB_TO_CODEC,
+    PROTOCOL_VERSION,
+    SERVER_OPTIONS,
+    STATUS_CODES,
+    Refusal,
+    dict_to_status,
+)
+from neuronode.v1 import node_pb2 as pb
+from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK_PAYLOAD = 4 << 20
+# Refusals that retrying cannot fix; anything else (UNAVAILABLE, DEADLINE_EXCEEDED) is retried.
+FINAL_CODES = {
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """What the swarm layer needs to know; built by the daemon from NodeConfig."""
+
+    node_id: str
+    swarm_id: str
+    manifest_hash: str
+    n_elements: int
+    listen: str
+    advertise: str
+    peers: tuple[str, ...] = ()
+    sync_timeout_s: float = 60.0
+    min_contributors: int = 1
+    heartbeat_s: float = 2.0
+    first_round: int = 0
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """Our encoded contribution for one round."""
+
+    round_id: int
+    codec: str
+    frames: list[Frame]
+    digest: str
+    n_elements: int
+    chunk_elements: int
+    weight: float
+
+
+@dataclass
+class Counters:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    per_peer_sent: dict[str, int] = field(default_factory=dict)
+    per_peer_received: dict[str, int] = field(default_factory=dict)
+
+
+class SwarmNode:
+    """Server + clients of one node. Start with `start()`, stop with `stop()`."""
+
+    def __init__(
+        self, cfg: SwarmConfig, *, executor: Executor,
+        status_provider: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.executor = executor
+        self.status_provider = status_provider or dict
+        self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0))
+        self.book = RoundBook(closed_below=cfg.first_round)
+        self.counters = Counters()
+        self.advertise = cfg.advertise
+        self.round = cfg.first_round
+        self.param_digest = ""
+        self.own_digests: dict[int, str] = {}
+        self.agreement = "unknown"
+        self.leaving = False
+        self._server: grpc.aio.Server | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._outbox: dict[int, tuple[Outgoing, set[str], float]] = {}
+        for address in cfg.peers:
+            self.table.add_address(address)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Bind the server and start heartbeats; returns the address peers should dial."""
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_NodeServicer_to_server(NodeService(self), server)
+        host, _, port = self.cfg.listen.rpartition(":")
+        bound = server.add_insecure_port(self.cfg.listen)
+        if bound == 0:
+            raise OSError(f"cannot listen on {self.cfg.listen}: address in use or not local")
+        await server.start()
+        self._server = server
+        if not self.advertise or self.advertise.endswith(":0"):
+            adv_host = self.advertise.rpartition(":")[0] if self.advertise else host
+            if adv_host in ("0.0.0.0", "[::]", ""):
+                adv_host = "127.0.0.1"
+            self.advertise = f"{adv_host}:{bound}"
+        self._spawn(self._heartbeat_loop(), "heartbeats")
+        logger.info("node %s serving on %s (advertised as %s)", self.cfg.node_id, self.cfg.listen.replace(":0", f":{bound}"), self.advertise)
+        return self.advertise
+
+    async def stop(self, *, grace_s: float = 2.0) -> None:
+        """Tell peers we leave, stop the server (grace for calls in flight), close channels."""
+        self.leaving = True
+        peers = self.table.alive()
+        if peers:
+            await asyncio.gather(*(self._leave(p.address) for p in peers), return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def drain(self, *, timeout_s: float) -> None:
+        """Give contributions still streaming to peers up to `timeout_s` to finish."""
+        pushes = [t for t in self._tasks if t.get_name().startswith("push-")]
+        if pushes:
+            await asyncio.wait(pushes, timeout=timeout_s)
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """Every background task is owned here and cancelled by stop()."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def stub(self, address: str) -> pb_grpc.NodeStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return pb_grpc.NodeStub(channel)
+
+    # ---- membership ------------------------------------------------------------------------
+
+    def node_info(self) -> pb.NodeInfo:
+        recent = [pb.RoundDigest(round=r, param_digest=d) for r, d in sorted(self.own_digests.items())]
+        return pb.NodeInfo(
+            node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,
+            manifest_hash=self.cfg.manifest_hash, advertise=self.advertise, round=self.round,
+            param_digest=self.param_digest, recent_digests=recent, leaving=self.leaving,
+        )
+
+    def known_peers(self) -> list[pb.PeerRecord]:
+        return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in self.table.alive()][:MAX_PEERS_LISTED]
+
+    def check_info(self, info: pb.NodeInfo) -> None:
+        """Refuse a peer of another swarm, protocol or model, with the fix in the message."""
+        if not info.node_id or len(info.node_id) > MAX_ID_CHARS or len(info.advertise) > MAX_ADDRESS_CHARS:
+            raise Refusal("INVALID_ARGUMENT", "hello needs a node id (at most 128 characters) and an address")
+        if info.swarm_id != self.cfg.swarm_id:
+            raise Refusal("FAILED_PRECONDITION",
+                          f"swarm id mismatch: {info.node_id} is in swarm '{info.swarm_id}', this node "
+                          f"({self.cfg.node_id}) is in '{self.cfg.swarm_id}'; start both with the same --swarm-id")
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise Refusal("FAILED_PRECONDITION",
+                          f"protocol version mismatch: {info.node_id} speaks v{info.protocol_version}, "
+                          f"this node v{PROTOCOL_VERSION}; run the same neuronode release")
+        if info.manifest_hash != self.cfg.manifest_hash:
+            raise Refusal("FAILED_PRECONDITION",
+                          f"model manifest mismatch: {info.node_id} trains another model "
+                          f"({info.manifest_hash[:12]} vs {self.cfg.manifest_hash[:12]} here); "
+                          "use the same --task and model-size flags on every node")
+        if info.node_id == self.cfg.node_id and info.advertise != self.advertise:
+            raise Refusal("ALREADY_EXISTS",
+                          f"node id {info.node_id} is already used by the node at {self.advertise}; "
+                          "give every node its own --data-dir or --node-id")
+
+    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord]) -> None:
+        digests = {d.round: d.param_digest for d in list(info.recent_digests)[-16:]}
+        came = self.table.heard_from(
+            info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
+            digests=digests, leaving=info.leaving,
+        )
+        for rec in known[:MAX_PEERS_LISTED]:
+            if rec.node_id != self.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS:
+                if rec.address not in self.table.addresses:
+                    self.table.add_address(rec.address)
+        if came:
+            self._push_outbox_to_new_peers()
+        if info.leaving:
+            self.book.notify()
+        self._update_agreement()
+
+    async def _heartbeat_loop(self) -> None:
+        failed_rounds = 0
+        while True:
+            targets = [a for a in self.table.dial_targets() if a != self.advertise]
+            results = await asyncio.gather(*(self._hello(a) for a in targets))
+            bootstrap_ok = any(ok for a, ok in zip(targets, results, strict=True) if a in self.cfg.peers)
+            if self.cfg.peers and not bootstrap_ok and not self.table.alive():
+                failed_rounds += 1
+                if failed_rounds in (3, 30) or failed_rounds % 300 == 0:
+                    logger.warning(
+                        "no bootstrap peer answered (tried %s); check the address and port, that the "
+                        "peer is running, firewalls between you, and that it was started with an "
+                        "--advertise address you can reach", ", ".join(self.cfg.peers))
+            else:
+                failed_rounds = 0
+            self.book.notify()  # liveness may have changed: let collectors re-evaluate
+            await asyncio.sleep(self.cfg.heartbeat_s * random.uniform(0.8, 1.2))
+
+    async def _hello(self, address: str) -> bool:
+        req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
+        try:
+            resp = await self.stub(address).Hello(req, timeout=max(1.0, self.cfg.heartbeat_s))
+        except grpc.aio.AioRpcError as exc:
+            self.table.mark_failure(address)
+            if exc.code() in FINAL_CODES:
+                logger.error("peer at %s refused us: %s", address, exc.details())
+            else:
+                logger.debug("hello to %s failed: %s", address, exc.code().name)
+            return False
+        if resp.info.node_id == self.cfg.node_id:
+            self.table.addresses.discard(address)  # that address is ourselves
+            return True
+        try:
+            self.check_info(resp.info)
+        except Refusal as exc:
+            logger.error("refusing peer at %s: %s", address, exc)
+            return False
+        self.learn(resp.info, list(resp.known_peers))
+        return True
+
+    async def _leave(self, address: str) -> None:
+        try:
+            await self.stub(address).Leave(
+                pb.LeaveRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            pass
+
+    # ---- rounds ----------------------------------------------------------------------------
+
+    def expected(self, round_id: int) -> set[str]:
+        """Peers whose contribution to `round_id` we wait for: live and not behind."""
+        ids = {p.node_id for p in self.table.alive() if p.round + 1 >= round_id}
+        return ids | {self.cfg.node_id}
+
+    async def exchange(self, out: Outgoing, own: Contribution) -> dict[str, Contribution]:
+        """Push `out` to every live peer and collect the round; returns contributions by sender."""
+        self.book.add_own(own)
+        deadline = time.monotonic() + self.cfg.sync_timeout_s
+        self._outbox[out.round_id] = (out, set(), deadline)
+        for old in [r for r in self._outbox if r < out.round_id - 1]:
+            del self._outbox[old]
+        self._push_outbox_to_new_peers()
+        return await self.book.collect(
+            out.round_id, expected=lambda: self.expected(out.round_id),
+            timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
+        )
+
+    def _push_outbox_to_new_peers(self) -> None:
+        now = time.monotonic()
+        for out, pushed, deadline in self._outbox.values():
+            if now >= deadline:
+                continue
+            for peer in self.table.alive():
+                if peer.node_id not in pushed and peer.round + 1 >= out.round_id:
+                    pushed.add(peer.node_id)
+                    self._spawn(self._push(peer.node_id, peer.address, out, deadline),
+                                f"push-r{out.round_id}-{peer.node_id}")
+
+    async def _push(self, peer_id: str, address: str, out: Outgoing, deadline: float) -> None:
+        """Stream `out` to one peer, retrying transient failures until the deadline."""
+        backoff = 0.2
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                await self.stub(address).PushContribution(self._chunks(peer_id, out), timeout=remaining)
+                logger.debug("round %d: sent to %s", out.round_id, peer_id)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in FINAL_CODES:
+                    logger.warning("round %d: peer %s refused our contribution: %s",
+                                   out.round_id, peer_id, exc.details())
+                    return
+                logger.debug("round %d: push to %s failed (%s); retrying", out.round_id, peer_id, exc.code().name)
+            await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, 5.0)
+
+    async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[pb.ContributionChunk]:
+        for frame in out.frames:
+            msg = pb.ContributionChunk(
+                round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
+                chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
+                compressed=frame.compressed, payload=frame.data, contribution_digest=out.digest,
+                weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
+            )
+            size = msg.ByteSize()
+            self.counters.bytes_sent += size
+            self.counters.per_peer_sent[peer_id] = self.counters.per_peer_sent.get(peer_id, 0) + size
+            yield msg
+
+    def record_round(self, round_id: int, param_digest: str) -> None:
+        """After our outer step of `round_id`: remember the digest peers compare against."""
+        self.round = round_id + 1
+        self.param_digest = param_digest
+        self.own_digests[round_id + 1] = param_digest
+        for old in sorted(self.own_digests)[:-8]:
+            del self.own_digests[old]
+        self._update_agreement()
+
+    def _update_agreement(self) -> None:
+        state, round_id = agreement(self.own_digests, self.table.alive())
+        if state != self.agreement:
+            log = logger.error if state == "diverged" else logger.info
+            log("replica agreement: %s (round %s)%s", state, round_id,
+                "; our parameters differ from the majority's" if state == "diverged" else "")
+            self.agreement = state
+
+    # ---- incoming contributions -------------------------------------------------------------
+
+    async def receive(self, chunks: AsyncIterator[pb.ContributionChunk]) -> int:
+        """Validate and store one incoming contribution stream; returns chunks received."""
+        first: pb.ContributionChunk | None = None
+        assembler: Assembler | None = None
+        digest = ContributionDigest()
+        loop = asyncio.get_running_loop()
+        try:
+            async for chunk in chunks:
+                if first is None:
+                    assembler = self._open_stream(chunk)
+                    first = chunk
+                else:
+                    check_same_stream(first, chunk)
+                assert assembler is not None
+                raw = await loop.run_in_executor(self.executor, self._decode_chunk, assembler, chunk)
+                digest.update(raw)
+                assembler.add(chunk.chunk_index, raw)
+                self._count_received(chunk)
+            if first is None or assembler is None:
+                raise Refusal("INVALID_ARGUMENT", "empty contribution stream")
+            if not assembler.complete:
+                raise Refusal("DATA_LOSS", f"round {first.round_id}: stream from {first.sender_id} ended "
+                              f"after {len(assembler.missing())} missing of {assembler.count} chunks; discarded")
+            if digest.hexdigest() != first.contribution_digest:
+                raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
+                              "does not match its digest; discarded")
+            self.book.finish(Contribution(first.sender_id, first.round_id, PB_TO_CODEC[first.codec],
+                                          first.weight, assembler))
+            return assembler.count
+        except RoundRefused as exc:
+            raise Refusal(exc.code, str(exc)) from None
+        except ValueError as exc:  # CodecError and friends: malformed payloads
+            raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+        finally:
+            if first is not None:
+                self.book.abort(first.round_id, first.sender_id)
+
+    def _open_stream(self, chunk: pb.ContributionChunk) -> Assembler:
+        """Check the header of a new stream and open its slot in the round book."""
+        if chunk.swarm_id != self.cfg.swarm_id:
+            raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{self.cfg.swarm_id}'")
+        peer = self.table.peers.get(chunk.sender_id)
+        if peer is None or peer.left:
+            raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
+        if chunk.codec not in PB_TO_CODEC:
+            raise Refusal("INVALID_ARGUMENT", f"unknown codec {chunk.codec}")
+        if chunk.total_elements != self.cfg.n_elements:
+            raise Refusal("INVALID_ARGUMENT", f"contribution has {chunk.total_elements} elements, the model has "
+                          f"{self.cfg.n_elements}")
+        codec = get_codec(PB_TO_CODEC[chunk.codec])
+        per_chunk = chunk.chunk_elements
+        if per_chunk <= 0 or per_chunk % codec.block_elems or codec.payload_bytes(per_chunk) > MAX_CHUNK_PAYLOAD:
+            raise Refusal("INVALID_ARGUMENT", f"chunk_elements {per_chunk} is not a positive multiple of "
+                          f"{codec.block_elems} within {MAX_CHUNK_PAYLOAD} bytes")
+        if not (chunk.weight > 0 and chunk.weight < 1e15):
+            raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count")
+        assembler = Assembler(n_elems=self.cfg.n_elements, codec=codec.name,
+                              chunk_bytes=codec.payload_bytes(per_chunk))
+        if chunk.chunk_count != assembler.count:
+            raise Refusal("INVALID_ARGUMENT", f"chunk_count {chunk.chunk_count} does not match "
+                          f"{assembler.count} chunks of {per_chunk} elements")
+        self.book.begin(chunk.round_id, chunk.sender_id)
+        peer.last_seen = time.monotonic()
+        return assembler
+
+    @staticmethod
+    def _decode_chunk(assembler: Assembler, chunk: pb.ContributionChunk) -> bytes:
+        expected = assembler.expected_raw_len(chunk.chunk_index)
+        return decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected)
+
+    def _count_received(self, chunk: pb.ContributionChunk) -> None:
+        size = chunk.ByteSize()
+        self.counters.bytes_received += size
+        per = self.counters.per_peer_received
+        per[chunk.sender_id] = per.get(chunk.sender_id, 0) + size
+
+    def snapshot(self) -> dict[str, Any]:
+        """Swarm-side status fields."""
+        now = time.monotonic()
+        return {
+            "node_id": self.cfg.node_id, "swarm_id": self.cfg.swarm_id, "advertise": self.advertise,
+            "protocol_version": PROTOCOL_VERSION, "agreement": self.agreement,
+            "bytes_sent": self.counters.bytes_sent, "bytes_received": self.counters.bytes_received,
+            "peers": [
+                {"node_id": p.node_id, "address": p.address, "alive": self.table.is_alive(p),
+                 "last_seen_s": round(now - p.last_seen, 3) if p.last_seen else -1.0}
+                for p in sorted(self.table.peers.values(), key=lambda p: p.node_id)
+            ],
+        }
+
+
+def check_same_stream(first: pb.ContributionChunk, chunk: pb.ContributionChunk) -> None:
+    """Header fields may not change within one stream, and chunks come in order exactly once."""
+    for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
+                 "weight", "total_elements", "chunk_elements", "swarm_id"):
+        if getattr(chunk, name) != getattr(first, name):
+            raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """The gRPC face of a SwarmNode. Every refusal maps to a status code and a clear message."""
+
+    def __init__(self, node: SwarmNode) -> None:
+        self.node = node
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str) -> None:
+        logger.info("refused %s from %s: %s", what, context.peer(), exc)
+        await context.abort(STATUS_CODES[exc.code], str(exc))
+
+    async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
+        if self.node.leaving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+        try:
+            self.node.check_info(request.info)
+        except Refusal as exc:
+            await self._abort(context, exc, "hello")
+        if request.info.node_id != self.node.cfg.node_id:
+            self.node.learn(request.info, list(request.known_peers))
+        return pb.HelloResponse(info=self.node.node_info(), known_peers=self.node.known_peers())
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        if request.swarm_id == self.node.cfg.swarm_id and self.node.table.mark_left(request.node_id):
+            self.node.book.notify()
+        return pb.LeaveResponse()
+
+    async def PushContribution(
+        self, request_iterator: AsyncIterator[pb.ContributionChunk], context: grpc.aio.ServicerContext,
+    ) -> pb.PushAck:
+        if self.node.leaving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+        try:
+            count = await self.node.receive(request_iterator)
+        except Refusal as exc:
+            await self._abort(context, exc, "contribution")
+        return pb.PushAck(chunks_received=count)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        return dict_to_status({**self.node.status_provider(), **self.node.snapshot()})

@@ -1,0 +1,184 @@
+"""The training side of a node: task + DiLoCo engine + codec, all synchronous.
+
+The daemon runs every method here in its single training thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from neuronode.codec import (
+    Assembler,
+    ContributionDigest,
+    ErrorFeedback,
+    Frame,
+    encode_frames,
+    get_codec,
+)
+from neuronode.config import NodeConfig
+from neuronode.diloco import DiLoCo, InnerConfig, OuterConfig, get_aggregator
+from neuronode.errors import ConfigError
+from neuronode.training import TaskConfig, TaskError, create_task
+
+logger = logging.getLogger(__name__)
+
+
+def model_seed(swarm_id: str, seed: int) -> int:
+    """Every node of a swarm builds the same initial weights from (swarm id, --seed)."""
+    return zlib.crc32(f"{swarm_id}/{seed}".encode()) + (seed << 32)
+
+
+def data_seed(node_id: str) -> int:
+    """Each node draws its own stream of training windows."""
+    return zlib.crc32(node_id.encode()) | (zlib.adler32(node_id.encode()) << 32)
+
+
+def default_threads() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def pick_device(name: str) -> str:
+    if name != "auto":
+        if name == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA GPU is visible; use --device auto or cpu")
+        if name == "mps" and not torch.backends.mps.is_available():
+            raise ConfigError("--device mps: MPS is not available here; use --device auto or cpu")
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def schedule(cfg: NodeConfig) -> tuple[int, int]:
+    """(warm-up steps, schedule length): proportional to the run, not a fixed 1000 steps."""
+    total = cfg.schedule_steps or (cfg.rounds * cfg.inner_steps if cfg.rounds else 10_000)
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, total // 20)
+    return warmup, max(total, warmup + 1)
+
+
+@dataclass
+class Encoded:
+    """Our contribution, encoded: frames for the wire and its raw payloads for ourselves."""
+
+    frames: list[Frame]
+    digest: str
+    chunk_elements: int
+    own: Assembler
+    weight: float
+
+
+class Trainer:
+    """Owns the task, the DiLoCo engine and error feedback. Not thread-safe: one thread only."""
+
+    def __init__(self, cfg: NodeConfig, *, node_id: str) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(cfg.threads or default_threads())
+        self.device = pick_device(cfg.device)
+        task_cfg = TaskConfig(
+            seed=model_seed(cfg.swarm_id, cfg.seed), data_seed=data_seed(node_id),
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, d_model=cfg.d_model,
+            n_layers=cfg.n_layers, n_heads=cfg.n_heads, device=self.device,
+            options=dict(kv.split("=", 1) for kv in cfg.task_option),
+        )
+        try:
+            self.task = create_task(cfg.task, task_cfg)
+        except TaskError as exc:
+            raise ConfigError(f"--task: {exc}") from None
+        warmup, total = schedule(cfg)
+        inner = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=warmup,
+                            total_steps=total, min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip,
+                            grad_accum=cfg.grad_accum)
+        outer = OuterConfig(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        self.engine = DiLoCo(self.task.model, inner=inner, outer=outer)
+        self.codec = get_codec(cfg.codec)
+        self.feedback = ErrorFeedback(self.engine.num_elements) if self.codec.lossy else None
+        self.aggregate = get_aggregator("mean")
+        self.loss = math.nan
+        self.val_loss = math.nan
+        self.tokens_per_s = 0.0
+
+    @property
+    def n_params(self) -> int:
+        return self.engine.num_elements
+
+    def train_round(self, stop: threading.Event, on_step: Any = None) -> int:
+        """Run this round's remaining inner steps (resumes mid-round); returns steps done now."""
+        self.task.model.train()
+        done = 0
+        t0 = time.perf_counter()
+        tokens = 0
+        while self.engine.steps_this_round < self.cfg.inner_steps and not stop.is_set():
+            batches = [next(self.task.batches) for _ in range(self.cfg.grad_accum)]
+            self.loss = self.engine.inner_step(
+                batches, self.task.loss_fn, samples=self.task.samples_per_batch * len(batches))
+            done += 1
+            tokens += self.task.tokens_per_batch * len(batches)
+            self.tokens_per_s = tokens / max(time.perf_counter() - t0, 1e-9)
+            if on_step is not None:
+                on_step(self)
+        return done
+
+    def round_complete(self) -> bool:
+        return self.engine.steps_this_round >= self.cfg.inner_steps
+
+    def encode(self) -> Encoded:
+        """Pseudo-gradient -> wire frames; the node averages the decoded (wire) form of its own
+        contribution too, so lossy codecs leave every replica with the same result."""
+        delta = self.engine.pseudo_gradient()
+        if self.feedback is not None:
+            delta = self.feedback.compensate(delta)
+        digest = ContributionDigest()
+        frames = list(encode_frames(delta, codec=self.codec.name, chunk_bytes=self.cfg.chunk_bytes,
+                                    zstd_level=self.cfg.zstd_level, digest=digest))
+        chunk_bytes = self.cfg.chunk_bytes
+        own = Assembler(n_elems=delta.numel(), codec=self.codec.name, chunk_bytes=chunk_bytes)
+        for frame in frames:
+            own.add_frame(frame)
+        if self.feedback is not None:
+            self.feedback.update(delta, own.decode())
+        block = self.codec.payload_bytes(self.codec.block_elems)
+        chunk_elements = (chunk_bytes // block) * self.codec.block_elems
+        return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
+                       own=own, weight=float(max(self.engine.samples_this_round, 1)))
+
+    def apply(self, contributions: dict[str, tuple[Assembler, float]]) -> str:
+        """Average the round's contributions (decoded one at a time, sorted by node id), take the
+        outer step, evaluate; returns the new param_digest."""
+        lazy = {node: (data.decode, weight) for node, (data, weight) in contributions.items()}
+        avg = self.aggregate(lazy)
+        if not torch.isfinite(avg).all():
+            logger.error("averaged pseudo-gradient is not finite; skipping the outer update")
+            avg = torch.zeros_like(avg)
+        self.engine.outer_step(avg)
+        self.validate()
+        return self.engine.param_digest()
+
+    def validate(self) -> None:
+        if self.task.validate is not None:
+            self.val_loss = float(self.task.validate(self.task.model))
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"engine": self.engine.state_dict(), "loss": self.loss,
+                                 "val_loss": self.val_loss}
+        if hasattr(self.task.batches, "state_dict"):
+            state["batches"] = self.task.batches.state_dict()
+        if self.feedback is not None:
+            state["feedback"] = self.feedback.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state["engine"])
+        self.loss, self.val_loss = state.get("loss", math.nan), state.get("val_loss", math.nan)
+        if "batches" in state and hasattr(self.task.batches, "load_state_dict"):
+            self.task.batches.load_state_dict(state["batches"])
+        if self.feedback is not None and "feedback" in state:
+            self.feedback.load_state_dict(state["feedback"])

@@ -1,0 +1,57 @@
+"""Unit tests of error feedback (neuronode.codec.feedback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronode.codec import CodecError, ErrorFeedback, roundtrip
+
+torch.set_num_threads(1)
+
+
+def test_compensate_and_update() -> None:
+    ef = ErrorFeedback(n_elems=3)
+    delta = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.equal(ef.compensate(delta), delta)
+    ef.update(delta, torch.tensor([1.0, 1.5, 3.5]))
+    assert torch.equal(ef.residual, torch.tensor([0.0, 0.5, -0.5]))
+    assert torch.equal(ef.compensate(delta), torch.tensor([1.0, 2.5, 2.5]))
+    assert torch.equal(delta, torch.tensor([1.0, 2.0, 3.0]))  # input untouched
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8", "bf16"])
+def test_feedback_keeps_sent_sum_close_to_true_sum(codec: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    ef = ErrorFeedback(n_elems=4096)
+    true_sum = torch.zeros(4096)
+    sent_sum = torch.zeros(4096)
+    for _ in range(20):
+        delta = torch.randn(4096, generator=g) * 1e-2 + 1e-4  # small bias quantization would drop
+        c = ef.compensate(delta)
+        wire = roundtrip(c, codec)
+        ef.update(c, wire)
+        true_sum += delta
+        sent_sum += wire
+    # With feedback the gap is exactly the last residual: one round's error, not twenty.
+    assert torch.allclose(true_sum - sent_sum, ef.residual, atol=1e-5)
+    one_round = (ef.compensate(torch.zeros(4096)) - 0).abs().max()
+    assert (true_sum - sent_sum).abs().max() <= one_round + 1e-5
+
+
+def test_state_dict_roundtrip_and_validation() -> None:
+    ef = ErrorFeedback(4)
+    ef.update(torch.ones(4), torch.zeros(4))
+    state = ef.state_dict()
+    ef.reset()
+    assert torch.equal(ef.residual, torch.zeros(4))
+    ef.load_state_dict(state)
+    assert torch.equal(ef.residual, torch.ones(4))
+    state["residual"].zero_()  # state_dict is a copy
+    assert torch.equal(ef.residual, torch.ones(4))
+    with pytest.raises(CodecError, match="shape"):
+        ef.load_state_dict({"residual": torch.zeros(5)})
+    with pytest.raises(CodecError, match="residual"):
+        ef.load_state_dict({})
+    with pytest.raises(CodecError, match="delta"):
+        ef.compensate(torch.zeros(4, dtype=torch.float64))
