@@ -29,8 +29,6 @@ __all__ = [
 # 4/64 = 0.0625 bytes/param (int8: 1.0625 B/param, int4: 0.5625 B/param).
 BLOCK_ELEMS = 64
 
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-
 
 class CodecError(ValueError):
     """Malformed, truncated or non-finite data, or a bad codec argument."""
@@ -122,7 +120,10 @@ class _Half16Codec(Codec):
         return 2 * n
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype)  # round-to-nearest-even
+        # Saturate: finite input must not become Inf on the wire (receivers reject Inf).  Within
+        # range this is exactly torch's round-to-nearest-even cast.
+        limit = float(torch.finfo(self.dtype).max)
+        return x.clamp(-limit, limit).to(self.dtype)
 
     def encode(self, x: torch.Tensor) -> bytes:
         bits = self._cast(_check_input(x)).view(torch.int16).numpy()
@@ -136,17 +137,14 @@ class _Half16Codec(Codec):
 
 
 class Fp16Codec(_Half16Codec):
-    """IEEE half.  Saturates at +-65504 so finite input never turns into Inf on the wire."""
+    """IEEE half; saturates at +-65504."""
 
     name = "fp16"
     dtype = torch.float16
 
-    def _cast(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
-
 
 class Bf16Codec(_Half16Codec):
-    """bfloat16: float32's range, 8 bits of mantissa."""
+    """bfloat16: float32's range, 8 bits of mantissa; saturates at +-3.39e38."""
 
     name = "bf16"
     dtype = torch.bfloat16
