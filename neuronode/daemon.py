@@ -139,6 +139,9 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, request_stop)
         self.param_digest = await self.off_loop(self.train_pool, self.engine.param_digest)
+        if self.engine.round == 0:
+            await self.off_loop(self.train_pool, self.trainer.validate)
+            logger.info("round 0: val_loss %.4f before training", self.trainer.val_loss)
         self.swarm = SwarmNode(self.swarm_config(), executor=self.codec_pool, status_provider=self.status)
         self.swarm.counters.bytes_sent = int(self.restored_meta.get("bytes_sent", 0))
         self.swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))

@@ -76,7 +76,7 @@ def status_to_dict(resp: pb.StatusResponse) -> dict[str, Any]:
                  "last_seen_s": round(p.last_seen_s, 3), "alive": p.alive}
                 for p in value
             ]
-        elif fd.label == fd.LABEL_REPEATED:
+        elif fd.is_repeated:
             value = list(value)
         out[fd.name] = value
     return out

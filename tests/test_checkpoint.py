@@ -1,0 +1,78 @@
+"""Atomic checkpoints: digest-verified, corrupt ones refused, resume gives the same next loss."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuronode import checkpoint
+from neuronode.config import NodeConfig
+from neuronode.errors import CheckpointError
+from neuronode.trainer import Trainer
+
+SMALL = dict(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, inner_steps=3,
+             threads=1, codec="fp32", rounds=4)
+
+
+def test_round_trip_and_pruning(tmp_path: Path) -> None:
+    for r in range(1, 6):
+        checkpoint.save(tmp_path, r, {"round": r}, {"x": torch.full((3,), float(r))}, keep=3)
+    names = [p.name for p in checkpoint.list_checkpoints(tmp_path)]
+    assert names == ["round-00000005.ckpt", "round-00000004.ckpt", "round-00000003.ckpt"]
+    loaded = checkpoint.load_latest(tmp_path)
+    assert loaded is not None and loaded.meta["round"] == 5
+    assert torch.equal(loaded.state["x"], torch.full((3,), 5.0))
+    assert not list(checkpoint.checkpoint_dir(tmp_path).glob("*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "garbage"])
+def test_corrupt_checkpoint_refused_previous_used(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint.save(tmp_path, 1, {"round": 1}, {"x": torch.ones(100)})
+    newest = checkpoint.save(tmp_path, 2, {"round": 2}, {"x": torch.zeros(100)})
+    blob = bytearray(newest.read_bytes())
+    if damage == "flip":
+        blob[len(blob) // 2] ^= 0x01
+    elif damage == "truncate":
+        blob = blob[: len(blob) - 100]
+    elif damage == "empty":
+        blob = bytearray()
+    else:
+        blob = bytearray(b"hello world" * 10)
+    newest.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError):
+        checkpoint.decode(bytes(blob), name=str(newest))
+    with caplog.at_level(logging.ERROR):
+        loaded = checkpoint.load_latest(tmp_path)
+    assert loaded is not None and loaded.meta["round"] == 1
+    assert "refusing checkpoint" in caplog.text and newest.name in caplog.text
+
+
+def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
+    assert checkpoint.load_latest(tmp_path) is None
+
+
+def test_trainer_resume_gives_same_next_loss(tmp_path: Path) -> None:
+    """Train two rounds, checkpoint, train a third; a fresh trainer from the checkpoint matches."""
+    cfg = NodeConfig(data_dir=str(tmp_path), **SMALL)  # type: ignore[arg-type]
+    stop = threading.Event()
+    a = Trainer(cfg, node_id="node-a")
+    for _ in range(2):
+        a.train_round(stop)
+        enc = a.encode()
+        a.apply({"node-a": (enc.own, enc.weight)})
+    checkpoint.save(tmp_path, a.engine.round, {"round": a.engine.round}, a.state_dict())
+    a.train_round(stop)
+    expected_loss, expected_delta = a.loss, a.engine.pseudo_gradient()
+
+    b = Trainer(cfg, node_id="node-a")
+    loaded = checkpoint.load_latest(tmp_path)
+    assert loaded is not None
+    b.load_state_dict(loaded.state)
+    assert b.engine.round == 2
+    b.train_round(stop)
+    assert b.loss == expected_loss
+    assert torch.equal(b.engine.pseudo_gradient(), expected_delta)

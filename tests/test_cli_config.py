@@ -1,0 +1,132 @@
+"""Config precedence, validation and the CLI's one-line errors (exit status 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neuronode.cli import main
+from neuronode.config import NodeConfig, build_config, flag_name
+from neuronode.errors import ConfigError
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+BAD_FLAGS = [
+    (["--inner-steps", "-3"], "--inner-steps"),
+    (["--inner-steps", "0"], "--inner-steps"),
+    (["--rounds", "-1"], "--rounds"),
+    (["--inner-lr", "0"], "--inner-lr"),
+    (["--inner-lr", "-1e-3"], "--inner-lr"),
+    (["--outer-lr", "0"], "--outer-lr"),
+    (["--listen", "localhost"], "--listen"),
+    (["--listen", "127.0.0.1:70000"], "--listen"),
+    (["--advertise", "a b:1"], "--advertise"),
+    (["--peers", "127.0.0.1:1,nope"], "--peers"),
+    (["--device", "tpu"], "--device"),
+    (["--codec", "fp8"], "--codec"),
+    (["--inner-steps", "ten"], "--inner-steps"),
+    (["--no-such-flag"], "unrecognized"),
+    (["--d-model", "100", "--n-heads", "3"], "--d-model"),
+    (["--task-option", "novalue"], "--task-option"),
+]
+
+
+@pytest.mark.parametrize(("argv", "names"), BAD_FLAGS)
+def test_bad_flag_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], names: str) -> None:
+    code, err = run_cli(capsys, "start", *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert names in lines[0]
+    assert "Traceback" not in err
+
+
+def test_unknown_task_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = run_cli(capsys, "start", "--task", "no_such_module_xyz:make", "--data-dir", str(tmp_path))
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "--task" in err
+
+
+def test_unknown_builtin_task_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = run_cli(capsys, "start", "--task", "imagenet", "--data-dir", str(tmp_path))
+    assert code == 2 and "--task" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unwritable_data_dir_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code, err = run_cli(capsys, "start", "--data-dir", str(blocker / "sub"))
+    assert code == 2
+    assert "--data-dir" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_env_and_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEURONODE_INNER_STEPS", "-5")
+    code, err = run_cli(capsys, "start")
+    assert code == 2 and "--inner-steps" in err
+    monkeypatch.delenv("NEURONODE_INNER_STEPS")
+    bad = tmp_path / "node.toml"
+    bad.write_text("inner_stepz = 3\n")
+    code, err = run_cli(capsys, "start", "--config", str(bad))
+    assert code == 2 and "unknown key" in err
+    code, err = run_cli(capsys, "start", "--config", str(tmp_path / "missing.toml"))
+    assert code == 2 and "does not exist" in err
+    bad.write_text("inner_steps = [\n")
+    code, err = run_cli(capsys, "start", "--config", str(bad))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_precedence_flag_env_file_default(tmp_path: Path) -> None:
+    toml = tmp_path / "node.toml"
+    toml.write_text('inner-steps = 7\nouter_lr = 0.5\nswarm-id = "from-file"\npeers = ["127.0.0.1:9"]\n')
+    env = {"NEURONODE_OUTER_LR": "0.6", "NEURONODE_SWARM_ID": "from-env"}
+    cfg = build_config({"swarm_id": "from-flag"}, config_file=str(toml), environ=env)
+    assert cfg.swarm_id == "from-flag"  # flag beats env and file
+    assert cfg.outer_lr == 0.6  # env beats file
+    assert cfg.inner_steps == 7  # file beats default
+    assert cfg.peers == ("127.0.0.1:9",)
+    assert cfg.rounds == NodeConfig().rounds  # default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rounds = 3  # type: ignore[misc]
+
+
+def test_config_validates_directly() -> None:
+    with pytest.raises(ConfigError, match="--sync-timeout"):
+        NodeConfig(sync_timeout=0)
+    assert NodeConfig(listen="0.0.0.0:7000").advertise_address == "127.0.0.1:7000"
+    assert NodeConfig(listen="[::1]:7000").advertise_address == "[::1]:7000"
+    assert NodeConfig(advertise="example.org:1").advertise_address == "example.org:1"
+
+
+def test_help_lists_every_flag_with_default(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["start", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        for f in dataclasses.fields(NodeConfig):
+            assert flag_name(f.name) in out, f"{flag_name(f.name)} missing from {argv}"
+        assert out.count("(default:") >= len(dataclasses.fields(NodeConfig))
+
+
+def test_console_script_entry_point_one_line() -> None:
+    """The real executable path (python -m) gives one line and exit 2, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "neuronode.cli", "start", "--inner-steps", "-1"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+
+
+def test_status_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = run_cli(capsys, "status", "--data-dir", str(tmp_path / "nope"))
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    code, err = run_cli(capsys, "status", "--peer", "bad-address")
+    assert code == 2 and "--peer" in err
