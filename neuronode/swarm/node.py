@@ -112,6 +112,8 @@ class SwarmNode:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._outbox: dict[int, tuple[Outgoing, set[str], float]] = {}
+        self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
+        self._said: dict[str, float] = {}
         for address in cfg.peers:
             self.table.add_address(address)
 
@@ -222,41 +224,67 @@ class SwarmNode:
         self._update_agreement()
 
     async def _heartbeat_loop(self) -> None:
-        failed_rounds = 0
+        unanswered_since: float | None = None
+        warned_at = 0.0
         while True:
-            targets = [a for a in self.table.dial_targets() if a != self.advertise]
+            now = time.monotonic()
+            targets = [a for a in self.table.dial_targets()
+                       if a != self.advertise and self._backoff.get(a, (0.0, 0.0))[0] <= now]
             results = await asyncio.gather(*(self._hello(a) for a in targets))
             bootstrap_ok = any(ok for a, ok in zip(targets, results, strict=True) if a in self.cfg.peers)
             if self.cfg.peers and not bootstrap_ok and not self.table.alive():
-                failed_rounds += 1
-                if failed_rounds in (3, 30) or failed_rounds % 300 == 0:
+                unanswered_since = unanswered_since or now
+                # Say it plainly once a peer had time to start, then every few minutes.
+                if now - unanswered_since > 10 and now - warned_at > 300:
+                    warned_at = now
                     logger.warning(
-                        "no bootstrap peer answered (tried %s); check the address and port, that the "
-                        "peer is running, firewalls between you, and that it was started with an "
-                        "--advertise address you can reach", ", ".join(self.cfg.peers))
+                        "no bootstrap peer answered for %.0f s (tried %s); check the address and "
+                        "port, that the peer is running, firewalls between you, and that it was "
+                        "started with an --advertise address you can reach",
+                        now - unanswered_since, ", ".join(self.cfg.peers))
             else:
-                failed_rounds = 0
+                unanswered_since, warned_at = None, 0.0
             self.book.notify()  # liveness may have changed: let collectors re-evaluate
             await asyncio.sleep(self.cfg.heartbeat_s * random.uniform(0.8, 1.2))
+
+    def say(self, key: str, level: int, msg: str, *args: Any, every_s: float = 300.0) -> None:
+        """Log a recurring condition once, then at most every `every_s` seconds."""
+        now = time.monotonic()
+        if now - self._said.get(key, -every_s) >= every_s:
+            self._said[key] = now
+            logger.log(level, msg, *args)
+
+    def _dial_failed(self, address: str, *, refused: bool) -> None:
+        """Redial with exponential backoff and jitter: up to 30 s when unreachable, 5 min when
+        the peer refused us (another swarm or model will not change by itself)."""
+        self.table.mark_failure(address)
+        _, delay = self._backoff.get(address, (0.0, 0.0))
+        cap = 300.0 if refused else 30.0
+        delay = min(cap, max(self.cfg.heartbeat_s, delay * 2))
+        self._backoff[address] = (time.monotonic() + delay * random.uniform(0.5, 1.0), delay)
 
     async def _hello(self, address: str) -> bool:
         req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
         try:
             resp = await self.stub(address).Hello(req, timeout=max(1.0, self.cfg.heartbeat_s))
         except grpc.aio.AioRpcError as exc:
-            self.table.mark_failure(address)
-            if exc.code() in FINAL_CODES:
-                logger.error("peer at %s refused us: %s", address, exc.details())
+            refused = exc.code() in FINAL_CODES
+            self._dial_failed(address, refused=refused)
+            if refused:
+                self.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s",
+                         address, exc.details())
             else:
                 logger.debug("hello to %s failed: %s", address, exc.code().name)
             return False
+        self._backoff.pop(address, None)
         if resp.info.node_id == self.cfg.node_id:
             self.table.addresses.discard(address)  # that address is ourselves
             return True
         try:
             self.check_info(resp.info)
         except Refusal as exc:
-            logger.error("refusing peer at %s: %s", address, exc)
+            self._dial_failed(address, refused=True)
+            self.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc)
             return False
         self.learn(resp.info, list(resp.known_peers))
         return True
@@ -454,7 +482,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.node = node
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str) -> None:
-        logger.info("refused %s from %s: %s", what, context.peer(), exc)
+        self.node.say(f"refused:{what}:{context.peer()}:{exc.code}", logging.WARNING,
+                      "refused %s from %s: %s", what, context.peer(), exc, every_s=60.0)
         await context.abort(STATUS_CODES[exc.code], str(exc))
 
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:

@@ -1,0 +1,445 @@
+"""`neuronode bench sync`: average a P-parameter pseudo-gradient among N local node processes
+through neuronode's real transport, and time gloo's all_reduce of the same size as reference.
+
+Parent (`run_sync_bench`): starts N `python -m neuronode.bench.sync node ...` processes, waits
+for them (bounded), then N `... gloo ...` processes, and folds their JSON result files into one
+dict. Every child is killed when the parent leaves, whatever the reason; a child also exits by
+itself when its parent disappears.
+
+Node worker: a SwarmNode on 127.0.0.1:0 (worker 0's address is the others' bootstrap peer), a
+random float32 pseudo-gradient seeded by its index, then rounds. A round is timed on each worker
+from encode start to the averaged vector; the round's time is the slowest worker's (every
+replica has the result only then), and the benchmark reports the median over rounds. Rounds
+start together: before round r each worker waits until its peer table shows every peer at round
+r (so the swarm's push and expect rules, which read that table, include everyone) and then for
+all workers' barrier files. Byte counters are read at those barriers, when every push of the
+previous round has finished.
+
+Files in the work dir: `address-{i}`, `barrier-{r}-{i}`, `node-{i}.json` / `gloo-{i}.json`
+(results) and `node-{i}.log` / `gloo-{i}.log` (stderr, quoted when a worker fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from neuronode.config import NodeConfig
+from neuronode.errors import ConfigError, NeuronodeError
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+POLL_S = 0.005
+WARMUP_ROUNDS = 1  # untimed full-size round first: channels, allocator and page cache warm up
+START_TIMEOUT_S = 120.0  # process start (torch import) and peer discovery, on a loaded machine
+AVERAGING = ("all-to-all",)
+
+
+class BenchError(NeuronodeError):
+    """A benchmark worker failed or timed out; the message quotes its log."""
+
+
+@dataclass(frozen=True)
+class SyncBenchConfig:
+    """What every worker of one `bench sync` run needs to know."""
+
+    nodes: int
+    params: int
+    codec: str
+    averaging: str
+    rounds: int
+    zstd_level: int
+    gloo: bool = True
+    chunk_bytes: int = NodeConfig.chunk_bytes
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2:
+            raise ConfigError(f"--nodes {self.nodes}: averaging needs at least 2 nodes")
+        if self.params < 1:
+            raise ConfigError(f"--params {self.params}: give at least 1 parameter (e.g. 25e6)")
+        if self.rounds < 1:
+            raise ConfigError(f"--rounds {self.rounds}: time at least 1 round")
+        if not 0 <= self.zstd_level <= 22:
+            raise ConfigError(f"--zstd-level {self.zstd_level}: must be between 0 (off) and 22")
+        if self.averaging not in AVERAGING:
+            raise ConfigError(f"--averaging {self.averaging}: choose one of {', '.join(AVERAGING)}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SyncBenchConfig:
+        return cls(nodes=args.nodes, params=int(args.params), codec=args.codec,
+                   averaging=args.averaging, rounds=args.rounds, zstd_level=args.zstd_level,
+                   gloo=not args.no_gloo)
+
+    @property
+    def round_timeout_s(self) -> float:
+        """Generous bound for one round (about 10x what 2 busy cores need)."""
+        return 60.0 + 4e-7 * self.params * self.nodes
+
+    @property
+    def total_timeout_s(self) -> float:
+        return START_TIMEOUT_S + (WARMUP_ROUNDS + self.rounds + 1) * self.round_timeout_s
+
+
+# ---- parent ---------------------------------------------------------------------------------
+
+
+def run_sync_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by the CLI's `bench sync` flags; returns the JSON object."""
+    cfg = SyncBenchConfig.from_args(args)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="neuronode-bench-") as tmp:
+        workdir = Path(tmp)
+        nodes = run_workers(cfg, workdir, "node", [[] for _ in range(cfg.nodes)])
+        gloo: list[dict[str, Any]] = []
+        if cfg.gloo:
+            port = ["--port", str(free_port())]
+            gloo = run_workers(cfg, workdir, "gloo", [port for _ in range(cfg.nodes)])
+    result = summarize(cfg, nodes, gloo)
+    result["bench_seconds"] = round(time.monotonic() - started, 3)
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_argv(cfg: SyncBenchConfig, workdir: Path, kind: str, index: int) -> list[str]:
+    return [sys.executable, "-m", "neuronode.bench.sync", kind, "--dir", str(workdir),
+            "--index", str(index), "--config", json.dumps(asdict(cfg))]
+
+
+def run_workers(
+    cfg: SyncBenchConfig, workdir: Path, kind: str, extra: list[list[str]],
+) -> list[dict[str, Any]]:
+    """Start one `kind` worker per entry of `extra`, wait for all, return their results."""
+    # One torch/OpenMP thread per worker: N workers already share the machine's cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for index, more in enumerate(extra):
+            with open(workdir / f"{kind}-{index}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [*worker_argv(cfg, workdir, kind, index), *more], env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log))
+        wait_all(procs, workdir, kind, timeout_s=cfg.total_timeout_s)
+    finally:
+        for proc in procs:  # only still-running ones: after an error or Ctrl-C
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait(timeout=30)
+    return [json.loads((workdir / f"{kind}-{i}.json").read_text()) for i in range(len(procs))]
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], workdir: Path, kind: str, *, timeout_s: float) -> None:
+    """Return when every process exited 0; raise BenchError at the first failure or the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        for index, code in enumerate(codes):
+            if code not in (None, 0):
+                raise BenchError(f"{kind} worker {index} exited with status {code}: "
+                                 f"{log_tail(workdir / f'{kind}-{index}.log')}")
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() >= deadline:
+            running = [i for i, code in enumerate(codes) if code is None]
+            raise BenchError(f"{kind} workers {running} still running after {timeout_s:.0f} s; "
+                             f"killed them (worker {running[0]}: "
+                             f"{log_tail(workdir / f'{kind}-{running[0]}.log')})")
+        time.sleep(0.05)
+
+
+def log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fold per-worker results into the benchmark's JSON object (see the module docstring)."""
+    timed = [w["rounds"][WARMUP_ROUNDS:] for w in nodes]
+    n_rounds = len(timed[0])
+
+    def slowest(key: str) -> list[float]:  # per round, the slowest worker
+        return [max(rounds[k][key] for rounds in timed) for k in range(n_rounds)]
+
+    round_s = slowest("seconds")
+    digests_agree = all(len({rounds[k]["sha256"] for rounds in timed}) == 1 for k in range(n_rounds))
+    contributors = min(r["contributors"] for rounds in timed for r in rounds)
+    payload = min(r["min_peer_bytes"] for rounds in timed for r in rounds)
+    sent = statistics.fmean(r["bytes_sent"] for rounds in timed for r in rounds)
+    seconds = statistics.median(round_s)
+    result: dict[str, Any] = {
+        "nodes": cfg.nodes, "params": cfg.params, "codec": cfg.codec, "averaging": cfg.averaging,
+        "rounds": cfg.rounds, "zstd_level": cfg.zstd_level, "chunk_bytes": cfg.chunk_bytes,
+        "seconds": round(seconds, 4), "round_seconds": [round(s, 4) for s in round_s],
+        "encode_seconds": round(statistics.median(slowest("encode_s")), 4),
+        "exchange_seconds": round(statistics.median(slowest("exchange_s")), 4),
+        "decode_average_seconds": round(statistics.median(slowest("decode_average_s")), 4),
+        "payload_bytes_per_param": round(payload / cfg.params, 4),
+        "wire_bytes_per_param": round(sent / cfg.params, 4),
+        "peak_rss_bytes": max(w["peak_rss_bytes"] for w in nodes),
+        "replicas_identical": digests_agree and contributors == cfg.nodes,
+        "gloo_seconds": None, "ratio_vs_gloo": None,
+    }
+    if gloo:
+        gloo_s = [max(w["seconds"][k] for w in gloo) for k in range(len(gloo[0]["seconds"]))]
+        result["gloo_seconds"] = round(statistics.median(gloo_s), 4)
+        result["gloo_round_seconds"] = [round(s, 4) for s in gloo_s]
+        result["ratio_vs_gloo"] = round(seconds / max(statistics.median(gloo_s), 1e-9), 2)
+        result["gloo_peak_rss_bytes"] = max(w["peak_rss_bytes"] for w in gloo)
+    return result
+
+
+# ---- workers --------------------------------------------------------------------------------
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def exit_with_parent() -> None:
+    """A worker whose parent died (killed, crashed) must not linger: exit within a second."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+async def wait_until(what: str, predicate: Any, *, deadline: float) -> None:
+    """Poll `predicate()` without blocking the event loop; raise TimeoutError at `deadline`."""
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(POLL_S)
+
+
+def pseudo_gradient(n: int, seed: int) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen) * 1e-3  # (P,) float32, a pseudo-gradient's scale
+
+
+def encode_contribution(delta: Any, *, codec: str, chunk_bytes: int, zstd_level: int,
+                        feedback: Any, weight: float) -> Any:
+    """What Trainer.encode does after taking the pseudo-gradient: frames for the wire, and the
+    decoded (wire) form of our own contribution, with error feedback for lossy codecs."""
+    from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
+    from neuronode.trainer import Encoded
+
+    if feedback is not None:
+        delta = feedback.compensate(delta)
+    digest = ContributionDigest()
+    frames = list(encode_frames(delta, codec=codec, chunk_bytes=chunk_bytes,
+                                zstd_level=zstd_level, digest=digest))
+    own = Assembler(n_elems=delta.numel(), codec=codec, chunk_bytes=chunk_bytes)
+    for frame in frames:
+        own.add_frame(frame)
+    if feedback is not None:
+        feedback.update(delta, own.decode())
+    c = get_codec(codec)
+    chunk_elements = (chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
+    return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
+                   own=own, weight=weight)
+
+
+def average_contributions(contributions: dict[str, Any]) -> tuple[Any, str]:
+    """Average as the daemon does (decoded one at a time, sorted by id); return it and its sha256."""
+    from neuronode.diloco import average
+
+    avg = average({c.sender_id: (c.data.decode, c.weight) for c in contributions.values()})
+    return avg, hashlib.sha256(avg.numpy().tobytes()).hexdigest()
+
+
+class NodeWorker:
+    """One benchmark node: a SwarmNode plus its pseudo-gradient and round loop."""
+
+    def __init__(self, cfg: SyncBenchConfig, *, workdir: Path, index: int) -> None:
+        from neuronode.codec import ErrorFeedback, get_codec
+
+        self.cfg = cfg
+        self.workdir = workdir
+        self.index = index
+        self.node_id = f"bench-{index}"
+        self.delta = pseudo_gradient(cfg.params, seed=1000 + index)
+        self.feedback = ErrorFeedback(cfg.params) if get_codec(cfg.codec).lossy else None
+        # As in the daemon: one thread for torch work, two for the swarm's chunk decoding.
+        self.work_pool = ThreadPoolExecutor(1, thread_name_prefix="work")
+        self.codec_pool = ThreadPoolExecutor(2, thread_name_prefix="codec")
+
+    async def run(self) -> dict[str, Any]:
+        from neuronode.swarm.node import SwarmConfig, SwarmNode
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        peers: tuple[str, ...] = ()
+        if self.index > 0:
+            first = self.workdir / "address-0"
+            await wait_until("worker 0's address", first.exists, deadline=deadline)
+            peers = (first.read_text().strip(),)
+        node = SwarmNode(SwarmConfig(
+            node_id=self.node_id, swarm_id="bench", manifest_hash=f"bench-{self.cfg.params}",
+            n_elements=self.cfg.params, listen="127.0.0.1:0", advertise="", peers=peers,
+            sync_timeout_s=self.cfg.round_timeout_s, min_contributors=self.cfg.nodes,
+            heartbeat_s=HEARTBEAT_S,
+        ), executor=self.codec_pool)
+        address = await node.start()
+        try:
+            write_atomic(self.workdir / f"address-{self.index}", address)
+            rounds = await self.rounds(node, start_deadline=deadline)
+        finally:
+            await node.drain(timeout_s=5.0)
+            await node.stop(grace_s=1.0)
+            self.work_pool.shutdown(wait=True)
+            self.codec_pool.shutdown(wait=True)
+        return {"index": self.index, "address": address, "rounds": rounds,
+                "peak_rss_bytes": peak_rss_bytes()}
+
+    async def rounds(self, node: Any, *, start_deadline: float) -> list[dict[str, Any]]:
+        """Warm-up and timed rounds; each result gets the bytes sent between its barriers."""
+        total = WARMUP_ROUNDS + self.cfg.rounds
+        results: list[dict[str, Any]] = []
+        counters: list[tuple[int, dict[str, int]]] = []
+        deadline = start_deadline
+        for round_id in range(total + 1):
+            await self.barrier(node, round_id, deadline=deadline)
+            counters.append((node.counters.bytes_sent, dict(node.counters.per_peer_sent)))
+            if round_id < total:
+                deadline = time.monotonic() + self.cfg.round_timeout_s
+                results.append(await self.one_round(node, round_id, deadline=deadline))
+        for result, before, after in zip(results, counters, counters[1:], strict=False):
+            result.update(sent_between(before, after))
+        return results
+
+    async def barrier(self, node: Any, round_id: int, *, deadline: float) -> None:
+        """Every peer at `round_id` in our table (so we push to and wait for all of them), then
+        every worker says so (so rounds start together)."""
+        others = self.cfg.nodes - 1
+        await wait_until(
+            f"{others} peers at round {round_id}",
+            lambda: sum(p.round >= round_id for p in node.table.alive()) >= others,
+            deadline=deadline)
+        (self.workdir / f"barrier-{round_id}-{self.index}").touch()
+        names = [self.workdir / f"barrier-{round_id}-{i}" for i in range(self.cfg.nodes)]
+        await wait_until(f"all workers at the round {round_id} barrier",
+                         lambda: all(n.exists() for n in names), deadline=deadline)
+
+    async def one_round(self, node: Any, round_id: int, *, deadline: float) -> dict[str, Any]:
+        """Encode, exchange, decode and average one round; times each part."""
+        from neuronode.swarm.node import Outgoing
+        from neuronode.swarm.rounds import Contribution
+
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        enc = await loop.run_in_executor(self.work_pool, lambda: encode_contribution(
+            self.delta, codec=self.cfg.codec, chunk_bytes=self.cfg.chunk_bytes,
+            zstd_level=self.cfg.zstd_level, feedback=self.feedback, weight=1.0))
+        t1 = time.perf_counter()
+        out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames,
+                       digest=enc.digest, n_elements=self.cfg.params,
+                       chunk_elements=enc.chunk_elements, weight=enc.weight)
+        own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
+        got = await asyncio.wait_for(node.exchange(out, own), deadline - time.monotonic())
+        t2 = time.perf_counter()
+        _, sha = await loop.run_in_executor(self.work_pool, average_contributions, got)
+        t3 = time.perf_counter()
+        node.record_round(round_id, sha)
+        return {"round_id": round_id, "seconds": t3 - t0, "encode_s": t1 - t0,
+                "exchange_s": t2 - t1, "decode_average_s": t3 - t2, "contributors": len(got),
+                "sha256": sha}
+
+
+def sent_between(before: tuple[int, dict[str, int]], after: tuple[int, dict[str, int]]) -> dict[str, int]:
+    """Bytes sent in all, and the fewest sent to one peer (one contribution, unless retried)."""
+    per_peer = [n - before[1].get(peer, 0) for peer, n in after[1].items()]
+    return {"bytes_sent": after[0] - before[0],
+            "min_peer_bytes": min((n for n in per_peer if n > 0), default=0)}
+
+
+def gloo_worker(cfg: SyncBenchConfig, *, workdir: Path, index: int, port: int) -> dict[str, Any]:
+    """Reference: all_reduce(SUM) then divide, one untimed warm-up, the same rounds."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
+                            world_size=cfg.nodes, timeout=timedelta(seconds=cfg.round_timeout_s))
+    try:
+        delta = pseudo_gradient(cfg.params, seed=1000 + index)
+        seconds = []
+        for _ in range(1 + cfg.rounds):
+            buf = delta.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            buf.div_(cfg.nodes)
+            seconds.append(time.perf_counter() - t0)
+        sha = hashlib.sha256(buf.numpy().tobytes()).hexdigest()
+        assert torch.isfinite(buf).all()
+    finally:
+        dist.destroy_process_group()
+    return {"index": index, "seconds": seconds[1:], "sha256": sha, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m neuronode.bench.sync {node,gloo} ...`: one worker; writes {kind}-{index}.json."""
+    parser = argparse.ArgumentParser(prog="python -m neuronode.bench.sync")
+    parser.add_argument("kind", choices=("node", "gloo"))
+    parser.add_argument("--dir", required=True, type=Path)
+    parser.add_argument("--index", required=True, type=int)
+    parser.add_argument("--config", required=True, help="SyncBenchConfig as JSON")
+    parser.add_argument("--port", type=int, default=0, help="gloo rendezvous port")
+    opts = parser.parse_args(argv)
+    exit_with_parent()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = SyncBenchConfig(**json.loads(opts.config))
+    if opts.kind == "node":
+        from neuronode.daemon import run_async
+
+        worker = NodeWorker(cfg, workdir=opts.dir, index=opts.index)
+        result = run_async(worker.run)
+    else:
+        result = gloo_worker(cfg, workdir=opts.dir, index=opts.index, port=opts.port)
+    write_atomic(opts.dir / f"{opts.kind}-{opts.index}.json", json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,69 @@
+"""A single real `neuronode start` process: it learns, resumes after kill -9, stops on SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from procutil import Node, poll
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+ROUND_LINE = re.compile(r"round (\d+) done: loss \S+ val_loss (\S+)")
+
+
+def val_losses(log: str) -> dict[int, float]:
+    out = {int(r): float(v) for r, v in ROUND_LINE.findall(log)}
+    start = re.search(r"round 0: val_loss (\S+)", log)
+    if start:
+        out[0] = float(start.group(1))
+    return out
+
+
+def test_trains_alone_and_validation_loss_falls(tmp_path: Path) -> None:
+    node = Node(tmp_path, "solo").start("--rounds", "3", "--inner-steps", "50")
+    try:
+        assert node.wait(240) == 0, node.log()
+    finally:
+        node.kill()
+    losses = val_losses(node.log())
+    assert sorted(losses) == [0, 1, 2, 3], node.log()
+    assert 4.8 < losses[0] < 5.9  # about uniform over 256 bytes before training
+    assert losses[0] > losses[1] > losses[2] > losses[3], losses
+    status = node.status()
+    assert status["round"] == 3 and status["last_round_contributors"] == 1
+    assert len(status["param_digest"]) == 64
+
+
+def test_kill_9_mid_round_then_resume(tmp_path: Path) -> None:
+    args = ("--rounds", "3", "--inner-steps", "20")
+    node = Node(tmp_path, "crashy").start(*args)
+    try:
+        poll("round 1 to complete", lambda: "round 1 done" in node.log(), timeout_s=120)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGKILL)  # during round 2
+        node.wait(30)
+        assert node.status()["round"] == 1
+        node.start(*args)
+        assert node.wait(240) == 0, node.log()
+    finally:
+        node.kill()
+    assert "resumed from round-00000001.ckpt" in node.log()
+    assert node.status()["round"] == 3
+
+
+def test_sigterm_exits_0_quickly_with_checkpoint(tmp_path: Path) -> None:
+    node = Node(tmp_path, "term").start("--inner-steps", "20")
+    try:
+        poll("round 1 to complete", lambda: "round 1 done" in node.log(), timeout_s=120)
+        assert node.proc is not None
+        started = time.monotonic()
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.wait(10) == 0, node.log()
+        assert time.monotonic() - started < 10
+    finally:
+        node.kill()
+    assert node.status()["round"] >= 1

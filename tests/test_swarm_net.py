@@ -1,0 +1,501 @@
+"""The swarm layer over real grpc.aio servers on 127.0.0.1, port 0 (neuronode.swarm.node).
+
+Discovery through peer exchange and one round's exchange between real SwarmNodes; a raw
+client that speaks the wire protocol (proto/neuronode/v1/node.proto) and pushes crafted
+contribution streams, each answered with its exact status code; peers that stay silent, leave
+mid-round, or train another model. Waits poll for a state with a deadline, never sleep on hope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import zstandard as zstd
+
+from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
+from neuronode.diloco import average
+from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
+from neuronode.swarm.rounds import Contribution
+from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
+from neuronode.v1 import node_pb2 as pb
+from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+SWARM = "net-test"
+MANIFEST = "a1" * 32
+N_ELEMENTS = 10_000
+CHUNK_BYTES = 4096  # 1024 fp32 elements per chunk: 10 chunks, the last one short
+N_CHUNKS = 10
+HEARTBEAT_S = 0.2
+RPC_TIMEOUT_S = 10.0
+ROGUE = "rogue"
+
+Chunks = list[pb.ContributionChunk]
+Code = grpc.StatusCode
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def make_vector(seed: int) -> torch.Tensor:
+    """Random float32 bits (exponent bit 30 cleared: finite, |x| < 2) that zstd cannot shrink,
+    then zeros that it can: the stream mixes raw and compressed frames."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31, (N_ELEMENTS,), generator=g, dtype=torch.int64)
+    x = (bits.to(torch.int32) & ~(1 << 30)).view(torch.float32).clone()
+    x[N_ELEMENTS // 2 :] = 0.0
+    return x
+
+
+def encode(node_id: str, x: torch.Tensor, *, round_id: int = 0,
+           weight: float = 1.0) -> tuple[Outgoing, Contribution]:
+    """What Trainer.encode and the daemon build for one round (fp32, no error feedback)."""
+    digest = ContributionDigest()
+    frames = list(encode_frames(x, codec="fp32", chunk_bytes=CHUNK_BYTES, zstd_level=1,
+                                digest=digest))
+    own = Assembler(n_elems=x.numel(), codec="fp32", chunk_bytes=CHUNK_BYTES)
+    for frame in frames:
+        own.add_frame(frame)
+    codec = get_codec("fp32")
+    chunk_elements = (CHUNK_BYTES // codec.payload_bytes(codec.block_elems)) * codec.block_elems
+    out = Outgoing(round_id=round_id, codec="fp32", frames=frames, digest=digest.hexdigest(),
+                   n_elements=x.numel(), chunk_elements=chunk_elements, weight=weight)
+    return out, Contribution(node_id, round_id, "fp32", weight, own)
+
+
+def to_chunks(out: Outgoing, *, sender_id: str = ROGUE) -> Chunks:
+    """The ContributionChunk stream that carries `out`, as the wire protocol defines it."""
+    return [
+        pb.ContributionChunk(
+            round_id=out.round_id, sender_id=sender_id, swarm_id=SWARM, chunk_index=f.index,
+            chunk_count=f.count, codec=CODEC_TO_PB[out.codec], compressed=f.compressed,
+            payload=f.data, contribution_digest=out.digest, weight=out.weight,
+            total_elements=out.n_elements, chunk_elements=out.chunk_elements,
+        )
+        for f in out.frames
+    ]
+
+
+def honest_chunks(*, round_id: int = 0, seed: int = 7, weight: float = 3.0) -> Chunks:
+    out, _ = encode(ROGUE, make_vector(seed), round_id=round_id, weight=weight)
+    return to_chunks(out)
+
+
+async def wait_until(predicate: Callable[[], bool], *, what: str, timeout_s: float = 10.0) -> None:
+    """Poll `predicate` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {timeout_s} s for {what}")
+        await asyncio.sleep(0.02)
+
+
+def alive_ids(node: SwarmNode) -> set[str]:
+    return {p.node_id for p in node.table.alive()}
+
+
+def swarm_config(node_id: str, **overrides: Any) -> SwarmConfig:
+    fields: dict[str, Any] = dict(
+        node_id=node_id, swarm_id=SWARM, manifest_hash=MANIFEST, n_elements=N_ELEMENTS,
+        listen="127.0.0.1:0", advertise="", heartbeat_s=HEARTBEAT_S, sync_timeout_s=20.0,
+    )
+    fields.update(overrides)
+    return SwarmConfig(**fields)
+
+
+class Nodes:
+    """Starts SwarmNodes on 127.0.0.1:0; `stop_all` stops every one still running."""
+
+    def __init__(self, executor: ThreadPoolExecutor) -> None:
+        self.executor = executor
+        self.running: list[SwarmNode] = []
+
+    async def start(self, node_id: str, *, peers: Iterable[str] = (), **overrides: Any) -> SwarmNode:
+        node = SwarmNode(swarm_config(node_id, peers=tuple(peers), **overrides),
+                         executor=self.executor)
+        await node.start()
+        self.running.append(node)
+        return node
+
+    async def stop(self, node: SwarmNode) -> None:
+        self.running.remove(node)
+        await node.stop(grace_s=0.5)
+
+    async def stop_all(self) -> None:
+        nodes, self.running = self.running, []
+        await asyncio.gather(*(n.stop(grace_s=0.5) for n in nodes), return_exceptions=True)
+
+
+class Client:
+    """A raw peer: a channel and a stub, no SwarmNode behind it."""
+
+    def __init__(self, node: SwarmNode, channel: grpc.aio.Channel, advertise: str) -> None:
+        self.node = node
+        self.stub = pb_grpc.NodeStub(channel)
+        self.advertise = advertise
+
+    def info(self, **overrides: Any) -> pb.NodeInfo:
+        fields: dict[str, Any] = dict(
+            node_id=ROGUE, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
+            manifest_hash=MANIFEST, advertise=self.advertise,
+        )
+        fields.update(overrides)
+        return pb.NodeInfo(**fields)
+
+    async def hello(self, **overrides: Any) -> pb.HelloResponse:
+        return await self.stub.Hello(pb.HelloRequest(info=self.info(**overrides)),
+                                     timeout=RPC_TIMEOUT_S)
+
+    async def push(self, chunks: Iterable[pb.ContributionChunk]) -> tuple[Code, str, int]:
+        """Stream `chunks`; returns (status code, details, chunks the node acknowledged)."""
+
+        async def stream() -> AsyncIterator[pb.ContributionChunk]:
+            for chunk in chunks:
+                yield chunk
+
+        try:
+            ack = await self.stub.PushContribution(stream(), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or "", 0
+        return Code.OK, "", ack.chunks_received
+
+    async def assert_serving(self) -> None:
+        status = await self.stub.Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)
+        assert status.node_id == self.node.cfg.node_id
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(2)
+    yield pool
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture
+async def nodes(executor: ThreadPoolExecutor) -> AsyncIterator[Nodes]:
+    started = Nodes(executor)
+    try:
+        yield started
+    finally:
+        await started.stop_all()
+
+
+@pytest.fixture
+def refused_address() -> Iterator[str]:
+    """An address nobody listens on: the socket is bound (so the port stays ours) but never
+    listens, so the node's heartbeats to the raw client are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+async def client(nodes: Nodes, refused_address: str) -> AsyncIterator[Client]:
+    node = await nodes.start("target")
+    channel = grpc.aio.insecure_channel(node.advertise)
+    try:
+        yield Client(node, channel, refused_address)
+    finally:
+        await channel.close()
+
+
+@pytest.fixture
+async def greeted(client: Client) -> Client:
+    """A raw client the node accepted as a peer."""
+    resp = await client.hello()
+    assert resp.info.node_id == "target"
+    assert ROGUE in client.node.table.peers
+    return client
+
+
+# ---- discovery and one round -----------------------------------------------------------------
+
+
+async def test_three_nodes_discover_each_other_and_average_bit_identically(nodes: Nodes) -> None:
+    a = await nodes.start("a")
+    b = await nodes.start("b", peers=[a.advertise])
+    c = await nodes.start("c", peers=[b.advertise])
+    trio = {"a": a, "b": b, "c": c}
+    for name, node in trio.items():
+        others = set(trio) - {name}
+        await wait_until(lambda n=node, o=others: alive_ids(n) == o,
+                         what=f"{name} to learn {sorted(others)} by peer exchange")
+
+    vectors = {name: make_vector(seed) for seed, name in enumerate(trio)}
+    weights = {"a": 1.0, "b": 2.0, "c": 5.0}
+    encoded = {name: encode(name, vectors[name], weight=weights[name]) for name in trio}
+    results = await asyncio.gather(*(trio[n].exchange(*encoded[n]) for n in trio))
+
+    expected = average({n: (vectors[n], weights[n]) for n in trio})
+    for name, got in zip(trio, results, strict=True):
+        assert set(got) == set(trio), f"{name} closed round 0 without everyone"
+        assert {n: c.weight for n, c in got.items()} == weights
+        assert all(c.round_id == 0 and c.codec == "fp32" for c in got.values())
+        avg = average({n: (c.data.decode, c.weight) for n, c in got.items()})
+        assert torch.equal(avg, expected), f"{name}'s average differs"
+        assert trio[name].book.closed_below == 1
+
+
+# ---- crafted contribution streams from a raw client ------------------------------------------
+
+
+def every(**fields: Any) -> Callable[[Chunks], Chunks]:
+    """Set header `fields` on every chunk (the stream is consistent, just wrong)."""
+
+    def tamper(chunks: Chunks) -> Chunks:
+        for chunk in chunks:
+            for name, value in fields.items():
+                setattr(chunk, name, value)
+        return chunks
+
+    return tamper
+
+
+def from_chunk(k: int, **fields: Any) -> Callable[[Chunks], Chunks]:
+    """Change header `fields` from chunk `k` on: the header changes mid-stream."""
+
+    def tamper(chunks: Chunks) -> Chunks:
+        every(**fields)(chunks[k:])
+        return chunks
+
+    return tamper
+
+
+def duplicated(chunks: Chunks) -> Chunks:
+    return [*chunks[:2], chunks[1], *chunks[2:]]
+
+
+def out_of_order(chunks: Chunks) -> Chunks:
+    return [chunks[0], chunks[2], chunks[1], *chunks[3:]]
+
+
+def truncated(chunks: Chunks) -> Chunks:
+    return chunks[:4]
+
+
+def index_out_of_range(chunks: Chunks) -> Chunks:
+    chunks[-1].chunk_index = N_CHUNKS
+    return chunks
+
+
+def short_raw_payload(chunks: Chunks) -> Chunks:
+    assert not chunks[0].compressed
+    chunks[0].payload = chunks[0].payload[:-4]
+    return chunks
+
+
+def bomb(*, content_size: bool) -> Callable[[Chunks], Chunks]:
+    """Chunk 0 becomes 50 MB of zeros, zstd-compressed to about 1.6 kB and flagged compressed."""
+
+    def tamper(chunks: Chunks) -> Chunks:
+        packed = zstd.ZstdCompressor(level=1, write_content_size=content_size).compress(
+            bytes(50 << 20))
+        assert len(packed) < CHUNK_BYTES
+        chunks[0].payload, chunks[0].compressed = packed, True
+        return chunks
+
+    return tamper
+
+
+REFUSED_STREAMS = [
+    pytest.param(duplicated, Code.INVALID_ARGUMENT, id="duplicated-chunk"),
+    pytest.param(out_of_order, Code.INVALID_ARGUMENT, id="out-of-order", marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError,
+        reason="SwarmNode.receive does not check chunk order (check_same_stream's docstring says "
+               "it does): the stream is read to its end and refused as DATA_LOSS by the digest")),
+    pytest.param(index_out_of_range, Code.INVALID_ARGUMENT, id="index-out-of-range"),
+    pytest.param(truncated, Code.DATA_LOSS, id="truncated"),
+    pytest.param(lambda chunks: [], Code.INVALID_ARGUMENT, id="empty"),
+    pytest.param(every(contribution_digest="0" * 64), Code.DATA_LOSS, id="wrong-digest"),
+    pytest.param(every(total_elements=N_ELEMENTS - 1), Code.INVALID_ARGUMENT, id="total-elements"),
+    pytest.param(every(codec=pb.CODEC_UNSPECIFIED), Code.INVALID_ARGUMENT, id="codec-unspecified"),
+    pytest.param(every(codec=99), Code.INVALID_ARGUMENT, id="codec-unknown"),
+    pytest.param(every(chunk_count=N_CHUNKS + 1), Code.INVALID_ARGUMENT, id="chunk-count"),
+    pytest.param(every(chunk_elements=2048), Code.INVALID_ARGUMENT, id="chunk-elements"),
+    pytest.param(every(chunk_elements=1000), Code.INVALID_ARGUMENT, id="chunk-elements-lengths"),
+    pytest.param(every(weight=0.0), Code.INVALID_ARGUMENT, id="zero-weight"),
+    pytest.param(every(weight=float("nan")), Code.INVALID_ARGUMENT, id="nan-weight"),
+    pytest.param(short_raw_payload, Code.INVALID_ARGUMENT, id="short-payload"),
+    pytest.param(bomb(content_size=True), Code.INVALID_ARGUMENT, id="bomb"),
+    pytest.param(bomb(content_size=False), Code.INVALID_ARGUMENT, id="bomb-no-size"),
+    pytest.param(every(swarm_id="other"), Code.PERMISSION_DENIED, id="other-swarm"),
+] + [
+    pytest.param(from_chunk(3, **{name: value}), Code.INVALID_ARGUMENT, id=f"changes-{name}")
+    for name, value in [
+        ("round_id", 1), ("sender_id", "target"), ("chunk_count", N_CHUNKS + 1),
+        ("codec", pb.CODEC_FP16), ("contribution_digest", "0" * 64), ("weight", 4.0),
+        ("total_elements", N_ELEMENTS + 1), ("chunk_elements", 2048), ("swarm_id", "other"),
+    ]
+]
+
+
+@pytest.mark.parametrize(("tamper", "code"), REFUSED_STREAMS)
+async def test_malformed_stream_is_refused_and_not_stored(
+    greeted: Client, tamper: Callable[[Chunks], Chunks], code: Code,
+) -> None:
+    status, details, _ = await greeted.push(tamper(honest_chunks()))
+    assert status == code, details
+    assert ROGUE not in greeted.node.book.contributors(0)
+    await greeted.assert_serving()
+    # The refusal freed the sender's slot: the honest stream right after is taken.
+    status, details, _ = await greeted.push(honest_chunks())
+    assert status == Code.OK, details
+    assert ROGUE in greeted.node.book.contributors(0)
+
+
+async def test_honest_contribution_is_stored_once(greeted: Client) -> None:
+    chunks = honest_chunks(weight=3.0)
+    assert {c.compressed for c in chunks} == {True, False}  # both frame kinds travel
+    status, details, acked = await greeted.push(chunks)
+    assert (status, acked) == (Code.OK, N_CHUNKS), details
+    assert greeted.node.book.contributors(0) == {ROGUE}
+
+    status, details, _ = await greeted.push(honest_chunks(seed=8))
+    assert status == Code.ALREADY_EXISTS, details
+    stored = greeted.node.book.close(0)[ROGUE]
+    assert (stored.round_id, stored.codec, stored.weight) == (0, "fp32", 3.0)
+    assert torch.equal(stored.data.decode(), make_vector(7))  # the first one, untouched
+
+
+async def test_second_stream_while_the_first_is_open_is_refused(greeted: Client) -> None:
+    chunks = honest_chunks()
+    release = asyncio.Event()
+
+    async def held() -> AsyncIterator[pb.ContributionChunk]:
+        yield chunks[0]
+        await release.wait()
+        for chunk in chunks[1:]:
+            yield chunk
+
+    first = greeted.stub.PushContribution(held(), timeout=RPC_TIMEOUT_S)  # starts streaming
+    try:
+        await wait_until(lambda: greeted.node.counters.bytes_received > 0,
+                         what="the first chunk of the held stream")
+        status, details, _ = await greeted.push(honest_chunks(seed=8))
+        assert status == Code.ALREADY_EXISTS, details
+        release.set()
+        assert (await first).chunks_received == N_CHUNKS
+    finally:
+        first.cancel()  # no-op once it finished; ends the stream if an assert failed
+    assert torch.equal(greeted.node.book.close(0)[ROGUE].data.decode(), make_vector(7))
+
+
+async def test_next_round_is_buffered_and_further_ahead_refused(greeted: Client) -> None:
+    status, details, _ = await greeted.push(honest_chunks(round_id=1))
+    assert status == Code.OK, details
+    assert ROGUE in greeted.node.book.contributors(1)
+
+    status, details, _ = await greeted.push(honest_chunks(round_id=2))
+    assert status == Code.FAILED_PRECONDITION, details
+    assert "too far ahead" in details
+    assert ROGUE not in greeted.node.book.contributors(2)
+
+
+async def test_contribution_for_a_closed_round_is_refused(greeted: Client) -> None:
+    greeted.node.book.close(0)
+    status, details, _ = await greeted.push(honest_chunks(round_id=0))
+    assert status == Code.FAILED_PRECONDITION, details
+    assert "closed" in details
+    assert ROGUE not in greeted.node.book.contributors(0)
+    await greeted.assert_serving()
+
+
+async def test_push_without_hello_is_refused(client: Client) -> None:
+    status, details, _ = await client.push(honest_chunks())
+    assert status == Code.FAILED_PRECONDITION, details
+    assert "Hello" in details
+    assert ROGUE not in client.node.book.contributors(0)
+    await client.assert_serving()
+
+
+@pytest.mark.parametrize(("override", "code", "keyword"), [
+    pytest.param({"swarm_id": "other-swarm"}, Code.FAILED_PRECONDITION, "swarm id", id="swarm"),
+    pytest.param({"manifest_hash": "b2" * 32}, Code.FAILED_PRECONDITION, "manifest", id="manifest"),
+    pytest.param({"protocol_version": PROTOCOL_VERSION + 1}, Code.FAILED_PRECONDITION,
+                 "protocol version", id="protocol"),
+    pytest.param({"node_id": "target"}, Code.ALREADY_EXISTS, "already used", id="node-id-taken"),
+    pytest.param({"node_id": ""}, Code.INVALID_ARGUMENT, "node id", id="no-node-id"),
+])
+async def test_mismatched_hello_is_refused(
+    client: Client, override: dict[str, Any], code: Code, keyword: str,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await client.hello(**override)
+    assert refused.value.code() == code
+    assert keyword in (refused.value.details() or "")
+    assert set(client.node.table.peers) == set()
+    # A refused peer stays a stranger: its contributions are refused too.
+    status, details, _ = await client.push(honest_chunks())
+    assert status == Code.FAILED_PRECONDITION, details
+    await client.assert_serving()
+
+
+# ---- peers that stay silent, leave, or train another model -----------------------------------
+
+
+async def test_silent_peer_costs_one_deadline(nodes: Nodes) -> None:
+    a = await nodes.start("a", sync_timeout_s=2.0)
+    b = await nodes.start("b", peers=[a.advertise])  # alive, answers heartbeats, never exchanges
+    await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
+
+    t0 = time.monotonic()
+    got = await a.exchange(*encode("a", make_vector(1)))
+    elapsed_s = time.monotonic() - t0
+    assert set(got) == {"a"}
+    assert 1.9 <= elapsed_s < 10.0, f"exchange took {elapsed_s:.2f} s with a 2 s deadline"
+    assert alive_ids(a) == {"b"}  # b was silent, not gone
+    assert "a" in b.book.contributors(0)  # our push still reached it
+
+
+async def test_peer_leaving_mid_round_ends_the_wait(nodes: Nodes) -> None:
+    a = await nodes.start("a", sync_timeout_s=30.0)
+    b = await nodes.start("b", peers=[a.advertise])
+    await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
+
+    t0 = time.monotonic()
+    exchange = asyncio.create_task(a.exchange(*encode("a", make_vector(1))))
+    try:
+        await wait_until(lambda: "a" in b.book.contributors(0), what="a's contribution at b")
+        assert not exchange.done(), "a closed the round without waiting for b"
+        await nodes.stop(b)
+        got = await asyncio.wait_for(exchange, timeout=15.0)
+    finally:
+        exchange.cancel()
+        await asyncio.gather(exchange, return_exceptions=True)
+    elapsed_s = time.monotonic() - t0
+    assert set(got) == {"a"}
+    assert elapsed_s < 10.0, f"exchange took {elapsed_s:.2f} s after b left (deadline 30 s)"
+    assert alive_ids(a) == set()
+
+
+async def test_nodes_of_different_models_stay_apart(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="neuronode.swarm")
+    a = await nodes.start("a")
+    b = await nodes.start("b", peers=[a.advertise], manifest_hash="b2" * 32)
+    a.table.add_address(b.advertise)  # both dial each other
+
+    def refusals(node: SwarmNode) -> int:
+        """Hellos of `node` its peer refused (the caller logs them, naming itself)."""
+        mark = f"manifest mismatch: {node.cfg.node_id} trains another model"
+        return sum(1 for r in caplog.records if "refused us" in r.getMessage() and mark in r.getMessage())
+
+
+    await wait_until(lambda: refusals(a) >= 2 and refusals(b) >= 2,
+                     what="both nodes to be refused twice")
+    assert a.table.peers == {} and b.table.peers == {}
+    assert alive_ids(a) == set() and alive_ids(b) == set()

@@ -1,0 +1,52 @@
+"""Real `neuronode start` processes on 127.0.0.1 forming a swarm."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from procutil import Node, poll
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+
+def first_round_loss(log: str) -> float:
+    match = re.search(r"round 1 done: loss (\S+)", log)
+    assert match, log
+    return float(match.group(1))
+
+
+def test_three_nodes_chain_bootstrap_identical_replicas(tmp_path: Path) -> None:
+    """A alone, B knows A, C knows only B: all learn all, average, and agree bit for bit.
+    D trains another model (other --d-model) and is refused by the others."""
+    args = ("--rounds", "3", "--inner-steps", "20", "--sync-timeout", "60")
+    a = Node(tmp_path, "a", *args)
+    b = Node(tmp_path, "b", *args, "--peers", a.address)
+    c = Node(tmp_path, "c", *args, "--peers", b.address)
+    d = Node(tmp_path, "d", "--rounds", "2", "--inner-steps", "10", "--d-model", "64", "--peers", a.address)
+    nodes = [a, b, c, d]
+    try:
+        for node in (a, b, c):
+            node.start()
+        poll("node a to serve", lambda: a.status(live=True), timeout_s=60)
+        d.start()
+        for node in nodes:
+            assert node.wait(300) == 0, f"{node.name}:\n{node.log()}"
+    finally:
+        for node in nodes:
+            node.kill()
+    statuses = [n.status() for n in (a, b, c)]
+    for s in statuses:
+        assert s["round"] == 3
+        assert s["last_round_contributors"] == 3
+        assert s["bytes_sent"] > 0 and s["bytes_received"] > 0
+    assert len({s["param_digest"] for s in statuses}) == 1
+    assert len({s["node_id"] for s in statuses}) == 3
+    # Different data streams: their local losses differ, so equal digests come from averaging.
+    assert len({first_round_loss(n.log()) for n in (a, b, c)}) == 3
+    # The odd model is refused on both sides and never averaged in.
+    assert "model manifest mismatch" in d.log()
+    assert "model manifest mismatch" in a.log()
+    assert d.status()["last_round_contributors"] == 1
+    assert d.status()["node_id"] not in statuses[0]["last_round_contributor_ids"]
