@@ -114,6 +114,7 @@ NON_NEGATIVE_INT = {"rounds", "threads", "schedule_steps", "seed"}
 POSITIVE_FLOAT = {"inner_lr", "outer_lr", "sync_timeout", "heartbeat_s"}
 RANGES: dict[str, tuple[Any, str]] = {
     "warmup_steps": (lambda v: v >= -1, "-1 (auto) or more"),
+    "seed": (lambda v: 0 <= v < 2**31, "between 0 and 2147483647"),
     "weight_decay": (lambda v: v >= 0, "0 or more"),
     "grad_clip": (lambda v: v >= 0, "0 (off) or more"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),

@@ -113,5 +113,5 @@ def agreement(own: dict[int, str], peers: list[Peer]) -> tuple[str, int | None]:
         best_digest, best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
         if best_digest != own[round_id] and best > ours:
             return "diverged", round_id
-        return "agree" if ours == sum(votes.values()) else "agree-majority", round_id
+        return "agree" if ours == sum(votes.values()) else "majority", round_id
     return "unknown", None
