@@ -320,10 +320,7 @@ def bomb(*, content_size: bool) -> Callable[[Chunks], Chunks]:
 
 REFUSED_STREAMS = [
     pytest.param(duplicated, Code.INVALID_ARGUMENT, id="duplicated-chunk"),
-    pytest.param(out_of_order, Code.INVALID_ARGUMENT, id="out-of-order", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="SwarmNode.receive does not check chunk order (check_same_stream's docstring says "
-               "it does): the stream is read to its end and refused as DATA_LOSS by the digest")),
+    pytest.param(out_of_order, Code.INVALID_ARGUMENT, id="out-of-order"),
     pytest.param(index_out_of_range, Code.INVALID_ARGUMENT, id="index-out-of-range"),
     pytest.param(truncated, Code.DATA_LOSS, id="truncated"),
     pytest.param(lambda chunks: [], Code.INVALID_ARGUMENT, id="empty"),

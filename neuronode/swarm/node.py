@@ -43,6 +43,7 @@ from neuronode.v1 import node_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK_PAYLOAD = 4 << 20
+MAX_KNOWN_ADDRESSES = 1024
 # Refusals that retrying cannot fix; anything else (UNAVAILABLE, DEADLINE_EXCEEDED) is retried.
 FINAL_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
@@ -214,9 +215,9 @@ class SwarmNode:
             digests=digests, leaving=info.leaving,
         )
         for rec in known[:MAX_PEERS_LISTED]:
-            if rec.node_id != self.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS:
-                if rec.address not in self.table.addresses:
-                    self.table.add_address(rec.address)
+            if (rec.node_id != self.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
+                    and len(self.table.addresses) < MAX_KNOWN_ADDRESSES):
+                self.table.add_address(rec.address)
         if came:
             self._push_outbox_to_new_peers()
         if info.leaving:
@@ -260,8 +261,19 @@ class SwarmNode:
         self.table.mark_failure(address)
         _, delay = self._backoff.get(address, (0.0, 0.0))
         cap = 300.0 if refused else 30.0
+        if delay >= cap and address not in self.cfg.peers and not any(
+                p.address == address for p in self.table.alive()):
+            self._forget(address)  # gossiped address that never answers: stop carrying it
+            return
         delay = min(cap, max(self.cfg.heartbeat_s, delay * 2))
         self._backoff[address] = (time.monotonic() + delay * random.uniform(0.5, 1.0), delay)
+
+    def _forget(self, address: str) -> None:
+        self.table.addresses.discard(address)
+        self._backoff.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            self._spawn(channel.close(), f"close-{address}")
 
     async def _hello(self, address: str) -> bool:
         req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
@@ -382,6 +394,7 @@ class SwarmNode:
         assembler: Assembler | None = None
         digest = ContributionDigest()
         loop = asyncio.get_running_loop()
+        next_index = 0
         try:
             async for chunk in chunks:
                 if first is None:
@@ -390,6 +403,10 @@ class SwarmNode:
                 else:
                     check_same_stream(first, chunk)
                 assert assembler is not None
+                if chunk.chunk_index != next_index:
+                    raise Refusal("INVALID_ARGUMENT", f"round {first.round_id}: {first.sender_id} sent chunk "
+                                  f"{chunk.chunk_index} where chunk {next_index} was due; chunks go in order, once each")
+                next_index += 1
                 raw = await loop.run_in_executor(self.executor, self._decode_chunk, assembler, chunk)
                 digest.update(raw)
                 assembler.add(chunk.chunk_index, raw)
@@ -398,7 +415,7 @@ class SwarmNode:
                 raise Refusal("INVALID_ARGUMENT", "empty contribution stream")
             if not assembler.complete:
                 raise Refusal("DATA_LOSS", f"round {first.round_id}: stream from {first.sender_id} ended "
-                              f"after {len(assembler.missing())} missing of {assembler.count} chunks; discarded")
+                              f"with {len(assembler.missing())} of {assembler.count} chunks missing; discarded")
             if digest.hexdigest() != first.contribution_digest:
                 raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
                               "does not match its digest; discarded")
