@@ -64,6 +64,7 @@ class NodeConfig:
     task_option: tuple[str, ...] = opt((), "comma list of KEY=VALUE options passed to the task", metavar="K=V,...")
     rounds: int = opt(0, "stop after this many completed rounds in total (0: run until stopped)")
     inner_steps: int = opt(50, "inner optimizer steps per round (H)")
+    round_seconds: float = opt(0.0, "also end a round's training after this many seconds (0: steps only)")
     batch_size: int = opt(16, "sequences per inner step")
     seq_len: int = opt(128, "tokens per sequence")
     d_model: int = opt(128, "model width of the built-in task")
@@ -88,6 +89,8 @@ class NodeConfig:
     min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
     heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
     keep_checkpoints: int = opt(3, "checkpoints kept in the data dir")
+    repair_cooldown: int = opt(3, "rounds between two repairs of a diverged replica (catching up is never delayed)")
+    fault_file: str = opt("", "testing only: JSON fault plan for the transport (docs/fault-tolerance.md)", metavar="FILE")
     log_format: str = opt("text", "log line format", choices=LOG_FORMATS)
     log_level: str = opt("info", "log verbosity", choices=LOG_LEVELS)
 
@@ -120,6 +123,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
     "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "zstd_level": (lambda v: 0 <= v <= 22, "between 0 (off) and 22"),
+    "round_seconds": (lambda v: v >= 0, "0 (off) or more"),
+    "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
 }
 

@@ -102,6 +102,7 @@ class Daemon:
         self.param_digest = ""
         self.last_contributors: list[str] = []
         self.restored_meta: dict[str, Any] = {}
+        self.last_repair_round = -(10**9)
         self.stop_flag = threading.Event()  # seen by the training thread between steps
         self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
         # One thread trains (torch state is not thread-safe); another encodes/decodes chunks.
@@ -142,11 +143,15 @@ class Daemon:
         if self.engine.round == 0:
             await self.off_loop(self.train_pool, self.trainer.validate)
             logger.info("round 0: val_loss %.4f before training", self.trainer.val_loss)
-        self.swarm = SwarmNode(self.swarm_config(), executor=self.codec_pool, status_provider=self.status)
+        self.swarm = SwarmNode(self.swarm_config(), executor=self.codec_pool, status_provider=self.status,
+                               state_provider=self.trainer.snapshot)
         self.swarm.counters.bytes_sent = int(self.restored_meta.get("bytes_sent", 0))
         self.swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))
         await self.swarm.start()
         self.swarm.record_round(self.engine.round - 1, self.param_digest)
+        if self.cfg.peers:
+            self.phase = "joining"
+            await self.swarm.wait_first_contact(timeout_s=max(10.0, 3 * self.cfg.heartbeat_s))
         logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
                     self.trainer.n_params, self.cfg.task, self.cfg.codec, self.engine.round,
                     f" of {self.cfg.rounds}" if self.cfg.rounds else "")
@@ -157,6 +162,10 @@ class Daemon:
         finally:
             self.progress.clear()
             self.phase = "stopping"
+            if self.engine.steps_this_round and not self.finished():
+                # Keep the inner steps of the interrupted round; a restart resumes them (or
+                # catches up with the swarm if it moved on meanwhile).
+                await self.off_loop(self.train_pool, self.save_checkpoint)
             await self.swarm.drain(timeout_s=5.0 if stopped.is_set() else self.cfg.sync_timeout)
             await self.swarm.stop()
             self.train_pool.shutdown(wait=True)
@@ -172,6 +181,7 @@ class Daemon:
 
     async def one_round(self, stopped: asyncio.Event) -> bool:
         """One DiLoCo round; False when a stop interrupted it (nothing half-applied)."""
+        await self.maybe_catch_up()
         round_id = self.engine.round
         started = time.monotonic()
         self.phase = "training"
@@ -209,6 +219,33 @@ class Daemon:
             time.monotonic() - started, self.param_digest[:12])
         return True
 
+    async def maybe_catch_up(self) -> None:
+        """Before a round: if we are behind the swarm's winning lineage, or outside it, download
+        the global state from one of its members and continue from there."""
+        plan = self.swarm.catch_up_plan()
+        if plan is None:
+            return
+        if plan.reason == "diverged" and self.engine.round - self.last_repair_round < self.cfg.repair_cooldown:
+            self.swarm.say("repair-cooldown", logging.WARNING, "diverged from the swarm, but repaired "
+                           "at round %d; next repair after %d rounds", self.last_repair_round,
+                           self.cfg.repair_cooldown)
+            return
+        self.phase = "catching up"
+        started = time.monotonic()
+        logger.info("%s (round %d, swarm at round %d): downloading the global state from %s",
+                    "behind the swarm" if plan.reason == "behind" else "diverged from the swarm",
+                    self.engine.round, plan.target_round, ", ".join(plan.donors[:3]))
+        state = await self.swarm.fetch_state(plan.donors)
+        if state is None:
+            logger.warning("no donor delivered the state; training on and trying again next round")
+            return
+        self.param_digest = await self.off_loop(self.train_pool, self.trainer.adopt, state)
+        self.swarm.adopt(state.round, self.param_digest)
+        self.last_repair_round = self.engine.round
+        await self.off_loop(self.train_pool, self.save_checkpoint)
+        logger.info("adopted the swarm's state at round %d in %.1fs (digest %s, val_loss %.4f)",
+                    state.round, time.monotonic() - started, self.param_digest[:12], self.trainer.val_loss)
+
     def on_step(self, trainer: Trainer) -> None:
         """Called in the training thread after each inner step: live progress on a TTY."""
         eng = trainer.engine
@@ -225,6 +262,7 @@ class Daemon:
             n_elements=self.trainer.n_params, listen=self.cfg.listen, advertise=self.cfg.advertise,
             peers=self.cfg.peers, sync_timeout_s=self.cfg.sync_timeout, min_contributors=self.cfg.min_peers,
             heartbeat_s=self.cfg.heartbeat_s, first_round=self.engine.round,
+            zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
         )
 
     def status(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from neuronode.codec import (
 from neuronode.config import NodeConfig
 from neuronode.diloco import DiLoCo, InnerConfig, OuterConfig, get_aggregator
 from neuronode.errors import ConfigError
+from neuronode.state import GlobalState
 from neuronode.training import TaskConfig, TaskError, create_task
 
 logger = logging.getLogger(__name__)
@@ -105,18 +106,29 @@ class Trainer:
         self.loss = math.nan
         self.val_loss = math.nan
         self.tokens_per_s = 0.0
+        # Guards the global parameters and momentum: the outer step and adopting a downloaded
+        # state change them; a donor snapshots them from another thread while we train.
+        self.global_lock = threading.Lock()
+        self.param_digest = self.engine.param_digest()
 
     @property
     def n_params(self) -> int:
         return self.engine.num_elements
 
     def train_round(self, stop: threading.Event, on_step: Any = None) -> int:
-        """Run this round's remaining inner steps (resumes mid-round); returns steps done now."""
+        """Run this round's remaining inner steps (resumes mid-round); returns steps done now.
+
+        A round ends after --inner-steps steps, or after --round-seconds when that is set, so
+        a slow node contributes what it computed (weighted by its samples)."""
         self.task.model.train()
         done = 0
         t0 = time.perf_counter()
         tokens = 0
+        self.time_limited = False
         while self.engine.steps_this_round < self.cfg.inner_steps and not stop.is_set():
+            if self.cfg.round_seconds and done and time.perf_counter() - t0 >= self.cfg.round_seconds:
+                self.time_limited = True
+                break
             batches = [next(self.task.batches) for _ in range(self.cfg.grad_accum)]
             self.loss = self.engine.inner_step(
                 batches, self.task.loss_fn, samples=self.task.samples_per_batch * len(batches))
@@ -128,7 +140,8 @@ class Trainer:
         return done
 
     def round_complete(self) -> bool:
-        return self.engine.steps_this_round >= self.cfg.inner_steps
+        return self.engine.steps_this_round >= self.cfg.inner_steps or (
+            self.time_limited and self.engine.steps_this_round > 0)
 
     def encode(self) -> Encoded:
         """Pseudo-gradient -> wire frames; the node averages the decoded (wire) form of its own
@@ -158,9 +171,35 @@ class Trainer:
         if not torch.isfinite(avg).all():
             logger.error("averaged pseudo-gradient is not finite; skipping the outer update")
             avg = torch.zeros_like(avg)
-        self.engine.outer_step(avg)
+        with self.global_lock:
+            self.engine.outer_step(avg)
+            self.param_digest = self.engine.param_digest()
         self.validate()
-        return self.engine.param_digest()
+        return self.param_digest
+
+    def snapshot(self) -> GlobalState:
+        """The global state for a joiner (called from a worker thread while we may train)."""
+        with self.global_lock:
+            return GlobalState(round=self.engine.round, param_digest=self.param_digest,
+                               params=self.engine.flat_global(), momentum=self.engine.flat_momentum(),
+                               inner_steps_total=self.engine.inner_steps_total)
+
+    def adopt(self, state: GlobalState) -> str:
+        """Continue from a downloaded global state: parameters, momentum, round, schedule.
+        Our inner optimizer state and data stream stay ours; error feedback restarts at zero."""
+        with self.global_lock:
+            eng = self.engine
+            eng.load_flat_global(state.params)
+            eng.load_flat_momentum(state.momentum)
+            eng.round, eng.inner_steps_total = state.round, state.inner_steps_total
+            eng.steps_this_round = eng.samples_this_round = 0
+            self.param_digest = eng.param_digest()
+        if self.param_digest != state.param_digest:
+            raise ValueError("adopted parameters do not hash to the donor's digest")
+        if self.feedback is not None:
+            self.feedback.reset()
+        self.validate()
+        return self.param_digest
 
     def validate(self) -> None:
         if self.task.validate is not None:
@@ -176,7 +215,9 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state["engine"])
+        with self.global_lock:
+            self.engine.load_state_dict(state["engine"])
+            self.param_digest = self.engine.param_digest()
         self.loss, self.val_loss = state.get("loss", math.nan), state.get("val_loss", math.nan)
         if "batches" in state and hasattr(self.task.batches, "load_state_dict"):
             self.task.batches.load_state_dict(state["batches"])

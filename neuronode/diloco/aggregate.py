@@ -9,20 +9,67 @@ Contributions map ``peer_id -> (vector_or_loader, weight)``. A loader is a zero-
 callable returning the vector, so a caller can decode one contribution at a time and hold
 only the accumulator plus one vector in memory.
 
-Aggregators are looked up by name with :func:`get_aggregator`; robust ones (trimmed mean,
-coordinate median, norm clipping) belong in this module under the same registry.
+Aggregators are looked up by name with :func:`get_aggregator` (the names are the CLI values):
+
+=================  =====================================  ======================  ==========
+name               options (defaults)                     bad members tolerated   time
+=================  =====================================  ======================  ==========
+``mean``           none                                   0                       O(nP)
+``trimmed-mean``   ``trim_fraction=0.2``                  ⌊f·n⌋ (a fraction < f)  O(nP) [1]
+``median``         none                                   fewer than n/2          O(nP) [1]
+``norm-clip``      ``clip_factor=1.0`` (≥ 1)              influence bounded [2]   O(nP)
+``centered-clip``  ``clip_factor=1.0``, ``iterations=3``  fewer than n/2 [3]      O(k·nP)
+=================  =====================================  ======================  ==========
+
+Any of them also takes ``cosine_threshold`` (in [-1, 1], default off), which puts
+:class:`CosineFilter` in front: contributions pointing away from the coordinate-wise median
+are dropped first. ``get_aggregator("median", cosine_threshold=0.0)`` is median after the
+filter. [1] per coordinate a sort of n values: a min/max network, O(n²) cheap element-wise
+ops, up to 16 members, ``torch.sort`` (O(n log n)) beyond. [2] see :class:`NormClip`.
+[3] see :class:`CenteredClip`.
+
+Only ``mean`` streams. The robust rules need every vector at once: each contribution is
+decoded exactly once, in sorted peer-id order, and all are held, so with loaders that
+return whole vectors they cost ``n × P × 4`` bytes plus the output, plus about
+``(n + 2) × 4 MiB`` of column-block scratch (see :mod:`neuronode.diloco.robust`).
+
+Weights: the robust rules other than ``norm-clip`` count members, not weights. A weight is
+the sender's own claim (its sample or step count), and a rule that let one member claim a
+huge weight would not be robust. Weights are still validated exactly as for ``mean``.
+
+Non-finite contributions: a vector holding NaN or ±inf is certainly not honest and would
+poison norms and means, so every robust aggregator (and the cosine filter) drops it with a
+warning before doing anything else; fractions above refer to the remaining members. Plain
+``mean`` keeps its historic behaviour and does not look.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
 
-__all__ = ["Aggregator", "Contribution", "average", "available_aggregators", "get_aggregator"]
+from neuronode.diloco import robust
+
+__all__ = [
+    "Aggregator",
+    "CenteredClip",
+    "Contribution",
+    "CoordinateMedian",
+    "CosineFilter",
+    "NormClip",
+    "TrimmedMean",
+    "average",
+    "available_aggregators",
+    "get_aggregator",
+]
+
+logger = logging.getLogger(__name__)
 
 Contribution: TypeAlias = tuple[Tensor | Callable[[], Tensor], float]
 """``(flat float32 vector, or a callable returning it, weight > 0)``."""
@@ -82,12 +129,213 @@ def _resolve(peer_id: str, source: Tensor | Callable[[], Tensor]) -> Tensor:
     return vector
 
 
+def _decode_finite(
+    contributions: Mapping[str, Contribution],
+) -> tuple[list[str], list[Tensor], list[float]]:
+    """Decode every contribution once, in sorted peer-id order, and drop non-finite ones.
+
+    Returns ``(peer_ids, vectors, weights)`` of the kept members, all three in that order.
+    Weights are validated before anything is decoded, lengths after.
+    """
+    peer_ids, _ = _sorted_ids_and_total(contributions)
+    kept: tuple[list[str], list[Tensor], list[float]] = ([], [], [])
+    dropped: list[str] = []
+    size: int | None = None
+    for peer_id in peer_ids:
+        source, weight = contributions[peer_id]
+        vector = _resolve(peer_id, source)
+        if size is None:
+            size = vector.numel()
+        elif vector.numel() != size:
+            raise ValueError(
+                f"contribution from {peer_id!r} has {vector.numel()} elements, expected {size}"
+            )
+        if not bool(torch.isfinite(vector).all()):
+            dropped.append(peer_id)
+            continue
+        kept[0].append(peer_id)
+        kept[1].append(vector)
+        kept[2].append(float(weight))
+    if dropped:
+        logger.warning("dropped contributions with NaN or inf values from %s", dropped)
+    if not kept[0]:
+        raise ValueError(f"every contribution holds NaN or inf values ({dropped}); nothing to aggregate")
+    return kept
+
+
+def _finite_number(option: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{option} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrimmedMean:
+    """``trimmed-mean``: per coordinate drop the ``⌊f·n⌋`` largest and smallest values, average the rest.
+
+    Tolerates up to ``⌊f·n⌋`` bad members, i.e. a fraction below ``f`` (``trim_fraction``,
+    in [0, 0.5)); note that ``n < 1/f`` trims nothing (the default 0.2 needs 5 members).
+    Unweighted: every kept value counts once. O(nP) element-wise min/max for up to 16
+    members, O(nP log n) sort beyond.
+    """
+
+    trim_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        fraction = _finite_number("trim_fraction", self.trim_fraction)
+        if not 0.0 <= fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {fraction}")
+
+    def __call__(self, contributions: Mapping[str, Contribution]) -> Tensor:
+        _, vectors, _ = _decode_finite(contributions)
+        if len(vectors) == 1:
+            return vectors[0].clone()
+        trim_count = math.floor(self.trim_fraction * len(vectors))
+        return robust.trimmed_mean(vectors, trim_count=trim_count)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinateMedian:
+    """``median``: coordinate-wise median, the mean of the two middle values for even ``n``.
+
+    Tolerates fewer than ``n/2`` bad members (per coordinate the result lies between honest
+    values). Unweighted. Equals the mean for ``n = 2``. O(nP) element-wise min/max for up
+    to 16 members, O(nP log n) sort beyond.
+    """
+
+    def __call__(self, contributions: Mapping[str, Contribution]) -> Tensor:
+        _, vectors, _ = _decode_finite(contributions)
+        if len(vectors) == 1:
+            return vectors[0].clone()
+        return robust.coordinate_median(vectors)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormClip:
+    """``norm-clip``: scale each vector to at most ``clip_factor ×`` the median L2 norm, then mean.
+
+    Weighted like ``mean`` (alpha ``w_i / W``, so a member's influence is at most
+    ``clip_factor × median_norm × w_i / W``: cap weights upstream where they are not trusted).
+    It bounds the magnitude of every member; the median norm it clips to stays honest while
+    fewer than ``n/2`` are bad. It does not stop direction attacks (a flipped update at full
+    clipped size still pulls against the others; pair it with ``cosine_threshold``).
+    ``clip_factor`` must be ≥ 1: clipping below the median would shrink honest updates,
+    which is the outer learning rate's job. O(nP), no column-block scratch.
+    """
+
+    clip_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        factor = _finite_number("clip_factor", self.clip_factor)
+        if factor < 1.0:
+            raise ValueError(f"clip_factor of norm-clip must be >= 1, got {factor}")
+
+    def __call__(self, contributions: Mapping[str, Contribution]) -> Tensor:
+        _, vectors, weights = _decode_finite(contributions)
+        if len(vectors) == 1:
+            return vectors[0].clone()
+        return robust.norm_clipped_mean(vectors, weights, clip_factor=self.clip_factor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CenteredClip:
+    """``centered-clip`` (Karimireddy, He & Jaggi 2021): iterate ``v ← v + mean_i clip(x_i - v, τ)``.
+
+    Starts from the coordinate-wise median, or from ``center`` passed per call (e.g. last
+    round's applied update; it must be the same tensor on every replica). The radius is
+    ``τ = clip_factor × median_i ‖x_i - start‖``, fixed for ``iterations`` rounds.
+    Tolerates fewer than ``n/2`` bad members, and each member moves the result by at most
+    ``τ / n`` per iteration. Unweighted. O(nP) median plus ``iterations`` × two O(nP) passes.
+    """
+
+    clip_factor: float = 1.0
+    iterations: int = 3
+
+    def __post_init__(self) -> None:
+        factor = _finite_number("clip_factor", self.clip_factor)
+        if factor <= 0.0:
+            raise ValueError(f"clip_factor of centered-clip must be > 0, got {factor}")
+        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int):
+            raise ValueError(f"iterations must be an integer, got {self.iterations!r}")
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
+
+    def __call__(
+        self, contributions: Mapping[str, Contribution], *, center: Tensor | None = None
+    ) -> Tensor:
+        _, vectors, _ = _decode_finite(contributions)
+        if center is not None:
+            _check_center(center, vectors[0].numel())
+        if len(vectors) == 1:
+            return vectors[0].clone()
+        return robust.centered_clip(
+            vectors, iterations=self.iterations, clip_factor=self.clip_factor, center=center
+        )
+
+
+def _check_center(center: Tensor, size: int) -> None:
+    if not isinstance(center, Tensor) or center.dim() != 1 or center.dtype != torch.float32:
+        raise ValueError("center must be a 1-D float32 tensor")
+    if center.numel() != size:
+        raise ValueError(f"center has {center.numel()} elements, contributions have {size}")
+    if not bool(torch.isfinite(center).all()):
+        raise ValueError("center holds NaN or inf values")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CosineFilter:
+    """Pre-filter: drop members whose cosine with the coordinate-wise median is below ``threshold``.
+
+    The survivors go to ``base`` with their weights (extra call keywords are passed on).
+    Never keeps fewer than ``⌈n/2⌉``: if more would go, the ``⌈n/2⌉`` most similar stay
+    (ties by peer id). Removes direction-flipping members while they are a minority (the
+    median they are compared with is then honest); it does nothing against members that
+    point the right way with a huge norm, so pair it with a robust ``base``. Costs an
+    O(nP) median (as ``median``) and one float64 dot-product pass.
+    """
+
+    base: Aggregator
+    threshold: float
+
+    def __post_init__(self) -> None:
+        threshold = _finite_number("cosine_threshold", self.threshold)
+        if not -1.0 <= threshold <= 1.0:
+            raise ValueError(f"cosine_threshold must be in [-1, 1], got {threshold}")
+
+    def __call__(self, contributions: Mapping[str, Contribution], **call_options: Any) -> Tensor:
+        peer_ids, vectors, weights = _decode_finite(contributions)
+        reference = robust.coordinate_median(vectors) if len(vectors) > 1 else vectors[0]
+        cosines = robust.cosine_similarities(vectors, reference)
+        ranked = sorted(range(len(peer_ids)), key=lambda i: (-cosines[i], peer_ids[i]))
+        kept = [i for i in ranked if cosines[i] >= self.threshold]
+        if len(kept) < (len(peer_ids) + 1) // 2:
+            kept = ranked[: (len(peer_ids) + 1) // 2]
+        if len(kept) < len(peer_ids):
+            dropped = sorted(set(range(len(peer_ids))) - set(kept))
+            logger.info(
+                "cosine filter dropped %s (cosines %s, threshold %s)",
+                [peer_ids[i] for i in dropped],
+                [round(cosines[i], 4) for i in dropped],
+                self.threshold,
+            )
+        survivors: dict[str, Contribution] = {
+            peer_ids[i]: (vectors[i], weights[i]) for i in sorted(kept)
+        }
+        return self.base(survivors, **call_options)
+
+
 def _mean_factory() -> Aggregator:
     return average
 
 
-# name -> factory taking the aggregator's options (e.g. a future trim ratio) as keywords.
-_REGISTRY: dict[str, Callable[..., Aggregator]] = {"mean": _mean_factory}
+# name -> factory taking the aggregator's options as keywords (validated on construction).
+_REGISTRY: dict[str, Callable[..., Aggregator]] = {
+    "mean": _mean_factory,
+    "trimmed-mean": TrimmedMean,
+    "median": CoordinateMedian,
+    "norm-clip": NormClip,
+    "centered-clip": CenteredClip,
+}
 
 
 def available_aggregators() -> list[str]:
@@ -98,7 +346,9 @@ def available_aggregators() -> list[str]:
 def get_aggregator(name: str, **options: Any) -> Aggregator:
     """Return the aggregator registered as ``name``, configured with ``options``.
 
-    Raises ``ValueError`` for an unknown name or options the aggregator does not take.
+    ``cosine_threshold`` (any aggregator; ``None`` means off) wraps the result in a
+    :class:`CosineFilter`. Raises ``ValueError`` for an unknown name, options the
+    aggregator does not take, or option values out of range.
     """
     try:
         factory = _REGISTRY[name]
@@ -106,7 +356,11 @@ def get_aggregator(name: str, **options: Any) -> Aggregator:
         raise ValueError(
             f"unknown aggregator {name!r}; choose one of {available_aggregators()}"
         ) from None
+    cosine_threshold = options.pop("cosine_threshold", None)
     try:
-        return factory(**options)
+        aggregator = factory(**options)
     except TypeError as exc:
         raise ValueError(f"bad options for aggregator {name!r}: {exc}") from None
+    if cosine_threshold is None:
+        return aggregator
+    return CosineFilter(base=aggregator, threshold=cosine_threshold)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -98,20 +97,94 @@ class PeerTable:
         return sorted(a for a in self.addresses if a not in left or a in alive)
 
 
-def agreement(own: dict[int, str], peers: list[Peer]) -> tuple[str, int | None]:
-    """Compare our digest of the newest round that peers also reported.
+def same_lineage(a: dict[int, str], b: dict[int, str]) -> bool | None:
+    """Do two digest histories agree at their newest common round? None: no common round."""
+    common = set(a) & set(b)
+    if not common:
+        return None
+    newest = max(common)
+    return a[newest] == b[newest]
 
-    Returns ("agree" | "diverged" | "unknown", round compared). We are "diverged" when, for that
-    round, more nodes (ourselves counted) hold one other digest than hold ours.
+
+@dataclass(frozen=True)
+class Lineages:
+    """Nodes grouped by lineage (agreeing digests), and the winning group by the swarm's rule."""
+
+    groups: list[list[str]]  # each sorted; winner first
+    rounds: dict[str, int]
+
+    @property
+    def winner(self) -> list[str]:
+        return self.groups[0]
+
+    def top_round(self, group: list[str]) -> int:
+        return max(self.rounds[i] for i in group)
+
+
+def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> Lineages:
+    """Group ourselves and live peers that published digests into lineages.
+
+    Two nodes share a lineage when their digests agree at their newest common round. The
+    winner is the group with the most members, then the highest round, then the smallest
+    digest at that round (docs/fault-tolerance.md). Everyone applies the same rule to the same
+    reports, so after a partition heals every node picks the same side.
     """
-    for round_id in sorted(own, reverse=True):
-        votes = Counter(p.digests[round_id] for p in peers if round_id in p.digests)
-        if not votes:
-            continue
-        votes[own[round_id]] += 1
-        ours = votes[own[round_id]]
-        best_digest, best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
-        if best_digest != own[round_id] and best > ours:
-            return "diverged", round_id
-        return "agree" if ours == sum(votes.values()) else "majority", round_id
-    return "unknown", None
+    histories = {self_id: own} | {p.node_id: p.digests for p in peers if p.digests}
+    rounds = {self_id: own_round} | {p.node_id: p.round for p in peers if p.digests}
+    ids = sorted(histories)
+    parent = {i: i for i in ids}
+
+    def find(i: str) -> str:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for n, i in enumerate(ids):
+        for j in ids[n + 1 :]:
+            if same_lineage(histories[i], histories[j]):
+                parent[find(j)] = find(i)
+    grouped: dict[str, list[str]] = {}
+    for i in ids:
+        grouped.setdefault(find(i), []).append(i)
+
+    def rank(group: list[str]) -> tuple[int, int, str]:
+        top = max(rounds[i] for i in group)
+        holder = min(i for i in group if rounds[i] == top)
+        return (-len(group), -top, histories[holder].get(top, ""))
+
+    return Lineages(groups=sorted(grouped.values(), key=rank), rounds=rounds)
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Why and from whom to download the swarm's state."""
+
+    reason: str  # "behind" or "diverged"
+    target_round: int
+    donors: list[str]  # node ids, best first
+
+
+def plan_catch_up(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> CatchUp | None:
+    """Behind the winning lineage, or outside it: download from its most advanced members."""
+    lin = lineages(self_id, own_round, own, peers)
+    winner = lin.winner
+    top = lin.top_round(winner)
+    if self_id in winner:
+        if own_round >= top:
+            return None
+        reason = "behind"
+    else:
+        reason = "diverged"
+    donors = sorted((i for i in winner if i != self_id), key=lambda i: (-lin.rounds[i], i))
+    return CatchUp(reason=reason, target_round=top, donors=donors) if donors else None
+
+
+def agreement(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> str:
+    """"agree" (one lineage), "majority" (ours wins, others differ), "diverged" (ours loses),
+    or "unknown" (no peer published a digest yet)."""
+    lin = lineages(self_id, own_round, own, peers)
+    if len(lin.rounds) == 1:
+        return "unknown"
+    if self_id not in lin.winner:
+        return "diverged"
+    return "agree" if len(lin.groups) == 1 else "majority"

@@ -22,8 +22,11 @@ from typing import Any
 import grpc
 
 from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, get_codec
-from neuronode.swarm.membership import PeerTable, agreement
+from neuronode.state import GlobalState
+from neuronode.swarm.faults import FaultInjected, Faults
+from neuronode.swarm.membership import CatchUp, PeerTable, agreement, plan_catch_up
 from neuronode.swarm.rounds import Contribution, RoundBook, RoundRefused
+from neuronode.swarm.statesync import Donor, StateProvider, download
 from neuronode.swarm.wire import (
     CHANNEL_OPTIONS,
     CODEC_TO_PB,
@@ -67,6 +70,8 @@ class SwarmConfig:
     min_contributors: int = 1
     heartbeat_s: float = 2.0
     first_round: int = 0
+    zstd_level: int = 1
+    fault_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class SwarmNode:
     def __init__(
         self, cfg: SwarmConfig, *, executor: Executor,
         status_provider: Callable[[], dict[str, Any]] | None = None,
+        state_provider: StateProvider | None = None,
     ) -> None:
         self.cfg = cfg
         self.executor = executor
@@ -115,6 +121,11 @@ class SwarmNode:
         self._outbox: dict[int, tuple[Outgoing, set[str], float]] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._said: dict[str, float] = {}
+        self._contact = asyncio.Event()  # set by the first successful hello either way
+        self.faults = Faults(cfg.fault_file or None, self_address=cfg.advertise)
+        self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash,
+                           zstd_level=cfg.zstd_level, executor=executor)
+        self.state_transfers = 0
         for address in cfg.peers:
             self.table.add_address(address)
 
@@ -135,6 +146,7 @@ class SwarmNode:
             if adv_host in ("0.0.0.0", "[::]", ""):
                 adv_host = "127.0.0.1"
             self.advertise = f"{adv_host}:{bound}"
+        self.faults.self_address = self.advertise
         self._spawn(self._heartbeat_loop(), "heartbeats")
         logger.info("node %s serving on %s (advertised as %s)", self.cfg.node_id, self.cfg.listen.replace(":0", f":{bound}"), self.advertise)
         return self.advertise
@@ -218,11 +230,11 @@ class SwarmNode:
             if (rec.node_id != self.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
                     and len(self.table.addresses) < MAX_KNOWN_ADDRESSES):
                 self.table.add_address(rec.address)
+        self._contact.set()
         if came:
             self._push_outbox_to_new_peers()
         if info.leaving:
             self.book.notify()
-        self._update_agreement()
 
     async def _heartbeat_loop(self) -> None:
         unanswered_since: float | None = None
@@ -246,6 +258,7 @@ class SwarmNode:
             else:
                 unanswered_since, warned_at = None, 0.0
             self.book.notify()  # liveness may have changed: let collectors re-evaluate
+            self._update_agreement()
             await asyncio.sleep(self.cfg.heartbeat_s * random.uniform(0.8, 1.2))
 
     def say(self, key: str, level: int, msg: str, *args: Any, every_s: float = 300.0) -> None:
@@ -278,6 +291,7 @@ class SwarmNode:
     async def _hello(self, address: str) -> bool:
         req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
         try:
+            await asyncio.sleep(self.faults.before_call(address))
             resp = await self.stub(address).Hello(req, timeout=max(1.0, self.cfg.heartbeat_s))
         except grpc.aio.AioRpcError as exc:
             refused = exc.code() in FINAL_CODES
@@ -303,6 +317,7 @@ class SwarmNode:
 
     async def _leave(self, address: str) -> None:
         try:
+            self.faults.before_call(address)
             await self.stub(address).Leave(
                 pb.LeaveRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id), timeout=1.0)
         except grpc.aio.AioRpcError:
@@ -312,12 +327,16 @@ class SwarmNode:
 
     def expected(self, round_id: int) -> set[str]:
         """Peers whose contribution to `round_id` we wait for: live and not behind."""
-        ids = {p.node_id for p in self.table.alive() if p.round + 1 >= round_id}
+        # A peer two rounds ahead closed this round long ago; one round ahead may still be
+        # streaming its contribution to us, so it stays expected.
+        ids = {p.node_id for p in self.table.alive() if round_id - 1 <= p.round <= round_id + 1}
         return ids | {self.cfg.node_id}
 
     async def exchange(self, out: Outgoing, own: Contribution) -> dict[str, Contribution]:
         """Push `out` to every live peer and collect the round; returns contributions by sender."""
         self.book.add_own(own)
+        logger.info("round %d: contribution ready (%d chunks), sending to %d peers", out.round_id,
+                    len(out.frames), len(self.table.alive()))
         deadline = time.monotonic() + self.cfg.sync_timeout_s
         self._outbox[out.round_id] = (out, set(), deadline)
         for old in [r for r in self._outbox if r < out.round_id - 1]:
@@ -344,6 +363,7 @@ class SwarmNode:
         backoff = 0.2
         while (remaining := deadline - time.monotonic()) > 0:
             try:
+                await asyncio.sleep(self.faults.before_call(address))
                 await self.stub(address).PushContribution(self._chunks(peer_id, out), timeout=remaining)
                 logger.debug("round %d: sent to %s", out.round_id, peer_id)
                 return
@@ -358,6 +378,10 @@ class SwarmNode:
 
     async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[pb.ContributionChunk]:
         for frame in out.frames:
+            if not self.faults.chunk_allowed(frame.index):
+                raise FaultInjected(f"stream to {peer_id} cut after {frame.index} chunks")
+            if self.faults.plan.delay_s:
+                await asyncio.sleep(self.faults.plan.delay_s)
             msg = pb.ContributionChunk(
                 round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
                 chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
@@ -379,12 +403,62 @@ class SwarmNode:
         self._update_agreement()
 
     def _update_agreement(self) -> None:
-        state, round_id = agreement(self.own_digests, self.table.alive())
+        state = agreement(self.cfg.node_id, self.round, self.own_digests, self.table.alive())
         if state != self.agreement:
             log = logger.error if state == "diverged" else logger.info
-            log("replica agreement: %s (round %s)%s", state, round_id,
-                "; our parameters differ from the majority's" if state == "diverged" else "")
+            log("replica agreement: %s at round %d%s", state, self.round,
+                "; our parameters differ from the swarm's (repair by state transfer follows)"
+                if state == "diverged" else "")
             self.agreement = state
+
+    # ---- catching up -------------------------------------------------------------------------
+
+    async def wait_first_contact(self, timeout_s: float) -> bool:
+        """With bootstrap peers, give the first heartbeats time to tell us where the swarm is."""
+        if not self.cfg.peers:
+            return False
+        try:
+            await asyncio.wait_for(self._contact.wait(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        await asyncio.sleep(self.cfg.heartbeat_s * 1.5)  # one more round of hellos: learn the rest
+        return True
+
+    def catch_up_plan(self) -> CatchUp | None:
+        return plan_catch_up(self.cfg.node_id, self.round, self.own_digests, self.table.alive())
+
+    async def fetch_state(self, donors: list[str]) -> GlobalState | None:
+        """Download the global state from the first donor that delivers a verified copy."""
+        for donor_id in donors:
+            peer = self.table.peers.get(donor_id)
+            if peer is None or not self.table.is_alive(peer):
+                continue
+            try:
+                self.faults.before_call(peer.address)
+                call = self.stub(peer.address).FetchState(
+                    pb.StateRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id),
+                    timeout=max(60.0, self.cfg.sync_timeout_s))
+                state = await download(call, n_elements=self.cfg.n_elements,
+                                       manifest_hash=self.cfg.manifest_hash, executor=self.executor)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("state transfer from %s failed (%s: %s); trying another donor",
+                               donor_id, exc.code().name, exc.details())
+                continue
+            except Refusal as exc:
+                logger.warning("state from %s refused: %s; trying another donor", donor_id, exc)
+                continue
+            self.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
+            self.state_transfers += 1
+            return state
+        return None
+
+    def adopt(self, round_id: int, param_digest: str) -> None:
+        """After loading a downloaded state: forget our old lineage and rounds."""
+        self.round = round_id
+        self.param_digest = param_digest
+        self.own_digests = {round_id: param_digest}
+        self.book.reset(round_id)
+        self._update_agreement()
 
     # ---- incoming contributions -------------------------------------------------------------
 
@@ -437,6 +511,8 @@ class SwarmNode:
         peer = self.table.peers.get(chunk.sender_id)
         if peer is None or peer.left:
             raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
+        if self.faults.path and self.faults.cut_off(peer.address):
+            raise Refusal("UNAVAILABLE", "fault injected: sender is cut off")
         if chunk.codec not in PB_TO_CODEC:
             raise Refusal("INVALID_ARGUMENT", f"unknown codec {chunk.codec}")
         if chunk.total_elements != self.cfg.n_elements:
@@ -475,6 +551,7 @@ class SwarmNode:
         return {
             "node_id": self.cfg.node_id, "swarm_id": self.cfg.swarm_id, "advertise": self.advertise,
             "protocol_version": PROTOCOL_VERSION, "agreement": self.agreement,
+            "state_transfers": self.state_transfers, "states_served": self.donor.served,
             "bytes_sent": self.counters.bytes_sent, "bytes_received": self.counters.bytes_received,
             "peers": [
                 {"node_id": p.node_id, "address": p.address, "alive": self.table.is_alive(p),
@@ -506,6 +583,8 @@ class NodeService(pb_grpc.NodeServicer):
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
         if self.node.leaving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+        if self.node.faults.path and self.node.faults.cut_off(request.info.advertise):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
         try:
             self.node.check_info(request.info)
         except Refusal as exc:
@@ -529,6 +608,20 @@ class NodeService(pb_grpc.NodeServicer):
         except Refusal as exc:
             await self._abort(context, exc, "contribution")
         return pb.PushAck(chunks_received=count)
+
+    async def FetchState(
+        self, request: pb.StateRequest, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.StateChunk]:
+        peer = self.node.table.peers.get(request.node_id)
+        if request.swarm_id != self.node.cfg.swarm_id or peer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "state is served to members only: say Hello first")
+        try:
+            async for msg in self.node.donor.serve(context):
+                yield msg
+        except Refusal as exc:
+            await self._abort(context, exc, "state request")
+        logger.info("served the global state to %s", request.node_id)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         return dict_to_status({**self.node.status_provider(), **self.node.snapshot()})

@@ -15,12 +15,21 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8: _ClassVar[Codec]
     CODEC_INT4: _ClassVar[Codec]
+
+class StatePart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_PART_UNSPECIFIED: _ClassVar[StatePart]
+    STATE_PART_PARAMS: _ClassVar[StatePart]
+    STATE_PART_MOMENTUM: _ClassVar[StatePart]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_INT8: Codec
 CODEC_INT4: Codec
+STATE_PART_UNSPECIFIED: StatePart
+STATE_PART_PARAMS: StatePart
+STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving")
@@ -124,6 +133,50 @@ class PushAck(_message.Message):
     chunks_received: int
     def __init__(self, chunks_received: _Optional[int] = ...) -> None: ...
 
+class StateRequest(_message.Message):
+    __slots__ = ("node_id", "swarm_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    swarm_id: str
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ...) -> None: ...
+
+class StateHeader(_message.Message):
+    __slots__ = ("round", "param_digest", "n_elements", "has_momentum", "momentum_digest", "inner_steps_total", "chunk_elements", "manifest_hash")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    N_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    HAS_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    param_digest: str
+    n_elements: int
+    has_momentum: bool
+    momentum_digest: str
+    inner_steps_total: int
+    chunk_elements: int
+    manifest_hash: str
+    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., n_elements: _Optional[int] = ..., has_momentum: _Optional[bool] = ..., momentum_digest: _Optional[str] = ..., inner_steps_total: _Optional[int] = ..., chunk_elements: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("header", "part", "chunk_index", "chunk_count", "compressed", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: StateHeader
+    part: StatePart
+    chunk_index: int
+    chunk_count: int
+    compressed: bool
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., part: _Optional[_Union[StatePart, str]] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -141,7 +194,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +212,8 @@ class StatusResponse(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_CONTRIBUTOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    STATES_SERVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -176,4 +231,6 @@ class StatusResponse(_message.Message):
     tokens_per_s: float
     protocol_version: int
     last_round_contributor_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    state_transfers: int
+    states_served: int
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class NodeStub:
                 request_serializer=neuronode_dot_v1_dot_node__pb2.StatusRequest.SerializeToString,
                 response_deserializer=neuronode_dot_v1_dot_node__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/neuronode.v1.Node/FetchState',
+                request_serializer=neuronode_dot_v1_dot_node__pb2.StateRequest.SerializeToString,
+                response_deserializer=neuronode_dot_v1_dot_node__pb2.StateChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -87,6 +92,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchState(self, request, context):
+        """Download the current global state (joining, catching up, or repairing a diverged replica).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=neuronode_dot_v1_dot_node__pb2.StatusRequest.FromString,
                     response_serializer=neuronode_dot_v1_dot_node__pb2.StatusResponse.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=neuronode_dot_v1_dot_node__pb2.StateRequest.FromString,
+                    response_serializer=neuronode_dot_v1_dot_node__pb2.StateChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class Node:
             '/neuronode.v1.Node/Status',
             neuronode_dot_v1_dot_node__pb2.StatusRequest.SerializeToString,
             neuronode_dot_v1_dot_node__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/neuronode.v1.Node/FetchState',
+            neuronode_dot_v1_dot_node__pb2.StateRequest.SerializeToString,
+            neuronode_dot_v1_dot_node__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,

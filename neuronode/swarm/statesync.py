@@ -1,0 +1,163 @@
+"""State transfer: a donor streams its global state; a joiner downloads and verifies it.
+
+The state is two flat float32 vectors (parameters, outer momentum) plus the round and the
+inner-step counter. Vectors go as fp32 frames of the contribution codec, so decompression is
+bounded the same way; the parameters are checked at the end against the donor's
+`param_digest` (sha256 of their float32 bytes, exactly what every node publishes), the momentum
+against its own digest. Donors serve at most `MAX_CONCURRENT` transfers and keep training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+
+import grpc
+import torch
+
+from neuronode.codec import (
+    Assembler,
+    ContributionDigest,
+    Frame,
+    decode_frame,
+    encode_frames,
+    get_codec,
+)
+from neuronode.state import GlobalState
+from neuronode.swarm.wire import Refusal
+from neuronode.v1 import node_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_CONCURRENT = 2
+TRANSFER_CHUNK_BYTES = 1 << 20
+FP32 = get_codec("fp32")
+
+
+StateProvider = Callable[[], GlobalState]
+
+
+def part_frames(vector: torch.Tensor, *, zstd_level: int) -> tuple[list[Frame], str]:
+    digest = ContributionDigest()
+    frames = list(encode_frames(vector, codec="fp32", chunk_bytes=TRANSFER_CHUNK_BYTES,
+                                zstd_level=zstd_level, digest=digest))
+    return frames, digest.hexdigest()
+
+
+def state_frames(state: GlobalState, *, manifest_hash: str, zstd_level: int) -> list[pb.StateChunk]:
+    """Encode a state into the messages of one FetchState stream (runs in a worker thread).
+
+    Holds the encoded state (about 2 x P x 4 bytes) while it streams; a later version may
+    encode lazily chunk by chunk."""
+    params, _ = part_frames(state.params, zstd_level=zstd_level)
+    momentum, momentum_digest = ([], "")
+    if state.momentum is not None:
+        momentum, momentum_digest = part_frames(state.momentum, zstd_level=zstd_level)
+    header = pb.StateHeader(
+        round=state.round, param_digest=state.param_digest, n_elements=state.params.numel(),
+        has_momentum=state.momentum is not None, momentum_digest=momentum_digest,
+        inner_steps_total=state.inner_steps_total,
+        chunk_elements=TRANSFER_CHUNK_BYTES // FP32.payload_bytes(1), manifest_hash=manifest_hash,
+    )
+    out = [pb.StateChunk(header=header)]
+    for part, frames in ((pb.STATE_PART_PARAMS, params), (pb.STATE_PART_MOMENTUM, momentum)):
+        out.extend(pb.StateChunk(part=part, chunk_index=f.index, chunk_count=f.count,
+                                 compressed=f.compressed, payload=f.data) for f in frames)
+    return out
+
+
+class StateReceiver:
+    """Checks and assembles one FetchState stream; `finish()` returns the verified state."""
+
+    def __init__(self, header: pb.StateHeader, *, n_elements: int, manifest_hash: str) -> None:
+        if header.n_elements != n_elements or header.manifest_hash != manifest_hash:
+            raise Refusal("FAILED_PRECONDITION", "donor holds another model (manifest differs)")
+        if header.chunk_elements != TRANSFER_CHUNK_BYTES // FP32.payload_bytes(1):
+            raise Refusal("INVALID_ARGUMENT", f"unexpected chunk_elements {header.chunk_elements}")
+        self.header = header
+        self.parts = {pb.STATE_PART_PARAMS: Assembler(n_elems=n_elements, codec="fp32",
+                                                      chunk_bytes=TRANSFER_CHUNK_BYTES)}
+        if header.has_momentum:
+            self.parts[pb.STATE_PART_MOMENTUM] = Assembler(n_elems=n_elements, codec="fp32",
+                                                           chunk_bytes=TRANSFER_CHUNK_BYTES)
+        self.digests = {part: ContributionDigest() for part in self.parts}
+        self.next_index = {part: 0 for part in self.parts}
+
+    def add(self, msg: pb.StateChunk) -> None:
+        """Decompress (bounded), check order and store one chunk; runs in a worker thread."""
+        assembler = self.parts.get(msg.part)
+        if assembler is None or msg.chunk_count != assembler.count or msg.chunk_index != self.next_index[msg.part]:
+            raise Refusal("INVALID_ARGUMENT", f"unexpected state chunk {msg.part}/{msg.chunk_index}")
+        raw = decode_frame(msg.payload, msg.compressed, expected_raw_len=assembler.expected_raw_len(msg.chunk_index))
+        self.digests[msg.part].update(raw)
+        assembler.add(msg.chunk_index, raw)
+        self.next_index[msg.part] += 1
+
+    def finish(self) -> GlobalState:
+        if not all(a.complete for a in self.parts.values()):
+            raise Refusal("DATA_LOSS", "state stream ended early")
+        if self.digests[pb.STATE_PART_PARAMS].hexdigest() != self.header.param_digest:
+            raise Refusal("DATA_LOSS", "state parameters do not match the donor's param_digest")
+        momentum = None
+        if self.header.has_momentum:
+            if self.digests[pb.STATE_PART_MOMENTUM].hexdigest() != self.header.momentum_digest:
+                raise Refusal("DATA_LOSS", "state momentum does not match its digest")
+            momentum = self.parts[pb.STATE_PART_MOMENTUM].decode()
+        return GlobalState(round=self.header.round, param_digest=self.header.param_digest,
+                           params=self.parts[pb.STATE_PART_PARAMS].decode(), momentum=momentum,
+                           inner_steps_total=self.header.inner_steps_total)
+
+
+async def download(
+    stream: AsyncIterator[pb.StateChunk], *, n_elements: int, manifest_hash: str, executor: Executor,
+) -> GlobalState:
+    """Read a FetchState stream into a verified GlobalState (raises Refusal or AioRpcError)."""
+    loop = asyncio.get_running_loop()
+    receiver: StateReceiver | None = None
+    async for msg in stream:
+        if receiver is None:
+            if not msg.HasField("header"):
+                raise Refusal("INVALID_ARGUMENT", "state stream must start with its header")
+            receiver = StateReceiver(msg.header, n_elements=n_elements, manifest_hash=manifest_hash)
+            continue
+        try:
+            await loop.run_in_executor(executor, receiver.add, msg)
+        except ValueError as exc:
+            raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+    if receiver is None:
+        raise Refusal("DATA_LOSS", "empty state stream")
+    return await loop.run_in_executor(executor, receiver.finish)
+
+
+class Donor:
+    """Serves FetchState with a bound on concurrent transfers."""
+
+    def __init__(self, *, provider: StateProvider | None, manifest_hash: str, zstd_level: int,
+                 executor: Executor) -> None:
+        self.provider = provider
+        self.manifest_hash = manifest_hash
+        self.zstd_level = zstd_level
+        self.executor = executor
+        self.active = 0
+        self.served = 0
+
+    async def serve(self, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+        if self.provider is None:
+            raise Refusal("UNAVAILABLE", "this node has no state to give yet")
+        if self.active >= MAX_CONCURRENT:
+            raise Refusal("RESOURCE_EXHAUSTED",
+                          f"already serving {self.active} state transfers; try another peer")
+        self.active += 1
+        try:
+            loop = asyncio.get_running_loop()
+            provider = self.provider
+            messages = await loop.run_in_executor(
+                self.executor,
+                lambda: state_frames(provider(), manifest_hash=self.manifest_hash, zstd_level=self.zstd_level))
+            for msg in messages:
+                yield msg
+            self.served += 1
+        finally:
+            self.active -= 1
