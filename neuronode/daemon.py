@@ -214,9 +214,9 @@ class Daemon:
         await self.off_loop(self.train_pool, self.save_checkpoint)
         self.progress.clear()
         logger.info(
-            "round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs round %.1fs digest %s",
+            "round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs round %.1fs digest %s from %s",
             self.engine.round, self.trainer.loss, self.trainer.val_loss, len(by_node), sync_s,
-            time.monotonic() - started, self.param_digest[:12])
+            time.monotonic() - started, self.param_digest[:12], ",".join(self.last_contributors))
         return True
 
     async def maybe_catch_up(self) -> None:

@@ -90,15 +90,15 @@ def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
     cfg = SyncBenchConfig(nodes=2, params=100, codec="fp32", averaging="all-to-all", rounds=3,
                           zstd_level=1)
     nodes = [node_result([1.0, 5.0, 2.0]), node_result([3.0, 1.0, 2.5])]
-    gloo = [{"seconds": [0.1, 0.3, 0.2], "peak_rss_bytes": 7}, {"seconds": [0.2, 0.1, 0.1],
-                                                               "peak_rss_bytes": 9}]
+    gloo = [{"seconds": [0.1, 0.3, 0.2], "peak_rss_bytes": 7, "sha256": "g"},
+            {"seconds": [0.2, 0.1, 0.1], "peak_rss_bytes": 9, "sha256": "g"}]
     result = summarize(cfg, nodes, gloo)
     assert result["round_seconds"] == [3.0, 5.0, 2.5]
     assert result["seconds"] == 3.0
     assert result["gloo_seconds"] == 0.2 and result["ratio_vs_gloo"] == 15.0
     assert result["payload_bytes_per_param"] == 3.0 and result["wire_bytes_per_param"] == 3.0
     assert result["replicas_identical"] is True
-    assert result["gloo_peak_rss_bytes"] == 9
+    assert result["gloo_peak_rss_bytes"] == 9 and result["gloo_replicas_identical"] is True
 
 
 def test_summary_flags_differing_replicas_and_missing_contributors() -> None:

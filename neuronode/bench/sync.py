@@ -13,7 +13,10 @@ replica has the result only then), and the benchmark reports the median over rou
 start together: before round r each worker waits until its peer table shows every peer at round
 r (so the swarm's push and expect rules, which read that table, include everyone) and then for
 all workers' barrier files. Byte counters are read at those barriers, when every push of the
-previous round has finished.
+previous round has finished. Hashing the result (to compare replicas) is not timed.
+
+Gloo workers run after the node workers, never beside them: N ranks all_reduce(SUM) the same
+size of float32 and divide, after one untimed warm-up; again the slowest rank per round counts.
 
 Files in the work dir: `address-{i}`, `barrier-{r}-{i}`, `node-{i}.json` / `gloo-{i}.json`
 (results) and `node-{i}.log` / `gloo-{i}.log` (stderr, quoted when a worker fails).
@@ -35,15 +38,23 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuronode.config import NodeConfig
 from neuronode.errors import ConfigError, NeuronodeError
+
+if TYPE_CHECKING:  # the parent process never imports torch or grpc; workers import them lazily
+    import torch
+
+    from neuronode.codec import ErrorFeedback
+    from neuronode.swarm.node import SwarmNode
+    from neuronode.swarm.rounds import Contribution
+    from neuronode.trainer import Encoded
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +225,7 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         result["gloo_round_seconds"] = [round(s, 4) for s in gloo_s]
         result["ratio_vs_gloo"] = round(seconds / max(statistics.median(gloo_s), 1e-9), 2)
         result["gloo_peak_rss_bytes"] = max(w["peak_rss_bytes"] for w in gloo)
+        result["gloo_replicas_identical"] = len({w["sha256"] for w in gloo}) == 1
     return result
 
 
@@ -242,7 +254,7 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-async def wait_until(what: str, predicate: Any, *, deadline: float) -> None:
+async def wait_until(what: str, predicate: Callable[[], bool], *, deadline: float) -> None:
     """Poll `predicate()` without blocking the event loop; raise TimeoutError at `deadline`."""
     while not predicate():
         if time.monotonic() >= deadline:
@@ -250,15 +262,15 @@ async def wait_until(what: str, predicate: Any, *, deadline: float) -> None:
         await asyncio.sleep(POLL_S)
 
 
-def pseudo_gradient(n: int, seed: int) -> Any:
+def pseudo_gradient(n: int, seed: int) -> torch.Tensor:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, generator=gen) * 1e-3  # (P,) float32, a pseudo-gradient's scale
 
 
-def encode_contribution(delta: Any, *, codec: str, chunk_bytes: int, zstd_level: int,
-                        feedback: Any, weight: float) -> Any:
+def encode_contribution(delta: torch.Tensor, *, codec: str, chunk_bytes: int, zstd_level: int,
+                        feedback: ErrorFeedback | None, weight: float) -> Encoded:
     """What Trainer.encode does after taking the pseudo-gradient: frames for the wire, and the
     decoded (wire) form of our own contribution, with error feedback for lossy codecs."""
     from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
@@ -280,14 +292,14 @@ def encode_contribution(delta: Any, *, codec: str, chunk_bytes: int, zstd_level:
                    own=own, weight=weight)
 
 
-def average_contributions(contributions: dict[str, Any]) -> Any:
+def average_contributions(contributions: dict[str, Contribution]) -> torch.Tensor:
     """Average as the daemon does: decoded one at a time, in sorted sender order."""
     from neuronode.diloco import average
 
     return average({c.sender_id: (c.data.decode, c.weight) for c in contributions.values()})
 
 
-def sha256_of(t: Any) -> str:
+def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
@@ -334,7 +346,7 @@ class NodeWorker:
         return {"index": self.index, "address": address, "rounds": rounds,
                 "peak_rss_bytes": peak_rss_bytes()}
 
-    async def rounds(self, node: Any, *, start_deadline: float) -> list[dict[str, Any]]:
+    async def rounds(self, node: SwarmNode, *, start_deadline: float) -> list[dict[str, Any]]:
         """Warm-up and timed rounds; each result gets the bytes sent between its barriers."""
         total = WARMUP_ROUNDS + self.cfg.rounds
         results: list[dict[str, Any]] = []
@@ -350,7 +362,7 @@ class NodeWorker:
             result.update(sent_between(before, after))
         return results
 
-    async def barrier(self, node: Any, round_id: int, *, deadline: float) -> None:
+    async def barrier(self, node: SwarmNode, round_id: int, *, deadline: float) -> None:
         """Every peer at `round_id` in our table (so we push to and wait for all of them), then
         every worker says so (so rounds start together)."""
         others = self.cfg.nodes - 1
@@ -363,7 +375,7 @@ class NodeWorker:
         await wait_until(f"all workers at the round {round_id} barrier",
                          lambda: all(n.exists() for n in names), deadline=deadline)
 
-    async def one_round(self, node: Any, round_id: int, *, deadline: float) -> dict[str, Any]:
+    async def one_round(self, node: SwarmNode, round_id: int, *, deadline: float) -> dict[str, Any]:
         """Encode, exchange, decode and average one round; times each part."""
         from neuronode.swarm.node import Outgoing
         from neuronode.swarm.rounds import Contribution
@@ -396,9 +408,8 @@ def sent_between(before: tuple[int, dict[str, int]], after: tuple[int, dict[str,
             "min_peer_bytes": min((n for n in per_peer if n > 0), default=0)}
 
 
-def gloo_worker(cfg: SyncBenchConfig, *, workdir: Path, index: int, port: int) -> dict[str, Any]:
+def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any]:
     """Reference: all_reduce(SUM) then divide, one untimed warm-up, the same rounds."""
-    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
@@ -413,8 +424,7 @@ def gloo_worker(cfg: SyncBenchConfig, *, workdir: Path, index: int, port: int) -
             dist.all_reduce(buf, op=dist.ReduceOp.SUM)
             buf.div_(cfg.nodes)
             seconds.append(time.perf_counter() - t0)
-        sha = hashlib.sha256(buf.numpy().tobytes()).hexdigest()
-        assert torch.isfinite(buf).all()
+        sha = sha256_of(buf)
     finally:
         dist.destroy_process_group()
     return {"index": index, "seconds": seconds[1:], "sha256": sha, "peak_rss_bytes": peak_rss_bytes()}
@@ -442,7 +452,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         worker = NodeWorker(cfg, workdir=opts.dir, index=opts.index)
         result = run_async(worker.run)
     else:
-        result = gloo_worker(cfg, workdir=opts.dir, index=opts.index, port=opts.port)
+        result = gloo_worker(cfg, index=opts.index, port=opts.port)
     write_atomic(opts.dir / f"{opts.kind}-{opts.index}.json", json.dumps(result))
     return 0
 

@@ -77,8 +77,9 @@ def sorted_rows(rows: Sequence[Tensor]) -> list[Tensor]:
 def coordinate_median(vectors: Sequence[Tensor], *, block_elements: int = BLOCK_ELEMENTS) -> Tensor:
     """Coordinate-wise median; for even ``n`` the mean of the two middle values.
 
-    The even case is ``0.5 * low + 0.5 * high``: symmetric, exact halving, and it cannot
-    overflow the way ``(low + high) / 2`` can when an attacker sends values near float32 max.
+    The even case is the float64 midpoint rounded once to float32: symmetric, always
+    between the two middle values (a float32 ``0.5 * low + 0.5 * high`` can round outside
+    for subnormals), and immune to the overflow of ``low + high`` near float32 max.
     """
     n = len(vectors)
     out = torch.empty_like(vectors[0])
@@ -88,7 +89,7 @@ def coordinate_median(vectors: Sequence[Tensor], *, block_elements: int = BLOCK_
         if n % 2:
             out[start:stop].copy_(low)
         else:
-            torch.add(low * 0.5, high, alpha=0.5, out=out[start:stop])
+            out[start:stop].copy_(torch.add(low.double(), high.double()).mul_(0.5))
     return out
 
 
@@ -101,7 +102,9 @@ def trimmed_mean(
     """
     n = len(vectors)
     if not 0 <= 2 * trim_count < n:
-        raise ValueError(f"trim_count must be in [0, {(n - 1) // 2}] for {n} vectors, got {trim_count}")
+        raise ValueError(
+            f"trim_count must be in [0, {(n - 1) // 2}] for {n} vectors, got {trim_count}"
+        )
     alpha = 1.0 / (n - 2 * trim_count)
     out = torch.zeros_like(vectors[0])
     for start, stop in column_blocks(out.numel(), block_elements):
@@ -131,7 +134,9 @@ def fixed_order_sum(values: Tensor) -> float:
     return float(values[0])
 
 
-def squared_norms(vectors: Sequence[Tensor], *, block_elements: int = BLOCK_ELEMENTS) -> list[float]:
+def squared_norms(
+    vectors: Sequence[Tensor], *, block_elements: int = BLOCK_ELEMENTS
+) -> list[float]:
     """``‖v‖²`` of each vector, in float64 (float32 squares are exact there; no overflow)."""
     totals = [0.0] * len(vectors)
     for start, stop in column_blocks(vectors[0].numel(), block_elements):
@@ -176,9 +181,7 @@ def norm_clipped_mean(
     return out
 
 
-def _distances(
-    vectors: Sequence[Tensor], center: Tensor, block_elements: int
-) -> list[float]:
+def _distances(vectors: Sequence[Tensor], center: Tensor, block_elements: int) -> list[float]:
     """``‖v - center‖`` per vector; the float32 difference is the one the update uses."""
     totals = [0.0] * len(vectors)
     for start, stop in column_blocks(center.numel(), block_elements):
@@ -204,7 +207,11 @@ def centered_clip(
     test) keeps the result bit-reproducible. Each iteration is two passes over all vectors.
     """
     n = len(vectors)
-    out = coordinate_median(vectors, block_elements=block_elements) if center is None else center.clone()
+    out = (
+        coordinate_median(vectors, block_elements=block_elements)
+        if center is None
+        else center.clone()
+    )
     distances = _distances(vectors, out, block_elements)
     radius = clip_factor * median_of_floats(distances)
     for iteration in range(iterations):

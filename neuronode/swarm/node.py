@@ -258,6 +258,7 @@ class SwarmNode:
             else:
                 unanswered_since, warned_at = None, 0.0
             self.book.notify()  # liveness may have changed: let collectors re-evaluate
+            self._push_outbox_to_new_peers()  # a peer may have caught up to an open round
             self._update_agreement()
             await asyncio.sleep(self.cfg.heartbeat_s * random.uniform(0.8, 1.2))
 
