@@ -88,6 +88,7 @@ class NodeConfig:
     sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
     min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
     heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
+    metrics_port: int = opt(0, "serve Prometheus metrics on this port of the --listen host (0: off)")
     keep_checkpoints: int = opt(3, "checkpoints kept in the data dir")
     repair_cooldown: int = opt(3, "rounds between two repairs of a diverged replica (catching up is never delayed)")
     fault_file: str = opt("", "testing only: JSON fault plan for the transport (docs/fault-tolerance.md)", metavar="FILE")
@@ -124,6 +125,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "zstd_level": (lambda v: 0 <= v <= 22, "between 0 (off) and 22"),
     "round_seconds": (lambda v: v >= 0, "0 (off) or more"),
+    "metrics_port": (lambda v: 0 <= v <= 65535, "a port between 1 and 65535, or 0 (off)"),
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
 }

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from neuronode import checkpoint
 from neuronode.config import NodeConfig, check_data_dir
 from neuronode.errors import CheckpointError
+from neuronode.metrics import Metrics, Snapshot
 from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
 from neuronode.swarm.rounds import Contribution
 from neuronode.trainer import Trainer
@@ -103,6 +104,8 @@ class Daemon:
         self.last_contributors: list[str] = []
         self.restored_meta: dict[str, Any] = {}
         self.last_repair_round = -(10**9)
+        self.utilization = 0.0
+        self.metrics = Metrics(self.metrics_snapshot)
         self.stop_flag = threading.Event()  # seen by the training thread between steps
         self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
         # One thread trains (torch state is not thread-safe); another encodes/decodes chunks.
@@ -149,9 +152,13 @@ class Daemon:
         self.swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))
         await self.swarm.start()
         self.swarm.record_round(self.engine.round - 1, self.param_digest)
+        if self.cfg.metrics_port:
+            self.metrics.serve(self.cfg.listen.rpartition(":")[0].strip("[]"), self.cfg.metrics_port)
         if self.cfg.peers:
             self.phase = "joining"
             await self.swarm.wait_first_contact(timeout_s=max(10.0, 3 * self.cfg.heartbeat_s))
+            await self.maybe_catch_up()
+        await self.swarm.set_serving(True)
         logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
                     self.trainer.n_params, self.cfg.task, self.cfg.codec, self.engine.round,
                     f" of {self.cfg.rounds}" if self.cfg.rounds else "")
@@ -168,6 +175,7 @@ class Daemon:
                 await self.off_loop(self.train_pool, self.save_checkpoint)
             await self.swarm.drain(timeout_s=5.0 if stopped.is_set() else self.cfg.sync_timeout)
             await self.swarm.stop()
+            self.metrics.close()
             self.train_pool.shutdown(wait=True)
             self.codec_pool.shutdown(wait=True)
         logger.info("stopped at round %d; param_digest %s", self.engine.round, self.param_digest[:16])
@@ -186,6 +194,7 @@ class Daemon:
         started = time.monotonic()
         self.phase = "training"
         await self.off_loop(self.train_pool, self.trainer.train_round, self.stop_flag, self.on_step)
+        train_s = time.monotonic() - started
         if not self.trainer.round_complete():
             return False
         self.phase = "encoding"
@@ -206,12 +215,14 @@ class Daemon:
             return False
         contributions = exchange.result()
         sync_s = time.monotonic() - sync_started
+        self.metrics.sync_seconds.observe(sync_s)
         self.phase = "outer step"
         by_node = {c.sender_id: (c.data, c.weight) for c in contributions.values()}
         self.param_digest = await self.off_loop(self.train_pool, self.trainer.apply, by_node)
         self.last_contributors = sorted(by_node)
         self.swarm.record_round(round_id, self.param_digest)
         await self.off_loop(self.train_pool, self.save_checkpoint)
+        self.utilization = train_s / max(time.monotonic() - started, 1e-9)
         self.progress.clear()
         logger.info(
             "round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs round %.1fs digest %s from %s",
@@ -273,7 +284,22 @@ class Daemon:
             "last_round_contributors": len(self.last_contributors),
             "last_round_contributor_ids": self.last_contributors,
             "inner_steps": self.engine.inner_steps_total, "tokens_per_s": self.trainer.tokens_per_s,
+            "utilization": self.utilization,
         }
+
+    def metrics_snapshot(self) -> Snapshot:
+        """Read at scrape time, from the metrics thread: plain attribute reads and dict copies."""
+        swarm = getattr(self, "swarm", None)
+        counters = swarm.counters if swarm is not None else None
+        return Snapshot(
+            rounds=self.engine.round, inner_steps=self.engine.inner_steps_total,
+            loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=self.trainer.tokens_per_s,
+            contributors=len(self.last_contributors), utilization=self.utilization,
+            peers_alive=len(swarm.table.alive()) if swarm is not None else 0,
+            bytes_sent=dict(counters.per_peer_sent) if counters else {},
+            bytes_received=dict(counters.per_peer_received) if counters else {},
+            refusals=dict(counters.refusals) if counters else {},
+        )
 
     def save_checkpoint(self) -> None:
         meta = {**self.status(), **self.swarm.snapshot(), "phase": "stopped",

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from procutil import neuronode_cmd
 
-from neuronode.bench.sync import SyncBenchConfig, sent_between, summarize
+from neuronode.bench.sync import SyncBenchConfig, Usage, summarize, used_between
 from neuronode.errors import ConfigError
 
 KEYS = {
@@ -82,7 +82,7 @@ def node_result(round_seconds: list[float], sha: str = "s", *, sent: int = 300,
                 contributors: int = 2) -> dict[str, Any]:
     rounds = [{"seconds": s, "encode_s": s / 4, "exchange_s": s / 2, "decode_average_s": s / 4,
                "contributors": contributors, "sha256": sha, "bytes_sent": sent,
-               "min_peer_bytes": sent} for s in round_seconds]
+               "min_peer_bytes": sent, "cpu_s": s} for s in round_seconds]
     return {"rounds": rounds, "peak_rss_bytes": 1000 + len(round_seconds)}
 
 
@@ -90,11 +90,12 @@ def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
     cfg = SyncBenchConfig(nodes=2, params=100, codec="fp32", averaging="all-to-all", rounds=3,
                           zstd_level=1)
     nodes = [node_result([1.0, 5.0, 2.0]), node_result([3.0, 1.0, 2.5])]
-    gloo = [{"seconds": [0.1, 0.3, 0.2], "peak_rss_bytes": 7, "sha256": "g"},
-            {"seconds": [0.2, 0.1, 0.1], "peak_rss_bytes": 9, "sha256": "g"}]
+    gloo = [{"seconds": [0.1, 0.3, 0.2], "cpu_s": [0.1, 0.3, 0.2], "peak_rss_bytes": 7, "sha256": "g"},
+            {"seconds": [0.2, 0.1, 0.1], "cpu_s": [0.2, 0.1, 0.1], "peak_rss_bytes": 9, "sha256": "g"}]
     result = summarize(cfg, nodes, gloo)
     assert result["round_seconds"] == [3.0, 5.0, 2.5]
     assert result["seconds"] == 3.0
+    assert result["cpu_seconds"] == 4.5 and result["gloo_cpu_seconds"] == 0.3
     assert result["gloo_seconds"] == 0.2 and result["ratio_vs_gloo"] == 15.0
     assert result["payload_bytes_per_param"] == 3.0 and result["wire_bytes_per_param"] == 3.0
     assert result["replicas_identical"] is True
@@ -109,7 +110,7 @@ def test_summary_flags_differing_replicas_and_missing_contributors() -> None:
     assert not summarize(cfg, short, [])["replicas_identical"]
 
 
-def test_sent_between_counts_one_contribution_per_peer() -> None:
-    before = (100, {"a": 40, "b": 60})
-    after = (400, {"a": 190, "b": 210, "c": 0})
-    assert sent_between(before, after) == {"bytes_sent": 300, "min_peer_bytes": 150}
+def test_used_between_counts_one_contribution_per_peer() -> None:
+    before = Usage(100, {"a": 40, "b": 60}, 1.0)
+    after = Usage(400, {"a": 190, "b": 210, "c": 0}, 3.5)
+    assert used_between(before, after) == {"bytes_sent": 300, "min_peer_bytes": 150, "cpu_s": 2.5}

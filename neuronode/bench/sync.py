@@ -205,6 +205,7 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
     contributors = min(r["contributors"] for rounds in timed for r in rounds)
     payload = min(r["min_peer_bytes"] for rounds in timed for r in rounds)
     sent = statistics.fmean(r["bytes_sent"] for rounds in timed for r in rounds)
+    cpu_s = [sum(rounds[k]["cpu_s"] for rounds in timed) for k in range(n_rounds)]
     seconds = statistics.median(round_s)
     result: dict[str, Any] = {
         "nodes": cfg.nodes, "params": cfg.params, "codec": cfg.codec, "averaging": cfg.averaging,
@@ -216,6 +217,8 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         "payload_bytes_per_param": round(payload / cfg.params, 4),
         "wire_bytes_per_param": round(sent / cfg.params, 4),
         "peak_rss_bytes": max(w["peak_rss_bytes"] for w in nodes),
+        # All workers' CPU per round: steadier than wall time on a shared machine.
+        "cpu_seconds": round(statistics.median(cpu_s), 3),
         "replicas_identical": digests_agree and contributors == cfg.nodes,
         "gloo_seconds": None, "ratio_vs_gloo": None,
     }
@@ -224,6 +227,8 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         result["gloo_seconds"] = round(statistics.median(gloo_s), 4)
         result["gloo_round_seconds"] = [round(s, 4) for s in gloo_s]
         result["ratio_vs_gloo"] = round(seconds / max(statistics.median(gloo_s), 1e-9), 2)
+        gloo_cpu = [sum(w["cpu_s"][k] for w in gloo) for k in range(len(gloo_s))]
+        result["gloo_cpu_seconds"] = round(statistics.median(gloo_cpu), 3)
         result["gloo_peak_rss_bytes"] = max(w["peak_rss_bytes"] for w in gloo)
         result["gloo_replicas_identical"] = len({w["sha256"] for w in gloo}) == 1
     return result
@@ -347,19 +352,21 @@ class NodeWorker:
                 "peak_rss_bytes": peak_rss_bytes()}
 
     async def rounds(self, node: SwarmNode, *, start_deadline: float) -> list[dict[str, Any]]:
-        """Warm-up and timed rounds; each result gets the bytes sent between its barriers."""
+        """Warm-up and timed rounds; each result gets the bytes sent and the CPU time used
+        between its barriers (all threads of this process, so the swarm's work is counted)."""
         total = WARMUP_ROUNDS + self.cfg.rounds
         results: list[dict[str, Any]] = []
-        counters: list[tuple[int, dict[str, int]]] = []
+        usage: list[Usage] = []
         deadline = start_deadline
         for round_id in range(total + 1):
             await self.barrier(node, round_id, deadline=deadline)
-            counters.append((node.counters.bytes_sent, dict(node.counters.per_peer_sent)))
+            usage.append(Usage(node.counters.bytes_sent, dict(node.counters.per_peer_sent),
+                               time.process_time()))
             if round_id < total:
                 deadline = time.monotonic() + self.cfg.round_timeout_s
                 results.append(await self.one_round(node, round_id, deadline=deadline))
-        for result, before, after in zip(results, counters, counters[1:], strict=False):
-            result.update(sent_between(before, after))
+        for result, before, after in zip(results, usage, usage[1:], strict=False):
+            result.update(used_between(before, after))
         return results
 
     async def barrier(self, node: SwarmNode, round_id: int, *, deadline: float) -> None:
@@ -401,11 +408,22 @@ class NodeWorker:
                 "sha256": sha}
 
 
-def sent_between(before: tuple[int, dict[str, int]], after: tuple[int, dict[str, int]]) -> dict[str, int]:
-    """Bytes sent in all, and the fewest sent to one peer (one contribution, unless retried)."""
-    per_peer = [n - before[1].get(peer, 0) for peer, n in after[1].items()]
-    return {"bytes_sent": after[0] - before[0],
-            "min_peer_bytes": min((n for n in per_peer if n > 0), default=0)}
+@dataclass(frozen=True)
+class Usage:
+    """A node's cumulative counters at one barrier."""
+
+    bytes_sent: int
+    per_peer_sent: dict[str, int]
+    cpu_s: float
+
+
+def used_between(before: Usage, after: Usage) -> dict[str, Any]:
+    """Bytes sent in all, the fewest sent to one peer (one contribution, unless retried), and
+    CPU seconds."""
+    per_peer = [n - before.per_peer_sent.get(peer, 0) for peer, n in after.per_peer_sent.items()]
+    return {"bytes_sent": after.bytes_sent - before.bytes_sent,
+            "min_peer_bytes": min((n for n in per_peer if n > 0), default=0),
+            "cpu_s": after.cpu_s - before.cpu_s}
 
 
 def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any]:
@@ -416,18 +434,20 @@ def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any
                             world_size=cfg.nodes, timeout=timedelta(seconds=cfg.round_timeout_s))
     try:
         delta = pseudo_gradient(cfg.params, seed=1000 + index)
-        seconds = []
+        seconds, cpu_s = [], []
         for _ in range(1 + cfg.rounds):
             buf = delta.clone()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             dist.all_reduce(buf, op=dist.ReduceOp.SUM)
             buf.div_(cfg.nodes)
             seconds.append(time.perf_counter() - t0)
+            cpu_s.append(time.process_time() - c0)
         sha = sha256_of(buf)
     finally:
         dist.destroy_process_group()
-    return {"index": index, "seconds": seconds[1:], "sha256": sha, "peak_rss_bytes": peak_rss_bytes()}
+    return {"index": index, "seconds": seconds[1:], "cpu_s": cpu_s[1:], "sha256": sha,
+            "peak_rss_bytes": peak_rss_bytes()}
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:

@@ -15,10 +15,10 @@ Aggregators are looked up by name with :func:`get_aggregator` (the names are the
 name               options (defaults)                     bad members tolerated   time (× mean)§
 =================  =====================================  ======================  ===============
 ``mean``           none                                   none                    O(nP)     (1)
-``trimmed-mean``   ``trim_fraction=0.2``, in [0, 0.5)     ⌊f·n⌋ (a fraction < f)  O(nP)†    (~6)
-``median``         none                                   fewer than n/2          O(nP)†    (~8)
+``trimmed-mean``   ``trim_fraction=0.2``, in [0, 0.5)     ⌊f·n⌋ (a fraction < f)  O(nP)†    (~5)
+``median``         none                                   fewer than n/2          O(nP)†    (~5)
 ``norm-clip``      ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~4)
-``centered-clip``  ``clip_factor=1.0`` > 0,               fewer than n/2,         O(k·nP)   (~25)
+``centered-clip``  ``clip_factor=1.0`` > 0,               fewer than n/2,         O(k·nP)   (~20)
                    ``iterations=3`` (k) ≥ 1               bounded influence
 =================  =====================================  ======================  ===============
 
@@ -26,11 +26,11 @@ Any of them also takes ``cosine_threshold`` (in [-1, 1]; ``None``, the default, 
 which puts a :class:`CosineFilter` in front: members pointing away from the coordinate-wise
 median are dropped first, as long as they are a minority. ``get_aggregator("median",
 cosine_threshold=0.0)`` is the median of the members the filter kept. It adds a median and
-a dot-product pass (~15× mean). Each class's docstring says exactly what it tolerates.
+a dot-product pass (~10–15× mean). Each class's docstring says exactly what it tolerates.
 
-§ measured with n = 5, P = 10M on one thread. † per coordinate a sort of n values: a
-min/max network, O(n²) cheap element-wise ops, up to 16 members; ``torch.sort``, O(nP log n),
-beyond. ‡ a member moves the result by at most ``clip_factor × median norm × w/W``; the
+§ measured with n = 5, P = 10M on one thread of a busy machine (±30 %). † per coordinate a
+sort of n values: a min/max network, O(n²) cheap element-wise ops, up to 16 members;
+``torch.sort``, O(nP log n), beyond. ‡ a member moves the result by at most ``clip_factor × median norm × w/W``; the
 median norm is honest while fewer than n/2 are bad; direction attacks are not stopped.
 
 Memory: only ``mean`` streams. The robust rules need every vector at once: each
@@ -189,7 +189,7 @@ def _finite_number(option: str, value: object) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class TrimmedMean:
-    """``trimmed-mean``: per coordinate drop the ``⌊f·n⌋`` largest and smallest, average the rest.
+    """``trimmed-mean``: per coordinate drop the ``⌊f·n⌋`` largest and smallest, then average.
 
     Tolerates up to ``⌊f·n⌋`` bad members, i.e. a fraction below ``f`` (``trim_fraction``,
     in [0, 0.5)); note that ``n < 1/f`` trims nothing (the default 0.2 needs 5 members).
@@ -257,7 +257,7 @@ class NormClip:
 
 @dataclass(frozen=True, kw_only=True)
 class CenteredClip:
-    """``centered-clip`` (Karimireddy et al. 2021): ``v ← v + mean_i clip(x_i - v, τ)``, repeated.
+    """``centered-clip`` (Karimireddy et al. 2021): repeat ``v ← v + mean_i clip(x_i - v, τ)``.
 
     Starts from the coordinate-wise median, or from ``center`` passed per call (e.g. last
     round's applied update; it must be the same tensor on every replica). The radius is

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, get_codec
 from neuronode.state import GlobalState
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CHUNK_PAYLOAD = 4 << 20
 MAX_KNOWN_ADDRESSES = 1024
+NODE_SERVICE = "neuronode.v1.Node"
 # Refusals that retrying cannot fix; anything else (UNAVAILABLE, DEADLINE_EXCEEDED) is retried.
 FINAL_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
@@ -93,6 +95,7 @@ class Counters:
     bytes_received: int = 0
     per_peer_sent: dict[str, int] = field(default_factory=dict)
     per_peer_received: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)  # by reason (gRPC status code)
 
 
 class SwarmNode:
@@ -135,6 +138,11 @@ class SwarmNode:
         """Bind the server and start heartbeats; returns the address peers should dial."""
         server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_NodeServicer_to_server(NodeService(self), server)
+        # Standard gRPC health: NOT_SERVING until the daemon says the node has joined.
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        for service in ("", NODE_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         host, _, port = self.cfg.listen.rpartition(":")
         bound = server.add_insecure_port(self.cfg.listen)
         if bound == 0:
@@ -151,9 +159,16 @@ class SwarmNode:
         logger.info("node %s serving on %s (advertised as %s)", self.cfg.node_id, self.cfg.listen.replace(":0", f":{bound}"), self.advertise)
         return self.advertise
 
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", NODE_SERVICE):
+            await self.health.set(service, status)
+
     async def stop(self, *, grace_s: float = 2.0) -> None:
         """Tell peers we leave, stop the server (grace for calls in flight), close channels."""
         self.leaving = True
+        if self._server is not None:
+            await self.health.enter_graceful_shutdown()
         peers = self.table.alive()
         if peers:
             await asyncio.gather(*(self._leave(p.address) for p in peers), return_exceptions=True)
@@ -577,6 +592,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.node = node
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str) -> None:
+        reason = exc.code.lower()
+        self.node.counters.refusals[reason] = self.node.counters.refusals.get(reason, 0) + 1
         self.node.say(f"refused:{what}:{context.peer()}:{exc.code}", logging.WARNING,
                       "refused %s from %s: %s", what, context.peer(), exc, every_s=60.0)
         await context.abort(STATUS_CODES[exc.code], str(exc))

@@ -194,7 +194,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class StatusResponse(_message.Message):
     LAST_ROUND_CONTRIBUTOR_IDS_FIELD_NUMBER: _ClassVar[int]
     STATE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     STATES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -233,4 +234,5 @@ class StatusResponse(_message.Message):
     last_round_contributor_ids: _containers.RepeatedScalarFieldContainer[str]
     state_transfers: int
     states_served: int
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ...) -> None: ...
+    utilization: float
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,91 @@
+"""Prometheus metrics, read from the daemon's state at scrape time (`--metrics-port`).
+
+Nothing on the hot path updates a metric except the sync-time histogram: a custom collector
+reads the counters the daemon and the swarm keep anyway, so a scrape costs one pass over them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Snapshot:
+    """What one scrape reports (built by the daemon, off nothing but plain attributes)."""
+
+    rounds: int = 0
+    inner_steps: int = 0
+    loss: float = float("nan")
+    val_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    contributors: int = 0
+    peers_alive: int = 0
+    utilization: float = 0.0
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class NodeCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        s = self.snapshot()
+        yield counter("neuronode_rounds", "completed rounds", s.rounds)
+        yield counter("neuronode_inner_steps", "inner optimizer steps", s.inner_steps)
+        yield gauge("neuronode_loss", "last training loss", s.loss)
+        yield gauge("neuronode_val_loss", "validation loss after the last round", s.val_loss)
+        yield gauge("neuronode_tokens_per_second", "training throughput", s.tokens_per_s)
+        yield gauge("neuronode_round_contributors", "contributions averaged in the last round", s.contributors)
+        yield gauge("neuronode_peers_alive", "peers heard from recently", s.peers_alive)
+        yield gauge("neuronode_utilization", "share of the last round's wall time spent training", s.utilization)
+        yield labelled("neuronode_bytes_sent", "bytes sent, by peer", "peer", s.bytes_sent)
+        yield labelled("neuronode_bytes_received", "bytes received, by peer", "peer", s.bytes_received)
+        yield labelled("neuronode_refusals", "requests refused, by reason", "reason", s.refusals)
+
+
+def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def labelled(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(dict(values).items()):
+        family.add_metric([key], value)
+    return family
+
+
+class Metrics:
+    """The registry of one node; `serve()` exposes it over HTTP."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(NodeCollector(snapshot))
+        self.sync_seconds = Histogram(
+            "neuronode_sync_seconds", "seconds from our contribution being ready to the round closing",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=self.registry)
+
+        self._server: Any = None
+
+    def serve(self, host: str, port: int) -> None:
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        logger.info("metrics on http://%s:%d/metrics", host, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
