@@ -20,6 +20,7 @@ from typing import Any
 from neuronode.errors import ConfigError
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -83,6 +84,10 @@ class NodeConfig:
     threads: int = opt(0, "torch threads for this node (0: half the cores, at most 8)")
     device: str = opt("auto", "where to train", choices=DEVICES)
     codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire", choices=CODECS)
+    aggregator: str = opt("mean", "how contributions are combined (robust ones resist lying peers)", choices=AGGREGATORS)
+    aggregator_option: tuple[str, ...] = opt(
+        (), "comma list of aggregator options: trim_fraction, clip_factor, iterations, cosine_threshold",
+        metavar="K=V,...")
     zstd_level: int = opt(1, "zstd level for contribution chunks (0: no compression)")
     chunk_bytes: int = opt(1 << 20, "encoded bytes per contribution chunk")
     sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
@@ -154,7 +159,7 @@ def validate_field(name: str, value: Any, meta: Mapping[str, Any]) -> None:
     if name == "peers":
         for peer in value:
             parse_hostport(peer, flag)
-    if name == "task_option":
+    if name in ("task_option", "aggregator_option"):
         for kv in value:
             if "=" not in kv:
                 raise ConfigError(f"{flag}: '{kv}' is not KEY=VALUE")

@@ -79,8 +79,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class LogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Clears the live progress line before a log line, so the two never share a line."""
+
+    progress: Progress | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.progress is not None:
+            self.progress.clear()
+        super().emit(record)
+
+
 def setup_logging(fmt: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LogHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
@@ -108,6 +119,9 @@ class Daemon:
         self.metrics = Metrics(self.metrics_snapshot)
         self.stop_flag = threading.Event()  # seen by the training thread between steps
         self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, LogHandler):
+                handler.progress = self.progress
         # One thread trains (torch state is not thread-safe); another encodes/decodes chunks.
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.codec_pool = ThreadPoolExecutor(2, thread_name_prefix="codec")
@@ -158,6 +172,8 @@ class Daemon:
             self.phase = "joining"
             await self.swarm.wait_first_contact(timeout_s=max(10.0, 3 * self.cfg.heartbeat_s))
             await self.maybe_catch_up()
+            if self.cfg.advertise:
+                await self.swarm.check_reachable()
         await self.swarm.set_serving(True)
         logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
                     self.trainer.n_params, self.cfg.task, self.cfg.codec, self.engine.round,
@@ -259,13 +275,22 @@ class Daemon:
 
     def on_step(self, trainer: Trainer) -> None:
         """Called in the training thread after each inner step: live progress on a TTY."""
+        if not self.progress.enabled:
+            return
         eng = trainer.engine
+        h = self.cfg.inner_steps
         lr = eng.inner_config.lr_at(max(eng.inner_steps_total - 1, 0))
+        filled = round(20 * eng.steps_this_round / h)
+        step_s = (trainer.task.tokens_per_batch / trainer.tokens_per_s) if trainer.tokens_per_s else 0.0
+        left_steps = h - eng.steps_this_round
+        if self.cfg.rounds:
+            left_steps += (self.cfg.rounds - eng.round - 1) * h
         total = f"/{self.cfg.rounds}" if self.cfg.rounds else ""
         self.progress.show(
-            f"round {eng.round + 1}{total} step {eng.steps_this_round}/{self.cfg.inner_steps} "
-            f"loss {trainer.loss:.3f} lr {lr:.2e} {trainer.tokens_per_s:,.0f} tok/s "
-            f"peers {len(self.swarm.table.alive())}")
+            f"round {eng.round + 1}{total} [{'#' * filled}{'.' * (20 - filled)}] "
+            f"step {eng.steps_this_round}/{h} loss {trainer.loss:.3f} lr {lr:.2e} "
+            f"{trainer.tokens_per_s:,.0f} tok/s peers {len(self.swarm.table.alive())} "
+            f"ETA {format_eta(left_steps * step_s)}")
 
     def swarm_config(self) -> SwarmConfig:
         return SwarmConfig(
@@ -306,6 +331,11 @@ class Daemon:
                 "manifest_hash": self.engine.manifest_hash(), "saved_at": time.time()}
         checkpoint.save(self.data_dir, self.engine.round, meta, self.trainer.state_dict(),
                         keep=self.cfg.keep_checkpoints)
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def finite_or(value: float, default: float = float("nan")) -> float:

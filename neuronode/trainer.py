@@ -66,6 +66,21 @@ def schedule(cfg: NodeConfig) -> tuple[int, int]:
     return warmup, max(total, warmup + 1)
 
 
+def make_aggregator(cfg: NodeConfig) -> Any:
+    """--aggregator with its --aggregator-option values (numbers; 'none' turns an option off)."""
+    options: dict[str, Any] = {}
+    for kv in cfg.aggregator_option:
+        key, value = kv.split("=", 1)
+        try:
+            options[key] = None if value.lower() == "none" else (int(value) if value.isdigit() else float(value))
+        except ValueError:
+            raise ConfigError(f"--aggregator-option: {kv!r} needs a number") from None
+    try:
+        return get_aggregator(cfg.aggregator, **options)
+    except ValueError as exc:
+        raise ConfigError(f"--aggregator-option: {exc}") from None
+
+
 @dataclass
 class Encoded:
     """Our contribution, encoded: frames for the wire and its raw payloads for ourselves."""
@@ -102,7 +117,7 @@ class Trainer:
         self.engine = DiLoCo(self.task.model, inner=inner, outer=outer)
         self.codec = get_codec(cfg.codec)
         self.feedback = ErrorFeedback(self.engine.num_elements) if self.codec.lossy else None
-        self.aggregate = get_aggregator("mean")
+        self.aggregate = make_aggregator(cfg)
         self.loss = math.nan
         self.val_loss = math.nan
         self.tokens_per_s = 0.0

@@ -129,6 +129,8 @@ class SwarmNode:
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash,
                            zstd_level=cfg.zstd_level, executor=executor)
         self.state_transfers = 0
+        self.reachable = "unknown"
+        self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
         for address in cfg.peers:
             self.table.add_address(address)
 
@@ -440,6 +442,46 @@ class SwarmNode:
         await asyncio.sleep(self.cfg.heartbeat_s * 1.5)  # one more round of hellos: learn the rest
         return True
 
+    async def check_reachable(self) -> None:
+        """Ask live peers to dial us back at our advertised address; say plainly if they can't."""
+        for peer in self.table.alive()[:3]:
+            try:
+                resp = await self.stub(peer.address).CheckReachable(
+                    pb.ReachRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id), timeout=15)
+            except grpc.aio.AioRpcError:
+                continue
+            self.reachable = "yes" if resp.reachable else "no"
+            if resp.reachable:
+                logger.info("reachability: peer %s dialed us back at %s", peer.node_id, resp.address)
+            else:
+                port = self.advertise.rpartition(":")[2]
+                logger.error(
+                    "reachability: peer %s cannot reach this node at %s (%s). Peers can't send "
+                    "us their contributions: forward TCP port %s on your router to this machine, "
+                    "allow it in the firewall, and make --advertise the public HOST:PORT",
+                    peer.node_id, resp.address, resp.detail, port)
+            return
+
+    async def dial_back(self, node_id: str) -> pb.ReachResponse:
+        """Serve CheckReachable: dial a known peer at the address it advertised (never any
+        other address, and at most once a minute per peer)."""
+        peer = self.table.peers.get(node_id)
+        if peer is None:
+            raise Refusal("FAILED_PRECONDITION", "say Hello first: only members are dialed back")
+        now = time.monotonic()
+        if now - self._dialbacks.get(node_id, -60.0) < 60.0:
+            raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute")
+        self._dialbacks[node_id] = now
+        channel = grpc.aio.insecure_channel(peer.address, options=CHANNEL_OPTIONS)
+        try:
+            await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=5)
+            return pb.ReachResponse(reachable=True, address=peer.address)
+        except grpc.aio.AioRpcError as exc:
+            return pb.ReachResponse(reachable=False, address=peer.address,
+                                    detail=f"{exc.code().name}: {exc.details()}")
+        finally:
+            await channel.close()
+
     def catch_up_plan(self) -> CatchUp | None:
         return plan_catch_up(self.cfg.node_id, self.round, self.own_digests, self.table.alive())
 
@@ -568,6 +610,7 @@ class SwarmNode:
             "node_id": self.cfg.node_id, "swarm_id": self.cfg.swarm_id, "advertise": self.advertise,
             "protocol_version": PROTOCOL_VERSION, "agreement": self.agreement,
             "state_transfers": self.state_transfers, "states_served": self.donor.served,
+            "reachable": self.reachable,
             "bytes_sent": self.counters.bytes_sent, "bytes_received": self.counters.bytes_received,
             "peers": [
                 {"node_id": p.node_id, "address": p.address, "alive": self.table.is_alive(p),
@@ -640,6 +683,15 @@ class NodeService(pb_grpc.NodeServicer):
         except Refusal as exc:
             await self._abort(context, exc, "state request")
         logger.info("served the global state to %s", request.node_id)
+
+    async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
+        try:
+            if request.swarm_id != self.node.cfg.swarm_id:
+                raise Refusal("PERMISSION_DENIED", "another swarm")
+            return await self.node.dial_back(request.node_id)
+        except Refusal as exc:
+            await self._abort(context, exc, "reachability check")
+            raise  # unreachable: abort raises
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         return dict_to_status({**self.node.status_provider(), **self.node.snapshot()})

@@ -177,6 +177,24 @@ class StateChunk(_message.Message):
     payload: bytes
     def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., part: _Optional[_Union[StatePart, str]] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
+class ReachRequest(_message.Message):
+    __slots__ = ("node_id", "swarm_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    swarm_id: str
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ...) -> None: ...
+
+class ReachResponse(_message.Message):
+    __slots__ = ("reachable", "address", "detail")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    address: str
+    detail: str
+    def __init__(self, reachable: _Optional[bool] = ..., address: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -194,7 +212,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +233,7 @@ class StatusResponse(_message.Message):
     STATE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     STATES_SERVED_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -235,4 +254,5 @@ class StatusResponse(_message.Message):
     state_transfers: int
     states_served: int
     utilization: float
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...
+    reachable: str
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ...) -> None: ...

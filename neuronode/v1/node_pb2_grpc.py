@@ -59,6 +59,11 @@ class NodeStub:
                 request_serializer=neuronode_dot_v1_dot_node__pb2.StateRequest.SerializeToString,
                 response_deserializer=neuronode_dot_v1_dot_node__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.CheckReachable = channel.unary_unary(
+                '/neuronode.v1.Node/CheckReachable',
+                request_serializer=neuronode_dot_v1_dot_node__pb2.ReachRequest.SerializeToString,
+                response_deserializer=neuronode_dot_v1_dot_node__pb2.ReachResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -99,6 +104,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckReachable(self, request, context):
+        """Dial the caller back at its advertised address and say whether that worked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=neuronode_dot_v1_dot_node__pb2.StateRequest.FromString,
                     response_serializer=neuronode_dot_v1_dot_node__pb2.StateChunk.SerializeToString,
+            ),
+            'CheckReachable': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckReachable,
+                    request_deserializer=neuronode_dot_v1_dot_node__pb2.ReachRequest.FromString,
+                    response_serializer=neuronode_dot_v1_dot_node__pb2.ReachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class Node:
             '/neuronode.v1.Node/FetchState',
             neuronode_dot_v1_dot_node__pb2.StateRequest.SerializeToString,
             neuronode_dot_v1_dot_node__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckReachable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/neuronode.v1.Node/CheckReachable',
+            neuronode_dot_v1_dot_node__pb2.ReachRequest.SerializeToString,
+            neuronode_dot_v1_dot_node__pb2.ReachResponse.FromString,
             options,
             channel_credentials,
             insecure,
