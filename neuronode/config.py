@@ -90,6 +90,7 @@ class NodeConfig:
         metavar="K=V,...")
     zstd_level: int = opt(1, "zstd level for contribution chunks (0: no compression)")
     chunk_bytes: int = opt(1 << 20, "encoded bytes per contribution chunk")
+    max_upload_mbps: float = opt(0.0, "cap on what this node sends, in megabits per second (0: no cap)")
     sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
     min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
     heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
@@ -130,6 +131,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "zstd_level": (lambda v: 0 <= v <= 22, "between 0 (off) and 22"),
     "round_seconds": (lambda v: v >= 0, "0 (off) or more"),
+    "max_upload_mbps": (lambda v: v >= 0, "0 (no cap) or more"),
     "metrics_port": (lambda v: 0 <= v <= 65535, "a port between 1 and 65535, or 0 (off)"),
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),

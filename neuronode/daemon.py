@@ -299,6 +299,7 @@ class Daemon:
             peers=self.cfg.peers, sync_timeout_s=self.cfg.sync_timeout, min_contributors=self.cfg.min_peers,
             heartbeat_s=self.cfg.heartbeat_s, first_round=self.engine.round,
             zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
+            max_upload_mbps=self.cfg.max_upload_mbps,
         )
 
     def status(self) -> dict[str, Any]:

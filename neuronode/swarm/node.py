@@ -26,6 +26,7 @@ from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, 
 from neuronode.state import GlobalState
 from neuronode.swarm.faults import FaultInjected, Faults
 from neuronode.swarm.membership import CatchUp, PeerTable, agreement, plan_catch_up
+from neuronode.swarm.ratelimit import UploadLimiter
 from neuronode.swarm.rounds import Contribution, RoundBook, RoundRefused
 from neuronode.swarm.statesync import Donor, StateProvider, download
 from neuronode.swarm.wire import (
@@ -74,6 +75,7 @@ class SwarmConfig:
     first_round: int = 0
     zstd_level: int = 1
     fault_file: str = ""
+    max_upload_mbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ class SwarmNode:
                            zstd_level=cfg.zstd_level, executor=executor)
         self.state_transfers = 0
         self.reachable = "unknown"
+        self.upload = UploadLimiter(cfg.max_upload_mbps)
         self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
         for address in cfg.peers:
             self.table.add_address(address)
@@ -407,6 +410,7 @@ class SwarmNode:
                 weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
             )
             size = msg.ByteSize()
+            await self.upload.acquire(size)
             self.counters.bytes_sent += size
             self.counters.per_peer_sent[peer_id] = self.counters.per_peer_sent.get(peer_id, 0) + size
             yield msg
@@ -679,6 +683,9 @@ class NodeService(pb_grpc.NodeServicer):
                                 "state is served to members only: say Hello first")
         try:
             async for msg in self.node.donor.serve(context):
+                size = msg.ByteSize()
+                await self.node.upload.acquire(size)
+                self.node.counters.bytes_sent += size
                 yield msg
         except Refusal as exc:
             await self._abort(context, exc, "state request")

@@ -1,0 +1,417 @@
+"""A swarm certificate authority and node certificates for mutual TLS.
+
+A closed swarm has one CA (`neuronode ca init`); its operator issues each node a certificate
+(`neuronode ca issue`). Every node is both a server and a client of its peers, so node
+certificates carry serverAuth and clientAuth, and servers require a client certificate from the
+same CA: a node without one cannot even finish the TLS handshake.
+
+Keys are EC P-256, written unencrypted with mode 0600. The CA key admits nodes to the swarm;
+keep it off the nodes.
+
+grpc is imported only inside the credential helpers: the `neuronode ca` commands run on the
+operator's machine and need only `cryptography`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from neuronode.errors import NeuronodeError
+
+if TYPE_CHECKING:
+    import grpc
+
+CA_CERT_FILE = "ca.crt"
+CA_KEY_FILE = "ca.key"
+CA_DAYS = 3650
+NODE_DAYS = 825
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1")
+# Certificates start a little in the past so a peer whose clock runs behind accepts them.
+BACKDATE = timedelta(minutes=5)
+MAX_CN_CHARS = 64  # X.520 upper bound for commonName
+
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_DNS_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_DNS_NAME = re.compile(rf"^(\*\.)?{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+
+
+class CertError(NeuronodeError, ValueError):
+    """A certificate, key or host name that cannot be used; the message says what to do."""
+
+    exit_code = 2
+
+
+# --- creating ---------------------------------------------------------------------------------
+
+
+def create_ca(out_dir: Path, *, swarm_id: str, days: int = CA_DAYS,
+              force: bool = False) -> tuple[Path, Path]:
+    """Write `ca.crt` and `ca.key` (mode 0600) of a new swarm CA into `out_dir`.
+
+    Refuses to overwrite existing files unless `force`. Returns (cert path, key path).
+    """
+    _check_swarm_id(swarm_id)
+    _check_days(days)
+    cert_path, key_path = out_dir / CA_CERT_FILE, out_dir / CA_KEY_FILE
+    _refuse_existing((cert_path, key_path), force)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _ca_common_name(swarm_id))])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(key_cert_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    _write_pair(cert_path, cert, key_path, key)
+    return cert_path, key_path
+
+
+def issue_node_cert(ca_dir: Path, out_dir: Path, *, node_name: str, hosts: Sequence[str],
+                    days: int = NODE_DAYS, force: bool = False) -> tuple[Path, Path]:
+    """Write `<node_name>.crt` and `<node_name>.key` (mode 0600), signed by the CA in `ca_dir`.
+
+    The certificate names `hosts` (DNS names and IP addresses; "localhost" and "127.0.0.1" are
+    always added) and serves both ends of mutual TLS. It never outlives the CA.
+    Returns (cert path, key path).
+    """
+    _check_node_name(node_name)
+    _check_days(days)
+    sans = parse_hosts([*hosts, *LOOPBACK_HOSTS])
+    ca_cert, ca_key = load_ca(ca_dir)
+    cert_path, key_path = out_dir / f"{node_name}.crt", out_dir / f"{node_name}.key"
+    _refuse_existing((cert_path, key_path), force)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    not_after = min(now + timedelta(days=days), ca_cert.not_valid_after_utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(digital_signature=True), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                              ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                       critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_pair(cert_path, cert, key_path, key)
+    return cert_path, key_path
+
+
+def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA certificate and key in `ca_dir`, checked to belong together."""
+    cert = _load_cert(ca_dir / CA_CERT_FILE, "CA certificate")
+    key = _load_key(ca_dir / CA_KEY_FILE, "CA key")
+    if not _same_key(cert, key):
+        raise CertError(f"{ca_dir / CA_KEY_FILE} is not the key of {ca_dir / CA_CERT_FILE}")
+    if not _is_ca(cert):
+        raise CertError(f"{ca_dir / CA_CERT_FILE} is not a CA certificate; "
+                        "make one with 'neuronode ca init'")
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CertError(f"{ca_dir / CA_KEY_FILE}: expected an EC key (made by 'neuronode ca init')")
+    return cert, key
+
+
+def parse_hosts(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    """Subject alternative names for `hosts` (duplicates dropped, order kept)."""
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        name = _parse_host(host)
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise CertError("give at least one --host (the name or address peers dial)")
+    return names
+
+
+def _parse_host(host: str) -> x509.GeneralName:
+    text = host.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]  # "[::1]", as written in HOST:PORT
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        addr = None
+    if addr is not None:
+        if isinstance(addr, ipaddress.IPv6Address) and addr.scope_id:
+            raise CertError(f"host {host!r}: drop the zone ('%{addr.scope_id}')")
+        return x509.IPAddress(addr)
+    if text.count(":") == 1 or (text.startswith("[") and "]:" in text):
+        raise CertError(f"host {host!r}: give the host without the port")
+    if "://" in text or "/" in text:
+        raise CertError(f"host {host!r}: give a host name or IP address, not a URL")
+    if len(text) > 253 or not _DNS_NAME.match(text):
+        raise CertError(f"host {host!r} is neither an IP address nor a DNS name "
+                        "(letters, digits, '-' and '.')")
+    if text.rsplit(".", 1)[-1].isdigit():
+        raise CertError(f"host {host!r} looks like an IP address but is not a valid one")
+    return x509.DNSName(text.lower())
+
+
+# --- using ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeTLS:
+    """PEM bytes of a node's certificate, its key and the swarm CA, checked to fit together."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    ca_pem: bytes
+
+
+def load_node_tls(cert: Path, key: Path, ca: Path) -> NodeTLS:
+    """Read and check a node's TLS files, so a mistake fails at startup with a clear message.
+
+    Checks: the key belongs to the certificate, the CA signed it, and it is valid now.
+    """
+    node_cert = _load_cert(cert, "node certificate")
+    node_key = _load_key(key, "node key")
+    ca_cert = _load_cert(ca, "CA certificate")
+    if not _same_key(node_cert, node_key):
+        raise CertError(f"{key} is not the key of {cert}")
+    try:
+        node_cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature):
+        raise CertError(f"{cert} was not issued by the CA in {ca}; "
+                        "issue it with 'neuronode ca issue --ca DIR' of this swarm") from None
+    now = datetime.now(UTC)
+    if now < node_cert.not_valid_before_utc or now > node_cert.not_valid_after_utc:
+        raise CertError(f"{cert} is valid from {node_cert.not_valid_before_utc:%Y-%m-%d %H:%M} "
+                        f"to {node_cert.not_valid_after_utc:%Y-%m-%d} UTC, not now; issue a new one")
+    return NodeTLS(cert_pem=cert.read_bytes(), key_pem=key.read_bytes(), ca_pem=ca.read_bytes())
+
+
+def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredentials:
+    """Server side of mutual TLS: clients must present a certificate from the swarm CA."""
+    import grpc
+
+    tls = load_node_tls(cert, key, ca)
+    return grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)],
+                                       root_certificates=tls.ca_pem, require_client_auth=True)
+
+
+def channel_credentials(cert: Path, key: Path, ca: Path) -> grpc.ChannelCredentials:
+    """Client side of mutual TLS: trust only the swarm CA and present this node's certificate."""
+    import grpc
+
+    tls = load_node_tls(cert, key, ca)
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca_pem,
+                                        private_key=tls.key_pem, certificate_chain=tls.cert_pem)
+
+
+def cert_hosts(cert: Path) -> tuple[str, ...]:
+    """The DNS names and IP addresses a certificate is valid for (to check --advertise against)."""
+    node_cert = _load_cert(cert, "certificate")
+    try:
+        san = node_cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    dns = san.get_values_for_type(x509.DNSName)
+    ips = [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
+    return (*dns, *ips)
+
+
+def peer_common_name(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
+    """The verified peer certificate's CN from `context.auth_context()`, or None without TLS."""
+    values = auth_context.get("x509_common_name") or ()
+    return values[0].decode("utf-8", "replace") if values else None
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def add_ca_parser(sub: Any) -> None:
+    """Add `ca init` and `ca issue` to the subparsers of `neuronode` (cli.build_parser)."""
+    ca = sub.add_parser("ca", help="make the certificates of a closed swarm (mutual TLS)",
+                        description="Make a swarm CA, then one certificate per node.")
+    # type(ca): the parser class of the caller (cli.Parser turns mistakes into UsageError).
+    actions = ca.add_subparsers(dest="ca_command", metavar="ACTION", parser_class=type(ca),
+                                required=True)
+    init = actions.add_parser("init", help="create the swarm's CA (ca.crt, ca.key)")
+    init.add_argument("--out", required=True, type=Path, metavar="DIR",
+                      help="folder for ca.crt and ca.key (created if missing)")
+    init.add_argument("--swarm-id", required=True, help="the swarm's --swarm-id")
+    init.add_argument("--days", type=int, default=CA_DAYS,
+                      help=f"validity in days (default: {CA_DAYS})")
+    init.add_argument("--force", action="store_true", help="overwrite existing files")
+    issue = actions.add_parser("issue", help="issue one node's certificate and key")
+    issue.add_argument("--ca", required=True, type=Path, metavar="DIR",
+                       help="folder with ca.crt and ca.key")
+    issue.add_argument("--out", required=True, type=Path, metavar="DIR",
+                       help="folder for NODE.crt and NODE.key (created if missing)")
+    issue.add_argument("--name", required=True, metavar="NODE", help="node name (certificate CN)")
+    issue.add_argument("--host", required=True, action="append", dest="hosts", metavar="H",
+                       help="DNS name or IP peers dial; repeat for more "
+                            "(localhost and 127.0.0.1 are always added)")
+    issue.add_argument("--days", type=int, default=NODE_DAYS,
+                       help=f"validity in days (default: {NODE_DAYS})")
+    issue.add_argument("--force", action="store_true", help="overwrite existing files")
+
+
+def run_ca(args: argparse.Namespace) -> int:
+    """Run `neuronode ca init|issue`; prints what was written and the flags to use."""
+    if args.ca_command == "init":
+        cert_path, key_path = create_ca(args.out, swarm_id=args.swarm_id, days=args.days,
+                                        force=args.force)
+        print(f"wrote {cert_path}  (swarm CA certificate: give it to every node)")
+        print(f"wrote {key_path}  (CA key, mode 0600: keep it off the nodes; it admits members)")
+        print(f"next: neuronode ca issue --ca {args.out} --out DIR --name NODE --host ADDRESS")
+        return 0
+    if args.ca_command == "issue":
+        cert_path, key_path = issue_node_cert(args.ca, args.out, node_name=args.name,
+                                              hosts=args.hosts, days=args.days, force=args.force)
+        expires = _load_cert(cert_path, "certificate").not_valid_after_utc
+        print(f"wrote {cert_path}  (valid until {expires:%Y-%m-%d}; "
+              f"hosts: {', '.join(cert_hosts(cert_path))})")
+        print(f"wrote {key_path}  (node key, mode 0600)")
+        print("start the node with:")
+        print(f"  --tls-cert {cert_path} --tls-key {key_path} --tls-ca {args.ca / CA_CERT_FILE}")
+        return 0
+    raise CertError("neuronode ca: choose an action: init, issue")
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+def _refuse_existing(paths: Iterable[Path], force: bool) -> None:
+    if force:
+        return
+    existing = [str(p) for p in paths if p.exists()]
+    if existing:
+        raise CertError(f"{', '.join(existing)} already exist(s); "
+                        "pass --force to overwrite (nodes using the old files stop matching)")
+
+
+def _write_pair(cert_path: Path, cert: x509.Certificate, key_path: Path,
+                key: ec.EllipticCurvePrivateKey) -> None:
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    try:
+        cert_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        key_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Key first: a certificate on disk always has its key beside it.
+        _write_atomic(key_path, key_pem, mode=0o600)
+        _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    except OSError as exc:
+        raise CertError(f"cannot write {exc.filename or cert_path.parent}: "
+                        f"{exc.strerror or exc}") from None
+
+
+def _write_atomic(path: Path, data: bytes, *, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Created with `mode` (never briefly readable by others), then renamed into place.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # the umask may have cleared bits of `mode`
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _load_cert(path: Path, what: str) -> x509.Certificate:
+    data = _read(path, what)
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError:
+        raise CertError(f"{path} is not a PEM certificate ({what})") from None
+
+
+def _load_key(path: Path, what: str) -> Any:
+    data = _read(path, what)
+    try:
+        return serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        raise CertError(f"{path} is encrypted; neuronode needs an unencrypted key "
+                        "(protect it with mode 0600)") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise CertError(f"{path} is not a PEM private key ({what})") from None
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        hint = "run 'neuronode ca init'" if "CA" in what else "run 'neuronode ca issue'"
+        raise CertError(f"{what} {path} does not exist; {hint}") from None
+    except OSError as exc:
+        raise CertError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+
+def _same_key(cert: x509.Certificate, key: Any) -> bool:
+    pub = serialization.PublicFormat.SubjectPublicKeyInfo
+    enc = serialization.Encoding.DER
+    return bool(cert.public_key().public_bytes(enc, pub) == key.public_key().public_bytes(enc, pub))
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return False
+
+
+def _key_usage(*, digital_signature: bool = False, key_cert_sign: bool = False) -> x509.KeyUsage:
+    return x509.KeyUsage(digital_signature=digital_signature, content_commitment=False,
+                         key_encipherment=False, data_encipherment=False, key_agreement=False,
+                         key_cert_sign=key_cert_sign, crl_sign=key_cert_sign,
+                         encipher_only=False, decipher_only=False)
+
+
+def _ca_common_name(swarm_id: str) -> str:
+    cn = f"neuronode swarm CA {swarm_id}"
+    # commonName is limited to 64 characters; swarm ids may be longer (the CN is only a label).
+    return cn if len(cn) <= MAX_CN_CHARS else cn[: MAX_CN_CHARS - 3] + "..."
+
+
+def _check_swarm_id(swarm_id: str) -> None:
+    if not swarm_id or len(swarm_id) > 128 or any(c.isspace() for c in swarm_id):
+        raise CertError(f"--swarm-id: {swarm_id!r} must be 1 to 128 characters without spaces")
+
+
+def _check_node_name(node_name: str) -> None:
+    if not _NODE_NAME.match(node_name) or node_name.lower() == "ca":
+        raise CertError(f"--name: {node_name!r} must be 1 to 64 letters, digits, '.', '_' or '-', "
+                        "start with a letter or digit, and not be 'ca'")
+
+
+def _check_days(days: int) -> None:
+    if days < 1:
+        raise CertError(f"--days: {days} must be at least 1")
