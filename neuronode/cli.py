@@ -36,6 +36,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         meta = f.metadata
         default = f.default
         shown = ",".join(default) if isinstance(default, tuple) else default
+        if isinstance(default, bool):
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None,
+                                action=argparse.BooleanOptionalAction,
+                                help=f"{meta['help']} (default: {'on' if default else 'off'})")
+            continue
         parser.add_argument(
             flag_name(f.name),
             dest=f.name,

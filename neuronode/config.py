@@ -90,6 +90,7 @@ class NodeConfig:
         metavar="K=V,...")
     zstd_level: int = opt(1, "zstd level for contribution chunks (0: no compression)")
     chunk_bytes: int = opt(1 << 20, "encoded bytes per contribution chunk")
+    overlap: bool = opt(False, "sync round r in the background while round r+1 trains (one-round-delayed outer step)")
     max_upload_mbps: float = opt(0.0, "cap on what this node sends, in megabits per second (0: no cap)")
     sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
     min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
@@ -177,6 +178,13 @@ def convert(name: str, raw: Any, source: str) -> Any:
             if isinstance(raw, (list, tuple)):
                 return tuple(str(x) for x in raw)
             return tuple(p.strip() for p in str(raw).split(",") if p.strip())
+        if ftype == "bool":
+            if isinstance(raw, bool):
+                return raw
+            lowered = str(raw).strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError
+            return lowered in ("1", "true", "yes", "on")
         if ftype == "int":
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError
@@ -185,7 +193,7 @@ def convert(name: str, raw: Any, source: str) -> Any:
             return float(raw)
         return str(raw)
     except ValueError:
-        kind = {"int": "an integer", "float": "a number"}.get(ftype, "a value")
+        kind = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(ftype, "a value")
         raise ConfigError(f"{flag_name(name)}: '{raw}' from {source} is not {kind}") from None
 
 

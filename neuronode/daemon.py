@@ -116,6 +116,8 @@ class Daemon:
         self.restored_meta: dict[str, Any] = {}
         self.last_repair_round = -(10**9)
         self.utilization = 0.0
+        self.pending: tuple[int, asyncio.Task[Any]] | None = None  # --overlap: sync in flight
+        self.sync_started = 0.0
         self.metrics = Metrics(self.metrics_snapshot)
         self.stop_flag = threading.Event()  # seen by the training thread between steps
         self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
@@ -182,7 +184,14 @@ class Daemon:
             while not stopped.is_set() and not self.finished():
                 if not await self.one_round(stopped):
                     break
+            if self.pending is not None and not stopped.is_set():
+                await self.finish_sync(*self.pending, stopped)  # --overlap: the last round's sync
+                self.pending = None
         finally:
+            if self.pending is not None:
+                self.pending[1].cancel()
+                await asyncio.gather(self.pending[1], return_exceptions=True)
+                self.pending = None
             self.progress.clear()
             self.phase = "stopping"
             if self.engine.steps_this_round and not self.finished():
@@ -198,15 +207,25 @@ class Daemon:
         return 0
 
     def finished(self) -> bool:
-        return bool(self.cfg.rounds) and self.engine.round >= self.cfg.rounds
+        """--rounds counts rounds trained; with --overlap the last one's sync is flushed after."""
+        return bool(self.cfg.rounds) and self.rounds_trained() >= self.cfg.rounds
+
+    def rounds_trained(self) -> int:
+        return self.engine.round + (1 if self.pending is not None else 0)
 
     async def off_loop(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def one_round(self, stopped: asyncio.Event) -> bool:
-        """One DiLoCo round; False when a stop interrupted it (nothing half-applied)."""
-        await self.maybe_catch_up()
-        round_id = self.engine.round
+        """One DiLoCo round; False when a stop interrupted it (nothing half-applied).
+
+        Without --overlap: train, exchange, outer step. With --overlap the exchange of round r
+        runs in the background while round r+1 trains; its outer step is applied at the end of
+        round r+1 (one-round-delayed outer step), and round r+2 starts from the result.
+        """
+        if self.pending is None:
+            await self.maybe_catch_up()
+        round_id = self.rounds_trained()
         started = time.monotonic()
         self.phase = "training"
         await self.off_loop(self.train_pool, self.trainer.train_round, self.stop_flag, self.on_step)
@@ -219,9 +238,27 @@ class Daemon:
                        n_elements=self.trainer.n_params, chunk_elements=enc.chunk_elements,
                        weight=enc.weight)
         own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
+        if not self.cfg.overlap:
+            if not await self.finish_sync(round_id, self.start_sync(out, own), stopped):
+                return False
+        else:
+            previous, self.pending = self.pending, None
+            if previous is not None and not await self.finish_sync(*previous, stopped):
+                return False
+            if previous is None:  # nothing to apply yet: round r+1 starts from the global params
+                await self.off_loop(self.train_pool, self.trainer.restart_from_global)
+            self.pending = (round_id, self.start_sync(out, own))
+        self.utilization = train_s / max(time.monotonic() - started, 1e-9)
+        return True
+
+    def start_sync(self, out: Outgoing, own: Contribution) -> asyncio.Task[Any]:
+        self.sync_started = time.monotonic()
+        return asyncio.get_running_loop().create_task(self.swarm.exchange(out, own), name=f"sync-{out.round_id}")
+
+    async def finish_sync(self, round_id: int, exchange: asyncio.Task[Any], stopped: asyncio.Event) -> bool:
+        """Wait for a round's exchange (or a stop), then average and take the outer step."""
         self.phase = "syncing"
-        sync_started = time.monotonic()
-        exchange = asyncio.ensure_future(self.swarm.exchange(out, own))
+        waited = time.monotonic()
         stop_wait = asyncio.ensure_future(stopped.wait())
         await asyncio.wait({exchange, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         stop_wait.cancel()
@@ -230,7 +267,7 @@ class Daemon:
             await asyncio.gather(exchange, return_exceptions=True)
             return False
         contributions = exchange.result()
-        sync_s = time.monotonic() - sync_started
+        sync_s = time.monotonic() - self.sync_started
         self.metrics.sync_seconds.observe(sync_s)
         self.phase = "outer step"
         by_node = {c.sender_id: (c.data, c.weight) for c in contributions.values()}
@@ -238,12 +275,11 @@ class Daemon:
         self.last_contributors = sorted(by_node)
         self.swarm.record_round(round_id, self.param_digest)
         await self.off_loop(self.train_pool, self.save_checkpoint)
-        self.utilization = train_s / max(time.monotonic() - started, 1e-9)
         self.progress.clear()
         logger.info(
-            "round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs round %.1fs digest %s from %s",
+            "round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs waited %.1fs digest %s from %s",
             self.engine.round, self.trainer.loss, self.trainer.val_loss, len(by_node), sync_s,
-            time.monotonic() - started, self.param_digest[:12], ",".join(self.last_contributors))
+            time.monotonic() - waited, self.param_digest[:12], ",".join(self.last_contributors))
         return True
 
     async def maybe_catch_up(self) -> None:

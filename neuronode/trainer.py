@@ -192,6 +192,11 @@ class Trainer:
         self.validate()
         return self.param_digest
 
+    def restart_from_global(self) -> None:
+        """Working weights back to the global parameters (overlap's first round)."""
+        with self.global_lock:
+            self.engine.load_flat_global(self.engine.flat_global())
+
     def snapshot(self) -> GlobalState:
         """The global state for a joiner (called from a worker thread while we may train)."""
         with self.global_lock:

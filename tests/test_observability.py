@@ -189,7 +189,8 @@ def test_metrics_scraped_over_http_while_training(tmp_path: Path) -> None:
                 return None
             if s.value("neuronode_bytes_sent_total", peer=b_id) <= min_sent:
                 return None
-            return s
+            # B may join late and catch up first; then its contributions reach A too.
+            return s if s.value("neuronode_bytes_received_total", peer=b_id) > 0 else None
 
         first = poll("a to finish a round with b", lambda: a_after_round_with_b(1, 0), timeout_s=240)
         rounds1 = first.value("neuronode_rounds_total")
@@ -200,7 +201,6 @@ def test_metrics_scraped_over_http_while_training(tmp_path: Path) -> None:
         assert exposed_names(second) >= METRIC_NAMES, sorted(METRIC_NAMES - exposed_names(second))
         assert second.value("neuronode_rounds_total") > rounds1
         assert second.value("neuronode_bytes_sent_total", peer=b_id) > sent1
-        assert second.value("neuronode_bytes_received_total", peer=b_id) > 0
         assert second.value("neuronode_inner_steps_total") >= 5 * second.value("neuronode_rounds_total")
         assert second.value("neuronode_peers_alive") >= 1
         assert second.value("neuronode_sync_seconds_count") > 0
@@ -288,7 +288,10 @@ def test_status_json_when_piped_table_on_a_tty(finished_run: FinishedRun, tmp_pa
 
 # ---- 5. The live line on a terminal --------------------------------------------------------
 
-PROGRESS = re.compile(r"\r\x1b\[2Kround 1/1 step (\d+)/5 loss [0-9.]+ lr \S+ [0-9,]+ tok/s peers \d+")
+# One rewrite of the live line: clear, then round, step, loss, throughput; the next thing on
+# the terminal is another carriage return (a rewrite or a clear), never a log line or newline.
+PROGRESS = re.compile(r"\r\x1b\[2K(round 1/1 [^\r\n]*?step (\d+)/5 loss [0-9.]+ [^\r\n]*?[0-9,]+ tok/s"
+                      r"[^\r\n]*)(?=\r(?!\n))")
 
 
 @pytest.mark.timeout(200)
@@ -296,7 +299,7 @@ def test_live_progress_line_on_a_tty(tmp_path: Path) -> None:
     cmd = start_cmd(tmp_path / "node", "--rounds", "1", "--inner-steps", "5")
     rc, screen = run_on_pty(cmd, stream="stderr", timeout_s=150)
     assert rc == 0, screen
-    steps = [int(m.group(1)) for m in PROGRESS.finditer(screen)]
+    steps = [int(m.group(2)) for m in PROGRESS.finditer(screen)]
     assert steps == [1, 2, 3, 4, 5], repr(screen)
     # The line is cleared before the round's log line, so logs never trail a progress line.
     assert re.search(r"\r\x1b\[2K\d\d:\d\d:\d\d INFO neuronode\.daemon: round 1 done:", screen), repr(screen)

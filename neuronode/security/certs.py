@@ -165,10 +165,10 @@ def _parse_host(host: str) -> x509.GeneralName:
         if isinstance(addr, ipaddress.IPv6Address) and addr.scope_id:
             raise CertError(f"host {host!r}: drop the zone ('%{addr.scope_id}')")
         return x509.IPAddress(addr)
-    if text.count(":") == 1 or (text.startswith("[") and "]:" in text):
-        raise CertError(f"host {host!r}: give the host without the port")
     if "://" in text or "/" in text:
         raise CertError(f"host {host!r}: give a host name or IP address, not a URL")
+    if text.count(":") == 1 or (text.startswith("[") and "]:" in text):
+        raise CertError(f"host {host!r}: give the host without the port")
     if len(text) > 253 or not _DNS_NAME.match(text):
         raise CertError(f"host {host!r} is neither an IP address nor a DNS name "
                         "(letters, digits, '-' and '.')")
