@@ -60,6 +60,11 @@ class NodeConfig:
     swarm_id: str = opt("neuronode-default", "name of the swarm; peers with another swarm id are refused")
     listen: str = opt("127.0.0.1:7420", "address to serve gRPC on (port 0 picks a free port)", metavar="HOST:PORT")
     advertise: str = opt("", "address peers should dial; empty: derived from --listen", metavar="HOST:PORT")
+    secret_file: str = opt("", "file with the swarm's shared secret: closes the swarm to members who know it", metavar="FILE")
+    tls_cert: str = opt("", "this node's certificate (mutual TLS; see `neuronode ca`)", metavar="FILE")
+    tls_key: str = opt("", "this node's private key (mutual TLS)", metavar="FILE")
+    tls_ca: str = opt("", "the swarm CA certificate that peers' certificates must chain to", metavar="FILE")
+    open: bool = opt(False, "allow listening on a non-loopback address without --secret-file or TLS")
     peers: tuple[str, ...] = opt((), "comma list of bootstrap peers; one live peer is enough", metavar="HOST:PORT,...")
     task: str = opt("bytelm", "built-in task name or a plug-in 'package.module:factory'")
     task_option: tuple[str, ...] = opt((), "comma list of KEY=VALUE options passed to the task", metavar="K=V,...")
@@ -105,8 +110,26 @@ class NodeConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             validate_field(f.name, getattr(self, f.name), f.metadata)
+        tls = [self.tls_cert, self.tls_key, self.tls_ca]
+        if any(tls) and not all(tls):
+            raise ConfigError("--tls-cert, --tls-key and --tls-ca go together; give all three")
         if self.d_model % self.n_heads:
             raise ConfigError(f"--d-model {self.d_model} must be divisible by --n-heads {self.n_heads}")
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether peers must prove membership (shared secret and/or mutual TLS)."""
+        return bool(self.secret_file or self.tls_cert)
+
+    def check_exposure(self) -> None:
+        """Protected mode: without authentication, serve loopback only unless --open says so."""
+        host, _ = parse_hostport(self.listen, "--listen")
+        if self.authenticated or self.open or is_loopback_host(host):
+            return
+        raise ConfigError(
+            f"--listen {self.listen} would let anyone on the network join this swarm without "
+            "authentication; close it with --secret-file FILE (or --tls-cert/--tls-key/--tls-ca), "
+            "or add --open to accept that")
 
     @property
     def advertise_address(self) -> str:
@@ -137,6 +160,15 @@ RANGES: dict[str, tuple[Any, str]] = {
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
 }
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def flag_name(name: str) -> str:

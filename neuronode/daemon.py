@@ -34,10 +34,16 @@ T = TypeVar("T")
 
 def run_daemon(cfg: NodeConfig) -> int:
     """Validate what needs the file system, build the trainer, run until done or stopped."""
+    cfg.check_exposure()
     data_dir = check_data_dir(cfg.data_dir)
     setup_logging(cfg.log_format, cfg.log_level)
     node_id = cfg.node_id or load_or_create_node_id(data_dir)
     trainer = Trainer(cfg, node_id=node_id)
+    if not cfg.authenticated:
+        logger.warning(
+            "no --secret-file or TLS: %s; see SECURITY.md to close the swarm",
+            f"anyone who can reach --listen {cfg.listen} may join (--open)" if cfg.open
+            else "protected mode, serving loopback callers only")
     daemon = Daemon(cfg, trainer=trainer, node_id=node_id, data_dir=data_dir)
     daemon.restore()
     return run_async(daemon.run)
@@ -164,6 +170,7 @@ class Daemon:
             logger.info("round 0: val_loss %.4f before training", self.trainer.val_loss)
         self.swarm = SwarmNode(self.swarm_config(), executor=self.codec_pool, status_provider=self.status,
                                state_provider=self.trainer.snapshot)
+        self.swarm.loopback_only = not self.cfg.authenticated and not self.cfg.open
         self.swarm.counters.bytes_sent = int(self.restored_meta.get("bytes_sent", 0))
         self.swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))
         await self.swarm.start()

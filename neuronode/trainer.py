@@ -108,7 +108,8 @@ class Trainer:
         try:
             self.task = create_task(cfg.task, task_cfg)
         except TaskError as exc:
-            raise ConfigError(f"--task: {exc}") from None
+            msg = str(exc)
+            raise ConfigError(msg if msg.startswith("--task") else f"--task: {msg}") from None
         warmup, total = schedule(cfg)
         inner = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=warmup,
                             total_steps=total, min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip,

@@ -300,6 +300,7 @@ def test_live_progress_line_on_a_tty(tmp_path: Path) -> None:
     rc, screen = run_on_pty(cmd, stream="stderr", timeout_s=150)
     assert rc == 0, screen
     steps = [int(m.group(2)) for m in PROGRESS.finditer(screen)]
-    assert steps == [1, 2, 3, 4, 5], repr(screen)
+    # Every step rewrites the line today; a throttled line may skip some, but never goes back.
+    assert steps and steps == sorted(set(steps)), repr(screen)
     # The line is cleared before the round's log line, so logs never trail a progress line.
     assert re.search(r"\r\x1b\[2K\d\d:\d\d:\d\d INFO neuronode\.daemon: round 1 done:", screen), repr(screen)

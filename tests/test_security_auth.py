@@ -104,7 +104,7 @@ def test_fields_are_length_prefixed_not_joined() -> None:
 
 
 def test_a_tag_made_for_one_purpose_is_refused_for_another() -> None:
-    fields = {"node_id": "node-a", "swarm_id": "s", "timestamp_s": NOW_S}
+    fields: dict[str, Any] = {"node_id": "node-a", "swarm_id": "s", "timestamp_s": NOW_S}
     hello = auth.hello_tag(SECRET, advertise="Leave", **fields)
     assert hello != auth.request_tag(SECRET, method="Leave", **fields)
     with pytest.raises(AuthError):

@@ -285,6 +285,7 @@ def run_ca(args: argparse.Namespace) -> int:
                                         force=args.force)
         print(f"wrote {cert_path}  (swarm CA certificate: give it to every node)")
         print(f"wrote {key_path}  (CA key, mode 0600: keep it off the nodes; it admits members)")
+        print(f"nodes of this swarm run with --swarm-id {args.swarm_id}")
         print(f"next: neuronode ca issue --ca {args.out} --out DIR --name NODE --host ADDRESS")
         return 0
     if args.ca_command == "issue":
@@ -308,7 +309,8 @@ def _refuse_existing(paths: Iterable[Path], force: bool) -> None:
         return
     existing = [str(p) for p in paths if p.exists()]
     if existing:
-        raise CertError(f"{', '.join(existing)} already exist(s); "
+        verb = "exists" if len(existing) == 1 else "exist"
+        raise CertError(f"{' and '.join(existing)} already {verb}; "
                         "pass --force to overwrite (nodes using the old files stop matching)")
 
 

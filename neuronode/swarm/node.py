@@ -11,6 +11,7 @@ RoundBook until our round closes (rounds.py states the rule).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 import time
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, get_codec
 from neuronode.state import GlobalState
+from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import FaultInjected, Faults
 from neuronode.swarm.membership import CatchUp, PeerTable, agreement, plan_catch_up
 from neuronode.swarm.ratelimit import UploadLimiter
@@ -133,6 +135,9 @@ class SwarmNode:
         self.state_transfers = 0
         self.reachable = "unknown"
         self.upload = UploadLimiter(cfg.max_upload_mbps)
+        self.bans = Bans()
+        self.authenticated = False  # set by the security layer when ids are proven (closed swarm)
+        self.loopback_only = False  # protected mode: no authentication and no --open
         self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
         for address in cfg.peers:
             self.table.add_address(address)
@@ -524,8 +529,9 @@ class SwarmNode:
 
     # ---- incoming contributions -------------------------------------------------------------
 
-    async def receive(self, chunks: AsyncIterator[pb.ContributionChunk]) -> int:
-        """Validate and store one incoming contribution stream; returns chunks received."""
+    async def receive(self, chunks: AsyncIterator[pb.ContributionChunk], *, sender: list[str] | None = None) -> int:
+        """Validate and store one incoming contribution stream; returns chunks received.
+        `sender` gets the claimed sender id as soon as the first chunk is read (for blame)."""
         first: pb.ContributionChunk | None = None
         assembler: Assembler | None = None
         digest = ContributionDigest()
@@ -534,6 +540,10 @@ class SwarmNode:
         try:
             async for chunk in chunks:
                 if first is None:
+                    if sender is not None:
+                        sender.append(chunk.sender_id[:MAX_ID_CHARS])
+                    if self.bans.banned_for(f"node:{chunk.sender_id}") and self.authenticated:
+                        raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
                     assembler = self._open_stream(chunk)
                     first = chunk
                 else:
@@ -598,8 +608,14 @@ class SwarmNode:
 
     @staticmethod
     def _decode_chunk(assembler: Assembler, chunk: pb.ContributionChunk) -> bytes:
+        """Bounded decompression, then a full decode that refuses NaN/Inf before anything is
+        stored: bad values never reach an average."""
         expected = assembler.expected_raw_len(chunk.chunk_index)
-        return decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected)
+        raw = decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected)
+        codec = get_codec(PB_TO_CODEC[chunk.codec])
+        start = chunk.chunk_index * chunk.chunk_elements
+        codec.decode(raw, min(chunk.chunk_elements, chunk.total_elements - start))
+        return raw
 
     def _count_received(self, chunk: pb.ContributionChunk) -> None:
         size = chunk.ByteSize()
@@ -624,6 +640,15 @@ class SwarmNode:
         }
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_same_stream(first: pb.ContributionChunk, chunk: pb.ContributionChunk) -> None:
     """Header fields may not change within one stream, and chunks come in order exactly once."""
     for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
@@ -638,9 +663,34 @@ class NodeService(pb_grpc.NodeServicer):
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
 
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str) -> None:
+    def caller_key(self, context: grpc.aio.ServicerContext, node_id: str = "") -> str:
+        """Whom to blame for bad input: the node id when ids are authenticated (a closed
+        swarm), else the caller's IP; loopback callers are never banned (they are local)."""
+        if node_id and self.node.authenticated:
+            return f"node:{node_id}"
+        host = context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        return "" if is_loopback(host) else f"ip:{host}"
+
+    async def check_ban(self, context: grpc.aio.ServicerContext, node_id: str = "") -> None:
+        """Admit a caller: loopback only in protected mode, and never a banned one."""
+        if self.node.loopback_only:
+            host = context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
+            if not is_loopback(host):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    "this node serves loopback callers only (no --secret-file, TLS or --open)")
+        key = self.caller_key(context, node_id)
+        left = self.node.bans.banned_for(key) if key else 0.0
+        if left > 0:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"banned for {left:.0f} more seconds after repeated invalid input")
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str,
+                     node_id: str = "") -> None:
         reason = exc.code.lower()
         self.node.counters.refusals[reason] = self.node.counters.refusals.get(reason, 0) + 1
+        key = self.caller_key(context, node_id)
+        if key and exc.code in ("INVALID_ARGUMENT", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED"):
+            self.node.bans.strike(key)
         self.node.say(f"refused:{what}:{context.peer()}:{exc.code}", logging.WARNING,
                       "refused %s from %s: %s", what, context.peer(), exc, every_s=60.0)
         await context.abort(STATUS_CODES[exc.code], str(exc))
@@ -648,17 +698,19 @@ class NodeService(pb_grpc.NodeServicer):
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
         if self.node.leaving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+        await self.check_ban(context, request.info.node_id)
         if self.node.faults.path and self.node.faults.cut_off(request.info.advertise):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
         try:
             self.node.check_info(request.info)
         except Refusal as exc:
-            await self._abort(context, exc, "hello")
+            await self._abort(context, exc, "hello", request.info.node_id)
         if request.info.node_id != self.node.cfg.node_id:
             self.node.learn(request.info, list(request.known_peers))
         return pb.HelloResponse(info=self.node.node_info(), known_peers=self.node.known_peers())
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        await self.check_ban(context, request.node_id)
         if request.swarm_id == self.node.cfg.swarm_id and self.node.table.mark_left(request.node_id):
             self.node.book.notify()
         return pb.LeaveResponse()
@@ -668,15 +720,18 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.PushAck:
         if self.node.leaving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+        await self.check_ban(context)
+        sender: list[str] = []
         try:
-            count = await self.node.receive(request_iterator)
+            count = await self.node.receive(request_iterator, sender=sender)
         except Refusal as exc:
-            await self._abort(context, exc, "contribution")
+            await self._abort(context, exc, "contribution", sender[0] if sender else "")
         return pb.PushAck(chunks_received=count)
 
     async def FetchState(
         self, request: pb.StateRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.StateChunk]:
+        await self.check_ban(context, request.node_id)
         peer = self.node.table.peers.get(request.node_id)
         if request.swarm_id != self.node.cfg.swarm_id or peer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -692,6 +747,7 @@ class NodeService(pb_grpc.NodeServicer):
         logger.info("served the global state to %s", request.node_id)
 
     async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
+        await self.check_ban(context, request.node_id)
         try:
             if request.swarm_id != self.node.cfg.swarm_id:
                 raise Refusal("PERMISSION_DENIED", "another swarm")
@@ -701,4 +757,5 @@ class NodeService(pb_grpc.NodeServicer):
             raise  # unreachable: abort raises
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        await self.check_ban(context)
         return dict_to_status({**self.node.status_provider(), **self.node.snapshot()})
