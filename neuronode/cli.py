@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from neuronode.config import NodeConfig, build_config, flag_name, parse_hostport
 from neuronode.errors import NeuronodeError
+from neuronode.security.certs import add_ca_parser, run_ca
 
 EXIT_USAGE = 2
 
@@ -67,7 +68,15 @@ def build_parser() -> Parser:
     where.add_argument("--peer", metavar="HOST:PORT", help="ask a live node over gRPC")
     status.add_argument("--json", action="store_true", help="print JSON even on a terminal")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default: 5)")
+    status.add_argument("--secret-file", help="the swarm secret, to ask a closed swarm's node from "
+                        "another machine (default: none; loopback callers need none)")
+    status.add_argument("--swarm-id", default="neuronode-default",
+                        help="swarm id for --secret-file (default: neuronode-default)")
+    status.add_argument("--tls-cert", help="certificate for a TLS swarm (default: none)")
+    status.add_argument("--tls-key", help="key for a TLS swarm (default: none)")
+    status.add_argument("--tls-ca", help="swarm CA for a TLS swarm (default: none)")
     add_bench_parser(sub)
+    add_ca_parser(sub)
     parser.epilog = "flags of 'neuronode start':\n" + start.format_help().split("options:", 1)[-1]
     return parser
 
@@ -97,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_start(args)
         if args.command == "status":
             return run_status(args)
+        if args.command == "ca":
+            return run_ca(args)
         if args.command == "bench":
             return run_bench(args, parser)
         parser.print_help()
@@ -122,7 +133,8 @@ def run_status(args: argparse.Namespace) -> int:
 
     if args.peer:
         parse_hostport(args.peer, "--peer")
-        report = status_mod.from_peer(args.peer, timeout_s=args.timeout)
+        report = status_mod.from_peer(args.peer, timeout_s=args.timeout, secret_file=args.secret_file,
+                                      swarm_id=args.swarm_id, tls=(args.tls_cert, args.tls_key, args.tls_ca))
     else:
         report = status_mod.from_data_dir(args.data_dir or NodeConfig().data_dir)
     if args.json or not sys.stdout.isatty():

@@ -22,10 +22,12 @@ from typing import Any, TypeVar
 
 from neuronode import checkpoint
 from neuronode.config import NodeConfig, check_data_dir
-from neuronode.errors import CheckpointError
+from neuronode.errors import CheckpointError, ConfigError
 from neuronode.metrics import Metrics, Snapshot
+from neuronode.security.auth import load_secret, permissions_warning
 from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
 from neuronode.swarm.rounds import Contribution
+from neuronode.swarm.security import Security
 from neuronode.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,31 @@ def run_daemon(cfg: NodeConfig) -> int:
             f"anyone who can reach --listen {cfg.listen} may join (--open)" if cfg.open
             else "protected mode, serving loopback callers only")
     daemon = Daemon(cfg, trainer=trainer, node_id=node_id, data_dir=data_dir)
+    daemon.security = build_security(cfg, node_id)
     daemon.restore()
     return run_async(daemon.run)
+
+
+def build_security(cfg: NodeConfig, node_id: str) -> Security:
+    """Load and check the secret and TLS files now, so a mistake stops the start with one line."""
+    secret = b""
+    if cfg.secret_file:
+        secret = load_secret(cfg.secret_file)
+        warning = permissions_warning(cfg.secret_file)
+        if warning:
+            logger.warning("%s", warning)
+    tls = None
+    if cfg.tls_cert:
+        from neuronode.security.certs import cert_hosts, load_node_tls
+
+        load_node_tls(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_ca))
+        host = cfg.advertise_address.rpartition(":")[0].strip("[]")
+        hosts = cert_hosts(Path(cfg.tls_cert))
+        if host not in hosts:
+            raise ConfigError(f"--tls-cert is valid for {', '.join(hosts)} but peers will dial "
+                              f"{host}; issue a certificate with --host {host}")
+        tls = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    return Security(node_id=node_id, swarm_id=cfg.swarm_id, secret=secret, tls_files=tls)
 
 
 def run_async(main: Callable[[], Awaitable[T]], *, use_uvloop: bool | None = None) -> T:
@@ -169,7 +194,7 @@ class Daemon:
             await self.off_loop(self.train_pool, self.trainer.validate)
             logger.info("round 0: val_loss %.4f before training", self.trainer.val_loss)
         self.swarm = SwarmNode(self.swarm_config(), executor=self.codec_pool, status_provider=self.status,
-                               state_provider=self.trainer.snapshot)
+                               state_provider=self.trainer.snapshot, security=self.security)
         self.swarm.loopback_only = not self.cfg.authenticated and not self.cfg.open
         self.swarm.counters.bytes_sent = int(self.restored_meta.get("bytes_sent", 0))
         self.swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))
@@ -240,6 +265,9 @@ class Daemon:
         if not self.trainer.round_complete():
             return False
         self.phase = "encoding"
+        if self.swarm.faults.path:
+            plan = self.swarm.faults.refresh()
+            self.trainer.lie = (plan.byzantine_scale, plan.byzantine_noise)
         enc = await self.off_loop(self.train_pool, self.trainer.encode)
         out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames, digest=enc.digest,
                        n_elements=self.trainer.n_params, chunk_elements=enc.chunk_elements,

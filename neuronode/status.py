@@ -13,17 +13,34 @@ STATUS_KEYS = (
 )
 
 
-def from_peer(address: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Ask a live node over gRPC."""
+def from_peer(address: str, *, timeout_s: float = 5.0, secret_file: str | None = None,
+              swarm_id: str = "neuronode-default",
+              tls: tuple[str | None, str | None, str | None] = (None, None, None)) -> dict[str, Any]:
+    """Ask a live node over gRPC (with the swarm's secret or TLS files for a closed swarm)."""
     import grpc
 
     from neuronode.swarm.wire import CHANNEL_OPTIONS, status_to_dict
     from neuronode.v1 import node_pb2 as pb
     from neuronode.v1 import node_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    metadata = None
+    if secret_file:
+        from neuronode.security.auth import load_secret
+        from neuronode.swarm.security import Security
+
+        metadata = Security(node_id="status-cli", swarm_id=swarm_id, secret=load_secret(secret_file)).metadata("Status")
+    if all(tls):
+        from pathlib import Path as P
+
+        from neuronode.security.certs import channel_credentials
+
+        creds = channel_credentials(P(tls[0] or ""), P(tls[1] or ""), P(tls[2] or ""))
+        channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    with channel:
         try:
-            resp = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+            resp = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             raise StatusError(
                 f"no answer from {address} ({exc.code().name}: {exc.details()}); is the node "

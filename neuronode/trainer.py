@@ -125,6 +125,7 @@ class Trainer:
         # Guards the global parameters and momentum: the outer step and adopting a downloaded
         # state change them; a donor snapshots them from another thread while we train.
         self.global_lock = threading.Lock()
+        self.lie: tuple[float, float] = (1.0, 0.0)  # fault drills only: (scale, noise) of a Byzantine node
         self.param_digest = self.engine.param_digest()
 
     @property
@@ -163,6 +164,9 @@ class Trainer:
         """Pseudo-gradient -> wire frames; the node averages the decoded (wire) form of its own
         contribution too, so lossy codecs leave every replica with the same result."""
         delta = self.engine.pseudo_gradient()
+        if self.lie != (1.0, 0.0):
+            scale, noise = self.lie
+            delta = delta * scale + noise * torch.randn_like(delta)
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
         digest = ContributionDigest()

@@ -87,7 +87,7 @@ def test_rate_stays_between_floor_and_peak(
         step, base_lr=base, warmup_steps=warmup, total_steps=warmup + extra, min_lr_ratio=ratio
     )
     assert math.isfinite(rate)
-    assert 0 < rate or ratio == 0.0
+    assert 0 < rate or base * ratio < 1e-300  # only an underflowing floor may reach 0
     assert rate <= base * (1 + 1e-12)
     if step >= warmup:
         assert rate >= base * ratio * (1 - 1e-12)

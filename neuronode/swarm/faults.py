@@ -7,7 +7,9 @@
                                       # groups of advertised addresses; calls across groups fail
      "delay_s": 0.5,                  # added before every outgoing call and contribution chunk
      "drop": 0.1,                     # probability that an outgoing call fails at once
-     "cut_after_chunks": 2}           # outgoing contribution streams break after k chunks
+     "cut_after_chunks": 2,           # outgoing contribution streams break after k chunks
+     "byzantine_scale": -100.0,       # this node lies: its pseudo-gradient times this factor
+     "byzantine_noise": 10.0}         # ... plus gaussian noise of this standard deviation
 
 Every node applies the plan to its own outgoing calls and to the callers it serves, so a
 partition holds in both directions. Injected failures look like UNAVAILABLE to the code above,
@@ -42,6 +44,8 @@ class FaultPlan:
     delay_s: float = 0.0
     drop: float = 0.0
     cut_after_chunks: int = 0
+    byzantine_scale: float = 1.0
+    byzantine_noise: float = 0.0
 
 
 class Faults:
@@ -70,6 +74,8 @@ class Faults:
                     partition=[set(g) for g in raw.get("partition", [])],
                     delay_s=float(raw.get("delay_s", 0.0)), drop=float(raw.get("drop", 0.0)),
                     cut_after_chunks=int(raw.get("cut_after_chunks", 0)),
+                    byzantine_scale=float(raw.get("byzantine_scale", 1.0)),
+                    byzantine_noise=float(raw.get("byzantine_noise", 0.0)),
                 )
                 logger.warning("fault plan from %s: %s", self.path, raw)
             except (ValueError, TypeError, AttributeError) as exc:

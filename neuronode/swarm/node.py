@@ -24,15 +24,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, get_codec
+from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
 from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import FaultInjected, Faults
 from neuronode.swarm.membership import CatchUp, PeerTable, agreement, plan_catch_up
 from neuronode.swarm.ratelimit import UploadLimiter
 from neuronode.swarm.rounds import Contribution, RoundBook, RoundRefused
+from neuronode.swarm.security import NODE_SERVICE_PREFIX as NODE_PREFIX
+from neuronode.swarm.security import Security, caller_id
 from neuronode.swarm.statesync import Donor, StateProvider, download
 from neuronode.swarm.wire import (
-    CHANNEL_OPTIONS,
     CODEC_TO_PB,
     MAX_ADDRESS_CHARS,
     MAX_ID_CHARS,
@@ -109,8 +111,10 @@ class SwarmNode:
         self, cfg: SwarmConfig, *, executor: Executor,
         status_provider: Callable[[], dict[str, Any]] | None = None,
         state_provider: StateProvider | None = None,
+        security: Security | None = None,
     ) -> None:
         self.cfg = cfg
+        self.security = security or Security(node_id=cfg.node_id, swarm_id=cfg.swarm_id)
         self.executor = executor
         self.status_provider = status_provider or dict
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0))
@@ -131,12 +135,12 @@ class SwarmNode:
         self._contact = asyncio.Event()  # set by the first successful hello either way
         self.faults = Faults(cfg.fault_file or None, self_address=cfg.advertise)
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash,
-                           zstd_level=cfg.zstd_level, executor=executor)
+                           zstd_level=cfg.zstd_level, executor=executor, security=self.security)
         self.state_transfers = 0
         self.reachable = "unknown"
         self.upload = UploadLimiter(cfg.max_upload_mbps)
         self.bans = Bans()
-        self.authenticated = False  # set by the security layer when ids are proven (closed swarm)
+        self.authenticated = self.security.enabled  # node ids are proven (a closed swarm)
         self.loopback_only = False  # protected mode: no authentication and no --open
         self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
         for address in cfg.peers:
@@ -146,7 +150,7 @@ class SwarmNode:
 
     async def start(self) -> str:
         """Bind the server and start heartbeats; returns the address peers should dial."""
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self.security.interceptors())
         pb_grpc.add_NodeServicer_to_server(NodeService(self), server)
         # Standard gRPC health: NOT_SERVING until the daemon says the node has joined.
         self.health = health.aio.HealthServicer()
@@ -154,7 +158,7 @@ class SwarmNode:
         for service in ("", NODE_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         host, _, port = self.cfg.listen.rpartition(":")
-        bound = server.add_insecure_port(self.cfg.listen)
+        bound = self.security.add_port(server, self.cfg.listen)
         if bound == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}: address in use or not local")
         await server.start()
@@ -207,7 +211,7 @@ class SwarmNode:
     def stub(self, address: str) -> pb_grpc.NodeStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = self.security.channel(address)
         return pb_grpc.NodeStub(channel)
 
     # ---- membership ------------------------------------------------------------------------
@@ -318,7 +322,8 @@ class SwarmNode:
         req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
         try:
             await asyncio.sleep(self.faults.before_call(address))
-            resp = await self.stub(address).Hello(req, timeout=max(1.0, self.cfg.heartbeat_s))
+            resp = await self.stub(address).Hello(req, timeout=max(1.0, self.cfg.heartbeat_s),
+                                                  metadata=self.security.metadata("Hello"))
         except grpc.aio.AioRpcError as exc:
             refused = exc.code() in FINAL_CODES
             self._dial_failed(address, refused=refused)
@@ -334,7 +339,9 @@ class SwarmNode:
             return True
         try:
             self.check_info(resp.info)
-        except Refusal as exc:
+            self.security.check_hello_proof(resp.auth_tag, node_id=resp.info.node_id,
+                                            advertise=resp.info.advertise, timestamp_s=resp.timestamp_s)
+        except (Refusal, AuthError) as exc:
             self._dial_failed(address, refused=True)
             self.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc)
             return False
@@ -345,7 +352,8 @@ class SwarmNode:
         try:
             self.faults.before_call(address)
             await self.stub(address).Leave(
-                pb.LeaveRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id), timeout=1.0)
+                pb.LeaveRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id), timeout=1.0,
+                metadata=self.security.metadata("Leave"))
         except grpc.aio.AioRpcError:
             pass
 
@@ -390,7 +398,9 @@ class SwarmNode:
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 await asyncio.sleep(self.faults.before_call(address))
-                await self.stub(address).PushContribution(self._chunks(peer_id, out), timeout=remaining)
+                await self.stub(address).PushContribution(
+                    self._chunks(peer_id, out), timeout=remaining,
+                    metadata=self.security.metadata("PushContribution"))
                 logger.debug("round %d: sent to %s", out.round_id, peer_id)
                 return
             except grpc.aio.AioRpcError as exc:
@@ -403,6 +413,9 @@ class SwarmNode:
             backoff = min(backoff * 2, 5.0)
 
     async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[pb.ContributionChunk]:
+        tag = self.security.contribution_tag(
+            round_id=out.round_id, sender_id=self.cfg.node_id, contribution_digest=out.digest,
+            codec=out.codec, weight=out.weight, total_elements=out.n_elements)
         for frame in out.frames:
             if not self.faults.chunk_allowed(frame.index):
                 raise FaultInjected(f"stream to {peer_id} cut after {frame.index} chunks")
@@ -413,6 +426,7 @@ class SwarmNode:
                 chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
                 compressed=frame.compressed, payload=frame.data, contribution_digest=out.digest,
                 weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
+                auth_tag=tag,
             )
             size = msg.ByteSize()
             await self.upload.acquire(size)
@@ -456,7 +470,8 @@ class SwarmNode:
         for peer in self.table.alive()[:3]:
             try:
                 resp = await self.stub(peer.address).CheckReachable(
-                    pb.ReachRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id), timeout=15)
+                    pb.ReachRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id), timeout=15,
+                    metadata=self.security.metadata("CheckReachable"))
             except grpc.aio.AioRpcError:
                 continue
             self.reachable = "yes" if resp.reachable else "no"
@@ -481,9 +496,10 @@ class SwarmNode:
         if now - self._dialbacks.get(node_id, -60.0) < 60.0:
             raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute")
         self._dialbacks[node_id] = now
-        channel = grpc.aio.insecure_channel(peer.address, options=CHANNEL_OPTIONS)
+        channel = self.security.channel(peer.address)
         try:
-            await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=5)
+            await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=5,
+                                                   metadata=self.security.metadata("Status"))
             return pb.ReachResponse(reachable=True, address=peer.address)
         except grpc.aio.AioRpcError as exc:
             return pb.ReachResponse(reachable=False, address=peer.address,
@@ -504,14 +520,14 @@ class SwarmNode:
                 self.faults.before_call(peer.address)
                 call = self.stub(peer.address).FetchState(
                     pb.StateRequest(node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id),
-                    timeout=max(60.0, self.cfg.sync_timeout_s))
-                state = await download(call, n_elements=self.cfg.n_elements,
-                                       manifest_hash=self.cfg.manifest_hash, executor=self.executor)
+                    timeout=max(60.0, self.cfg.sync_timeout_s), metadata=self.security.metadata("FetchState"))
+                state = await download(call, n_elements=self.cfg.n_elements, manifest_hash=self.cfg.manifest_hash,
+                                       executor=self.executor, security=self.security)
             except grpc.aio.AioRpcError as exc:
                 logger.warning("state transfer from %s failed (%s: %s); trying another donor",
                                donor_id, exc.code().name, exc.details())
                 continue
-            except Refusal as exc:
+            except (Refusal, AuthError) as exc:
                 logger.warning("state from %s refused: %s; trying another donor", donor_id, exc)
                 continue
             self.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
@@ -529,7 +545,8 @@ class SwarmNode:
 
     # ---- incoming contributions -------------------------------------------------------------
 
-    async def receive(self, chunks: AsyncIterator[pb.ContributionChunk], *, sender: list[str] | None = None) -> int:
+    async def receive(self, chunks: AsyncIterator[pb.ContributionChunk], *, sender: list[str] | None = None,
+                      proven_id: str = "") -> int:
         """Validate and store one incoming contribution stream; returns chunks received.
         `sender` gets the claimed sender id as soon as the first chunk is read (for blame)."""
         first: pb.ContributionChunk | None = None
@@ -544,6 +561,7 @@ class SwarmNode:
                         sender.append(chunk.sender_id[:MAX_ID_CHARS])
                     if self.bans.banned_for(f"node:{chunk.sender_id}") and self.authenticated:
                         raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
+                    self._check_proof(chunk, proven_id)
                     assembler = self._open_stream(chunk)
                     first = chunk
                 else:
@@ -575,6 +593,21 @@ class SwarmNode:
         finally:
             if first is not None:
                 self.book.abort(first.round_id, first.sender_id)
+
+    def _check_proof(self, chunk: pb.ContributionChunk, proven_id: str) -> None:
+        """In a closed swarm: the sender is the caller that proved itself, and the contribution's
+        tag binds it to its round and digest (no forgery, no replay into another round)."""
+        if not self.security.secret:
+            return
+        if chunk.sender_id != proven_id:
+            raise Refusal("PERMISSION_DENIED", f"caller {proven_id!r} may not send as {chunk.sender_id[:MAX_ID_CHARS]!r}")
+        try:
+            self.security.check_contribution(
+                chunk.auth_tag, round_id=chunk.round_id, sender_id=chunk.sender_id,
+                contribution_digest=chunk.contribution_digest, codec=PB_TO_CODEC.get(chunk.codec, "?"),
+                weight=chunk.weight, total_elements=chunk.total_elements)
+        except AuthError as exc:
+            raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
 
     def _open_stream(self, chunk: pb.ContributionChunk) -> Assembler:
         """Check the header of a new stream and open its slot in the round book."""
@@ -652,7 +685,7 @@ def is_loopback(host: str) -> bool:
 def check_same_stream(first: pb.ContributionChunk, chunk: pb.ContributionChunk) -> None:
     """Header fields may not change within one stream, and chunks come in order exactly once."""
     for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
-                 "weight", "total_elements", "chunk_elements", "swarm_id"):
+                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag"):
         if getattr(chunk, name) != getattr(first, name):
             raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
 
@@ -705,12 +738,20 @@ class NodeService(pb_grpc.NodeServicer):
             self.node.check_info(request.info)
         except Refusal as exc:
             await self._abort(context, exc, "hello", request.info.node_id)
+        proven = caller_id(context)
+        if self.node.security.secret and proven != request.info.node_id:
+            await self._abort(context, Refusal("PERMISSION_DENIED", f"caller {proven!r} may not say hello as "
+                                               f"{request.info.node_id[:MAX_ID_CHARS]!r}"), "hello")
         if request.info.node_id != self.node.cfg.node_id:
             self.node.learn(request.info, list(request.known_peers))
-        return pb.HelloResponse(info=self.node.node_info(), known_peers=self.node.known_peers())
+        tag, ts = self.node.security.hello_proof(self.node.advertise)
+        return pb.HelloResponse(info=self.node.node_info(), known_peers=self.node.known_peers(),
+                                auth_tag=tag, timestamp_s=ts)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         await self.check_ban(context, request.node_id)
+        if self.node.security.secret and caller_id(context) != request.node_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
         if request.swarm_id == self.node.cfg.swarm_id and self.node.table.mark_left(request.node_id):
             self.node.book.notify()
         return pb.LeaveResponse()
@@ -723,7 +764,7 @@ class NodeService(pb_grpc.NodeServicer):
         await self.check_ban(context)
         sender: list[str] = []
         try:
-            count = await self.node.receive(request_iterator, sender=sender)
+            count = await self.node.receive(request_iterator, sender=sender, proven_id=caller_id(context))
         except Refusal as exc:
             await self._abort(context, exc, "contribution", sender[0] if sender else "")
         return pb.PushAck(chunks_received=count)
@@ -758,4 +799,10 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         await self.check_ban(context)
+        host = context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        if self.node.security.secret and not is_loopback(host):
+            try:  # Status is open to local health checks, members only from elsewhere
+                self.node.security.verify_metadata(context.invocation_metadata(), NODE_PREFIX + "Status")
+            except AuthError as exc:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         return dict_to_status({**self.node.status_provider(), **self.node.snapshot()})

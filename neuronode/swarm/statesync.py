@@ -26,6 +26,7 @@ from neuronode.codec import (
     get_codec,
 )
 from neuronode.state import GlobalState
+from neuronode.swarm.security import Security
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -46,7 +47,8 @@ def part_frames(vector: torch.Tensor, *, zstd_level: int) -> tuple[list[Frame], 
     return frames, digest.hexdigest()
 
 
-def state_frames(state: GlobalState, *, manifest_hash: str, zstd_level: int) -> list[pb.StateChunk]:
+def state_frames(state: GlobalState, *, manifest_hash: str, zstd_level: int,
+                 security: Security | None = None) -> list[pb.StateChunk]:
     """Encode a state into the messages of one FetchState stream (runs in a worker thread).
 
     Holds the encoded state (about 2 x P x 4 bytes) while it streams; a later version may
@@ -61,6 +63,11 @@ def state_frames(state: GlobalState, *, manifest_hash: str, zstd_level: int) -> 
         inner_steps_total=state.inner_steps_total,
         chunk_elements=TRANSFER_CHUNK_BYTES // FP32.payload_bytes(1), manifest_hash=manifest_hash,
     )
+    if security is not None:
+        header.auth_tag = security.state_tag(
+            round_id=header.round, param_digest=header.param_digest, momentum_digest=momentum_digest,
+            n_elements=header.n_elements, inner_steps_total=header.inner_steps_total,
+            manifest_hash=manifest_hash)
     out = [pb.StateChunk(header=header)]
     for part, frames in ((pb.STATE_PART_PARAMS, params), (pb.STATE_PART_MOMENTUM, momentum)):
         out.extend(pb.StateChunk(part=part, chunk_index=f.index, chunk_count=f.count,
@@ -112,6 +119,7 @@ class StateReceiver:
 
 async def download(
     stream: AsyncIterator[pb.StateChunk], *, n_elements: int, manifest_hash: str, executor: Executor,
+    security: Security | None = None,
 ) -> GlobalState:
     """Read a FetchState stream into a verified GlobalState (raises Refusal or AioRpcError)."""
     loop = asyncio.get_running_loop()
@@ -120,6 +128,11 @@ async def download(
         if receiver is None:
             if not msg.HasField("header"):
                 raise Refusal("INVALID_ARGUMENT", "state stream must start with its header")
+            if security is not None:
+                h = msg.header
+                security.check_state(h.auth_tag, round_id=h.round, param_digest=h.param_digest,
+                                     momentum_digest=h.momentum_digest, n_elements=h.n_elements,
+                                     inner_steps_total=h.inner_steps_total, manifest_hash=h.manifest_hash)
             receiver = StateReceiver(msg.header, n_elements=n_elements, manifest_hash=manifest_hash)
             continue
         try:
@@ -135,7 +148,8 @@ class Donor:
     """Serves FetchState with a bound on concurrent transfers."""
 
     def __init__(self, *, provider: StateProvider | None, manifest_hash: str, zstd_level: int,
-                 executor: Executor) -> None:
+                 executor: Executor, security: Security | None = None) -> None:
+        self.security = security
         self.provider = provider
         self.manifest_hash = manifest_hash
         self.zstd_level = zstd_level
@@ -155,7 +169,8 @@ class Donor:
             provider = self.provider
             messages = await loop.run_in_executor(
                 self.executor,
-                lambda: state_frames(provider(), manifest_hash=self.manifest_hash, zstd_level=self.zstd_level))
+                lambda: state_frames(provider(), manifest_hash=self.manifest_hash, zstd_level=self.zstd_level,
+                                     security=self.security))
             for msg in messages:
                 yield msg
             self.served += 1

@@ -80,12 +80,16 @@ class HelloRequest(_message.Message):
     def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("info", "known_peers")
+    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s")
     INFO_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     info: NodeInfo
     known_peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
-    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ...) -> None: ...
+    auth_tag: str
+    timestamp_s: int
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "swarm_id")
@@ -100,7 +104,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ContributionChunk(_message.Message):
-    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements")
+    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,7 @@ class ContributionChunk(_message.Message):
     TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     sender_id: str
     chunk_index: int
@@ -125,7 +130,8 @@ class ContributionChunk(_message.Message):
     total_elements: int
     swarm_id: str
     chunk_elements: int
-    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ...) -> None: ...
+    auth_tag: str
+    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks_received",)
@@ -142,7 +148,7 @@ class StateRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("round", "param_digest", "n_elements", "has_momentum", "momentum_digest", "inner_steps_total", "chunk_elements", "manifest_hash")
+    __slots__ = ("round", "param_digest", "n_elements", "has_momentum", "momentum_digest", "inner_steps_total", "chunk_elements", "manifest_hash", "auth_tag")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     N_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +157,7 @@ class StateHeader(_message.Message):
     INNER_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
     round: int
     param_digest: str
     n_elements: int
@@ -159,7 +166,8 @@ class StateHeader(_message.Message):
     inner_steps_total: int
     chunk_elements: int
     manifest_hash: str
-    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., n_elements: _Optional[int] = ..., has_momentum: _Optional[bool] = ..., momentum_digest: _Optional[str] = ..., inner_steps_total: _Optional[int] = ..., chunk_elements: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
+    auth_tag: str
+    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., n_elements: _Optional[int] = ..., has_momentum: _Optional[bool] = ..., momentum_digest: _Optional[str] = ..., inner_steps_total: _Optional[int] = ..., chunk_elements: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., auth_tag: _Optional[str] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("header", "part", "chunk_index", "chunk_count", "compressed", "payload")

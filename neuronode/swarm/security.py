@@ -1,0 +1,160 @@
+"""How a node proves membership on the wire, and checks that its callers do.
+
+- Shared secret (`--secret-file`): every call carries `neuronode-auth: NODE_ID:TIMESTAMP:TAG`
+  metadata, TAG = HMAC over (method, node id, swarm id, timestamp); a server interceptor checks
+  it before any handler runs and answers UNAUTHENTICATED otherwise. Contributions also carry a
+  tag binding their round, sender and digest; Hello answers and state headers carry tags too,
+  so the caller knows it talks to a member. Status from a loopback caller needs no proof (local
+  health checks).
+- Mutual TLS (`--tls-cert/--tls-key/--tls-ca`): the server requires a client certificate from
+  the swarm CA, and channels present ours; a peer outside the CA never completes a handshake.
+Both can be combined. The pure HMAC and certificate code lives in neuronode/security/.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from neuronode.security import auth
+from neuronode.security.auth import AuthError
+from neuronode.swarm.wire import CHANNEL_OPTIONS
+
+AUTH_KEY = "neuronode-auth"
+NODE_SERVICE_PREFIX = "/neuronode.v1.Node/"
+# Methods whose request body names the caller; the interceptor checks the metadata of all.
+OPEN_METHODS = {NODE_SERVICE_PREFIX + "Status"}  # loopback callers may skip the proof
+
+
+@dataclass(frozen=True)
+class Security:
+    """One node's credentials. With neither a secret nor TLS it does nothing."""
+
+    node_id: str
+    swarm_id: str
+    secret: bytes = b""
+    tls_files: tuple[str, str, str] | None = None  # cert, key, ca
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.secret or self.tls_files)
+
+    # ---- transport ----------------------------------------------------------------------
+
+    def add_port(self, server: grpc.aio.Server, listen: str) -> int:
+        if self.tls_files is None:
+            return server.add_insecure_port(listen)
+        from neuronode.security.certs import server_credentials
+
+        cert, key, ca = (Path(p) for p in self.tls_files)
+        return server.add_secure_port(listen, server_credentials(cert, key, ca))
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if self.tls_files is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        from neuronode.security.certs import channel_credentials
+
+        cert, key, ca = (Path(p) for p in self.tls_files)
+        return grpc.aio.secure_channel(address, channel_credentials(cert, key, ca), options=CHANNEL_OPTIONS)
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [AuthInterceptor(self)] if self.secret else []
+
+    # ---- per-call proofs -------------------------------------------------------------------
+
+    def metadata(self, method: str) -> tuple[tuple[str, str], ...] | None:
+        """Metadata proving membership for a call to `method` (e.g. "Hello")."""
+        if not self.secret:
+            return None
+        ts = int(time.time())
+        tag = auth.request_tag(self.secret, method=NODE_SERVICE_PREFIX + method, node_id=self.node_id,
+                               swarm_id=self.swarm_id, timestamp_s=ts)
+        return ((AUTH_KEY, f"{self.node_id}:{ts}:{tag}"),)
+
+    def verify_metadata(self, metadata: Any, method: str) -> str:
+        """The caller's proven node id; raises AuthError when the proof is missing or wrong."""
+        value = dict(metadata or ()).get(AUTH_KEY)
+        if not isinstance(value, str) or value.count(":") < 2:
+            raise AuthError("this swarm is closed: calls must prove membership (start the "
+                            "caller with the swarm's --secret-file)")
+        node_id, ts_s, tag = value.rsplit(":", 2)
+        if not ts_s.isdigit() or len(node_id) > 128:
+            raise AuthError("malformed membership proof")
+        auth.check_request_tag(self.secret, tag, method=method, node_id=node_id,
+                               swarm_id=self.swarm_id, timestamp_s=int(ts_s), now_s=time.time())
+        return node_id
+
+    def contribution_tag(self, **fields: Any) -> str:
+        return auth.contribution_tag(self.secret, swarm_id=self.swarm_id, **fields) if self.secret else ""
+
+    def check_contribution(self, tag: str, **fields: Any) -> None:
+        if self.secret:
+            auth.check_contribution_tag(self.secret, tag, swarm_id=self.swarm_id, **fields)
+
+    def hello_proof(self, advertise: str) -> tuple[str, int]:
+        if not self.secret:
+            return "", 0
+        ts = int(time.time())
+        return auth.hello_tag(self.secret, swarm_id=self.swarm_id, node_id=self.node_id,
+                              advertise=advertise, timestamp_s=ts), ts
+
+    def check_hello_proof(self, tag: str, *, node_id: str, advertise: str, timestamp_s: int) -> None:
+        if self.secret:
+            auth.check_hello_tag(self.secret, tag, swarm_id=self.swarm_id, node_id=node_id,
+                                 advertise=advertise, timestamp_s=timestamp_s, now_s=time.time())
+
+    def state_tag(self, **fields: Any) -> str:
+        return auth.state_tag(self.secret, swarm_id=self.swarm_id, **fields) if self.secret else ""
+
+    def check_state(self, tag: str, **fields: Any) -> None:
+        if self.secret:
+            auth.check_state_tag(self.secret, tag, swarm_id=self.swarm_id, **fields)
+
+
+def caller_id(context: grpc.aio.ServicerContext) -> str:
+    """The node id the interceptor verified for this call ("" when the swarm is open)."""
+    value = dict(context.invocation_metadata() or ()).get(AUTH_KEY, "")
+    return value.rsplit(":", 2)[0] if isinstance(value, str) and value.count(":") >= 2 else ""
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the membership proof of every neuronode call before its handler runs."""
+
+    def __init__(self, security: Security) -> None:
+        self.security = security
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails,
+    ) -> Any:
+        method = details.method
+        if not method.startswith(NODE_SERVICE_PREFIX) or method in OPEN_METHODS:
+            return await continuation(details)
+        try:
+            self.security.verify_metadata(details.invocation_metadata, method)
+        except AuthError as exc:
+            return refuse(await continuation(details), str(exc))
+        return await continuation(details)
+
+
+def refuse(handler: Any, message: str) -> Any:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.request_streaming and not handler.response_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    if handler.response_streaming and not handler.request_streaming:
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
