@@ -93,7 +93,8 @@ class NodeConfig:
     aggregator_option: tuple[str, ...] = opt(
         (), "comma list of aggregator options: trim_fraction, clip_factor, iterations, cosine_threshold",
         metavar="K=V,...")
-    zstd_level: int = opt(1, "zstd level for contribution chunks (0: no compression)")
+    zstd_level: int = opt(-1, "zstd level for contribution chunks (0: off, -1: auto by measured link speed)")
+    byte_shuffle: bool = opt(True, "split float bytes into planes before zstd (compresses float codecs ~15%% better)")
     chunk_bytes: int = opt(1 << 20, "encoded bytes per contribution chunk")
     overlap: bool = opt(False, "sync round r in the background while round r+1 trains (one-round-delayed outer step)")
     max_upload_mbps: float = opt(0.0, "cap on what this node sends, in megabits per second (0: no cap)")
@@ -153,7 +154,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "grad_clip": (lambda v: v >= 0, "0 (off) or more"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
     "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "zstd_level": (lambda v: 0 <= v <= 22, "between 0 (off) and 22"),
+    "zstd_level": (lambda v: -1 <= v <= 22, "-1 (auto), 0 (off) or a level up to 22"),
     "round_seconds": (lambda v: v >= 0, "0 (off) or more"),
     "max_upload_mbps": (lambda v: v >= 0, "0 (no cap) or more"),
     "metrics_port": (lambda v: 0 <= v <= 65535, "a port between 1 and 65535, or 0 (off)"),

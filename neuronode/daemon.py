@@ -198,21 +198,16 @@ class Daemon:
         self.swarm.loopback_only = not self.cfg.authenticated and not self.cfg.open
         self.swarm.counters.bytes_sent = int(self.restored_meta.get("bytes_sent", 0))
         self.swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))
-        await self.swarm.start()
-        self.swarm.record_round(self.engine.round - 1, self.param_digest)
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.listen.rpartition(":")[0].strip("[]"), self.cfg.metrics_port)
-        if self.cfg.peers:
-            self.phase = "joining"
-            await self.swarm.wait_first_contact(timeout_s=max(10.0, 3 * self.cfg.heartbeat_s))
-            await self.maybe_catch_up()
-            if self.cfg.advertise:
-                await self.swarm.check_reachable()
-        await self.swarm.set_serving(True)
-        logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
-                    self.trainer.n_params, self.cfg.task, self.cfg.codec, self.engine.round,
-                    f" of {self.cfg.rounds}" if self.cfg.rounds else "")
         try:
+            await self.swarm.start()
+        except BaseException:
+            self.metrics.close()
+            raise
+        self.swarm.record_round(self.engine.round - 1, self.param_digest)
+        try:
+            await self.join(stopped)
             while not stopped.is_set() and not self.finished():
                 if not await self.one_round(stopped):
                     break
@@ -237,6 +232,28 @@ class Daemon:
             self.codec_pool.shutdown(wait=True)
         logger.info("stopped at round %d; param_digest %s", self.engine.round, self.param_digest[:16])
         return 0
+
+    async def join(self, stopped: asyncio.Event) -> None:
+        """With --peers: wait for first contact (or a stop), catch up with the swarm, check that
+        peers can dial us back; then say SERVING on the health service."""
+        if self.cfg.peers:
+            self.phase = "joining"
+            contact = asyncio.ensure_future(
+                self.swarm.wait_first_contact(timeout_s=max(10.0, 3 * self.cfg.heartbeat_s)))
+            stop_wait = asyncio.ensure_future(stopped.wait())
+            await asyncio.wait({contact, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (contact, stop_wait):
+                task.cancel()
+            await asyncio.gather(contact, stop_wait, return_exceptions=True)
+            if stopped.is_set():
+                return
+            await self.maybe_catch_up()
+            if self.cfg.advertise:
+                await self.swarm.check_reachable()
+        await self.swarm.set_serving(True)
+        logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
+                    self.trainer.n_params, self.cfg.task, self.cfg.codec, self.engine.round,
+                    f" of {self.cfg.rounds}" if self.cfg.rounds else "")
 
     def finished(self) -> bool:
         """--rounds counts rounds trained; with --overlap the last one's sync is flushed after."""
@@ -268,10 +285,13 @@ class Daemon:
         if self.swarm.faults.path:
             plan = self.swarm.faults.refresh()
             self.trainer.lie = (plan.byzantine_scale, plan.byzantine_noise)
-        enc = await self.off_loop(self.train_pool, self.trainer.encode)
+        link = self.swarm.push_rate
+        if self.swarm.upload.enabled:
+            link = min(link or self.swarm.upload.bytes_per_s, self.swarm.upload.bytes_per_s)
+        enc = await self.off_loop(self.train_pool, self.trainer.encode, link)
         out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames, digest=enc.digest,
                        n_elements=self.trainer.n_params, chunk_elements=enc.chunk_elements,
-                       weight=enc.weight)
+                       weight=enc.weight, shuffled=enc.shuffled)
         own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
         if not self.cfg.overlap:
             if not await self.finish_sync(round_id, self.start_sync(out, own), stopped):

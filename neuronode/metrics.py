@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from neuronode.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,7 +84,11 @@ class Metrics:
         self._server: Any = None
 
     def serve(self, host: str, port: int) -> None:
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                              "choose a free port, or 0 to turn metrics off") from None
         logger.info("metrics on http://%s:%d/metrics", host, port)
 
     def close(self) -> None:

@@ -397,7 +397,13 @@ class NodeWorker:
                        digest=enc.digest, n_elements=self.cfg.params,
                        chunk_elements=enc.chunk_elements, weight=enc.weight)
         own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
-        got = await asyncio.wait_for(node.exchange(out, own), deadline - time.monotonic())
+        try:
+            got = await asyncio.wait_for(node.exchange(out, own), deadline - time.monotonic())
+        except TimeoutError:
+            have = sorted(node.book.contributors(round_id))
+            rounds = {p.node_id: p.round for p in node.table.alive()}
+            raise TimeoutError(f"round {round_id}: exchange timed out with contributions from "
+                               f"{have}; live peers at rounds {rounds}") from None
         t2 = time.perf_counter()
         avg = await loop.run_in_executor(self.work_pool, average_contributions, got)
         t3 = time.perf_counter()

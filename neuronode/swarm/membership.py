@@ -173,18 +173,27 @@ def plan_catch_up(self_id: str, own_round: int, own: dict[int, str], peers: list
         if own_round >= top:
             return None
         reason = "behind"
+    elif too_far_behind(own_round, own, winner, peers):
+        reason = "behind"  # no common round left to compare: we are simply far behind
     else:
         reason = "diverged"
     donors = sorted((i for i in winner if i != self_id), key=lambda i: (-lin.rounds[i], i))
     return CatchUp(reason=reason, target_round=top, donors=donors) if donors else None
 
 
+def too_far_behind(own_round: int, own: dict[int, str], group: list[str], peers: list[Peer]) -> bool:
+    """We share no round with `group` and are older than all they remember."""
+    histories = [p.digests for p in peers if p.node_id in group and p.digests]
+    oldest = min((min(h) for h in histories), default=0)
+    return own_round < oldest and all(same_lineage(own, h) is None for h in histories)
+
+
 def agreement(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> str:
     """"agree" (one lineage), "majority" (ours wins, others differ), "diverged" (ours loses),
-    or "unknown" (no peer published a digest yet)."""
+    "behind" (too far behind to compare), or "unknown" (no peer published a digest yet)."""
     lin = lineages(self_id, own_round, own, peers)
     if len(lin.rounds) == 1:
         return "unknown"
     if self_id not in lin.winner:
-        return "diverged"
+        return "behind" if too_far_behind(own_round, own, lin.winner, peers) else "diverged"
     return "agree" if len(lin.groups) == 1 else "majority"

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, get_codec
+from neuronode.errors import ConfigError
 from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
 from neuronode.swarm.bans import Bans
@@ -93,6 +94,7 @@ class Outgoing:
     n_elements: int
     chunk_elements: int
     weight: float
+    shuffled: bool = False
 
 
 @dataclass
@@ -139,6 +141,7 @@ class SwarmNode:
         self.state_transfers = 0
         self.reachable = "unknown"
         self.upload = UploadLimiter(cfg.max_upload_mbps)
+        self.push_rate = 0.0  # bytes/s of the latest completed push (0: none yet)
         self.bans = Bans()
         self.authenticated = self.security.enabled  # node ids are proven (a closed swarm)
         self.loopback_only = False  # protected mode: no authentication and no --open
@@ -160,7 +163,7 @@ class SwarmNode:
         host, _, port = self.cfg.listen.rpartition(":")
         bound = self.security.add_port(server, self.cfg.listen)
         if bound == 0:
-            raise OSError(f"cannot listen on {self.cfg.listen}: address in use or not local")
+            raise ConfigError(f"--listen {self.cfg.listen}: address in use or not local; choose another port")
         await server.start()
         self._server = server
         if not self.advertise or self.advertise.endswith(":0"):
@@ -304,6 +307,8 @@ class SwarmNode:
         self.table.mark_failure(address)
         _, delay = self._backoff.get(address, (0.0, 0.0))
         cap = 300.0 if refused else 30.0
+        if address in self.cfg.peers and not self._contact.is_set():
+            cap = self.cfg.heartbeat_s  # keep knocking while we join: the bootstrap may be starting
         if delay >= cap and address not in self.cfg.peers and not any(
                 p.address == address for p in self.table.alive()):
             self._forget(address)  # gossiped address that never answers: stop carrying it
@@ -398,9 +403,13 @@ class SwarmNode:
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 await asyncio.sleep(self.faults.before_call(address))
+                started = time.monotonic()
                 await self.stub(address).PushContribution(
                     self._chunks(peer_id, out), timeout=remaining,
                     metadata=self.security.metadata("PushContribution"))
+                elapsed = time.monotonic() - started
+                size = sum(len(f.data) for f in out.frames)
+                self.push_rate = size / max(elapsed, 1e-6)  # bytes/s of the latest push
                 logger.debug("round %d: sent to %s", out.round_id, peer_id)
                 return
             except grpc.aio.AioRpcError as exc:
@@ -426,7 +435,7 @@ class SwarmNode:
                 chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
                 compressed=frame.compressed, payload=frame.data, contribution_digest=out.digest,
                 weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
-                auth_tag=tag,
+                auth_tag=tag, shuffled=out.shuffled,
             )
             size = msg.ByteSize()
             await self.upload.acquire(size)
@@ -644,8 +653,9 @@ class SwarmNode:
         """Bounded decompression, then a full decode that refuses NaN/Inf before anything is
         stored: bad values never reach an average."""
         expected = assembler.expected_raw_len(chunk.chunk_index)
-        raw = decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected)
         codec = get_codec(PB_TO_CODEC[chunk.codec])
+        width = codec.shuffle_width if chunk.shuffled else 1
+        raw = decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected, shuffle_width=width)
         start = chunk.chunk_index * chunk.chunk_elements
         codec.decode(raw, min(chunk.chunk_elements, chunk.total_elements - start))
         return raw
@@ -685,7 +695,7 @@ def is_loopback(host: str) -> bool:
 def check_same_stream(first: pb.ContributionChunk, chunk: pb.ContributionChunk) -> None:
     """Header fields may not change within one stream, and chunks come in order exactly once."""
     for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
-                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag"):
+                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled"):
         if getattr(chunk, name) != getattr(first, name):
             raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
 
