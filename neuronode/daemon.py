@@ -291,8 +291,9 @@ class Daemon:
         enc = await self.off_loop(self.train_pool, self.trainer.encode, link)
         out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames, digest=enc.digest,
                        n_elements=self.trainer.n_params, chunk_elements=enc.chunk_elements,
-                       weight=enc.weight, shuffled=enc.shuffled)
-        own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
+                       weight=enc.weight, shuffled=enc.shuffled, base_digest=self.trainer.param_digest)
+        own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own,
+                           base_digest=self.trainer.param_digest)
         if not self.cfg.overlap:
             if not await self.finish_sync(round_id, self.start_sync(out, own), stopped):
                 return False

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 from procutil import neuronode_cmd
 
-from neuronode.bench.sync import SyncBenchConfig, Usage, summarize, used_between
+from neuronode.bench.sync import (
+    SyncBenchConfig,
+    Usage,
+    encode_contribution,
+    summarize,
+    used_between,
+)
+from neuronode.codec import ErrorFeedback
+from neuronode.config import NodeConfig
 from neuronode.errors import ConfigError
+from neuronode.trainer import Trainer
 
 KEYS = {
     "seconds", "gloo_seconds", "ratio_vs_gloo", "payload_bytes_per_param", "wire_bytes_per_param",
@@ -114,3 +125,24 @@ def test_used_between_counts_one_contribution_per_peer() -> None:
     before = Usage(100, {"a": 40, "b": 60}, 1.0)
     after = Usage(400, {"a": 190, "b": 210, "c": 0}, 3.5)
     assert used_between(before, after) == {"bytes_sent": 300, "min_peer_bytes": 150, "cpu_s": 2.5}
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16"])
+def test_bench_encodes_as_the_daemon_does(tmp_path: Path, codec: str) -> None:
+    """The benchmark mirrors Trainer.encode; same pseudo-gradient, same frames on the wire."""
+    cfg = NodeConfig(data_dir=str(tmp_path), d_model=32, n_layers=1, n_heads=2, seq_len=32,
+                     batch_size=4, inner_steps=2, threads=1, codec=codec, zstd_level=1,
+                     chunk_bytes=4096)
+    trainer = Trainer(cfg, node_id="node-a")
+    trainer.train_round(threading.Event())
+    delta = trainer.engine.pseudo_gradient()
+    feedback = ErrorFeedback(delta.numel()) if trainer.feedback is not None else None
+    bench = SyncBenchConfig(nodes=2, params=delta.numel(), codec=codec, averaging="all-to-all",
+                            rounds=1, zstd_level=1, chunk_bytes=cfg.chunk_bytes)
+    ours = encode_contribution(delta, codec=codec, chunk_bytes=bench.chunk_bytes, zstd_level=1,
+                               shuffle=bench.shuffle, feedback=feedback, weight=1.0)
+    theirs = trainer.encode()
+    assert len(ours.frames) > 1
+    assert ours.frames == theirs.frames and ours.digest == theirs.digest
+    assert (ours.chunk_elements, ours.shuffled, ours.zstd_level) == (
+        theirs.chunk_elements, theirs.shuffled, theirs.zstd_level)

@@ -83,6 +83,7 @@ class SyncBenchConfig:
     zstd_level: int
     gloo: bool = True
     chunk_bytes: int = NodeConfig.chunk_bytes
+    byte_shuffle: bool = NodeConfig.byte_shuffle
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -100,7 +101,15 @@ class SyncBenchConfig:
     def from_args(cls, args: argparse.Namespace) -> SyncBenchConfig:
         return cls(nodes=args.nodes, params=int(args.params), codec=args.codec,
                    averaging=args.averaging, rounds=args.rounds, zstd_level=args.zstd_level,
-                   gloo=not args.no_gloo)
+                   gloo=not args.no_gloo,
+                   byte_shuffle=getattr(args, "byte_shuffle", NodeConfig.byte_shuffle))
+
+    @property
+    def shuffle(self) -> bool:
+        """As the daemon decides: byte planes for multi-byte float codecs, when compressing."""
+        from neuronode.codec import get_codec
+
+        return self.byte_shuffle and get_codec(self.codec).shuffle_width > 1 and self.zstd_level > 0
 
     @property
     def round_timeout_s(self) -> float:
@@ -210,6 +219,7 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
     result: dict[str, Any] = {
         "nodes": cfg.nodes, "params": cfg.params, "codec": cfg.codec, "averaging": cfg.averaging,
         "rounds": cfg.rounds, "zstd_level": cfg.zstd_level, "chunk_bytes": cfg.chunk_bytes,
+        "byte_shuffle": cfg.shuffle,
         "seconds": round(seconds, 4), "round_seconds": [round(s, 4) for s in round_s],
         "encode_seconds": round(statistics.median(slowest("encode_s")), 4),
         "exchange_seconds": round(statistics.median(slowest("exchange_s")), 4),
@@ -275,9 +285,10 @@ def pseudo_gradient(n: int, seed: int) -> torch.Tensor:
 
 
 def encode_contribution(delta: torch.Tensor, *, codec: str, chunk_bytes: int, zstd_level: int,
-                        feedback: ErrorFeedback | None, weight: float) -> Encoded:
+                        shuffle: bool, feedback: ErrorFeedback | None, weight: float) -> Encoded:
     """What Trainer.encode does after taking the pseudo-gradient: frames for the wire, and the
-    decoded (wire) form of our own contribution, with error feedback for lossy codecs."""
+    decoded (wire) form of our own contribution, with error feedback for lossy codecs.
+    tests/test_bench.py checks that both give the same frames."""
     from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
     from neuronode.trainer import Encoded
 
@@ -285,8 +296,8 @@ def encode_contribution(delta: torch.Tensor, *, codec: str, chunk_bytes: int, zs
         delta = feedback.compensate(delta)
     digest = ContributionDigest()
     frames = list(encode_frames(delta, codec=codec, chunk_bytes=chunk_bytes,
-                                zstd_level=zstd_level, digest=digest))
-    own = Assembler(n_elems=delta.numel(), codec=codec, chunk_bytes=chunk_bytes)
+                                zstd_level=zstd_level, shuffle=shuffle, digest=digest))
+    own = Assembler(n_elems=delta.numel(), codec=codec, chunk_bytes=chunk_bytes, shuffle=shuffle)
     for frame in frames:
         own.add_frame(frame)
     if feedback is not None:
@@ -294,7 +305,7 @@ def encode_contribution(delta: torch.Tensor, *, codec: str, chunk_bytes: int, zs
     c = get_codec(codec)
     chunk_elements = (chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
     return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
-                   own=own, weight=weight)
+                   own=own, weight=weight, shuffled=shuffle, zstd_level=zstd_level)
 
 
 def average_contributions(contributions: dict[str, Contribution]) -> torch.Tensor:
@@ -391,11 +402,13 @@ class NodeWorker:
         t0 = time.perf_counter()
         enc = await loop.run_in_executor(self.work_pool, lambda: encode_contribution(
             self.delta, codec=self.cfg.codec, chunk_bytes=self.cfg.chunk_bytes,
-            zstd_level=self.cfg.zstd_level, feedback=self.feedback, weight=1.0))
+            zstd_level=self.cfg.zstd_level, shuffle=self.cfg.shuffle, feedback=self.feedback,
+            weight=1.0))
         t1 = time.perf_counter()
         out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames,
                        digest=enc.digest, n_elements=self.cfg.params,
-                       chunk_elements=enc.chunk_elements, weight=enc.weight)
+                       chunk_elements=enc.chunk_elements, weight=enc.weight,
+                       shuffled=enc.shuffled)
         own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
         try:
             got = await asyncio.wait_for(node.exchange(out, own), deadline - time.monotonic())

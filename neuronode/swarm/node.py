@@ -95,6 +95,7 @@ class Outgoing:
     chunk_elements: int
     weight: float
     shuffled: bool = False
+    base_digest: str = ""
 
 
 @dataclass
@@ -381,10 +382,16 @@ class SwarmNode:
         for old in [r for r in self._outbox if r < out.round_id - 1]:
             del self._outbox[old]
         self._push_outbox_to_new_peers()
-        return await self.book.collect(
+        got = await self.book.collect(
             out.round_id, expected=lambda: self.expected(out.round_id),
             timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
         )
+        kept = {k: c for k, c in got.items() if c.base_digest == own.base_digest}
+        for sender in sorted(set(got) - set(kept)):
+            logger.warning("round %d: not averaging %s's contribution: it was made from other "
+                           "parameters (another lineage); the repair rule will reconcile us",
+                           out.round_id, sender)
+        return kept
 
     def _push_outbox_to_new_peers(self) -> None:
         now = time.monotonic()
@@ -435,7 +442,7 @@ class SwarmNode:
                 chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
                 compressed=frame.compressed, payload=frame.data, contribution_digest=out.digest,
                 weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
-                auth_tag=tag, shuffled=out.shuffled,
+                auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
             )
             size = msg.ByteSize()
             await self.upload.acquire(size)
@@ -593,7 +600,7 @@ class SwarmNode:
                 raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
                               "does not match its digest; discarded")
             self.book.finish(Contribution(first.sender_id, first.round_id, PB_TO_CODEC[first.codec],
-                                          first.weight, assembler))
+                                          first.weight, assembler, base_digest=first.base_digest))
             return assembler.count
         except RoundRefused as exc:
             raise Refusal(exc.code, str(exc)) from None
@@ -695,7 +702,7 @@ def is_loopback(host: str) -> bool:
 def check_same_stream(first: pb.ContributionChunk, chunk: pb.ContributionChunk) -> None:
     """Header fields may not change within one stream, and chunks come in order exactly once."""
     for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
-                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled"):
+                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest"):
         if getattr(chunk, name) != getattr(first, name):
             raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
 

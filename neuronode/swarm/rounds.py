@@ -53,6 +53,7 @@ class Contribution:
     codec: str
     weight: float
     data: Any
+    base_digest: str = ""  # param_digest of the parameters the sender's round started from
 
 
 class RoundBook:

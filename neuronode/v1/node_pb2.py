@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17neuronode/v1/node.proto\x12\x0cneuronode.v1\"\xda\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x15\n\rmanifest_hash\x18\x04 \x01(\t\x12\x11\n\tadvertise\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x07 \x01(\t\x12\x31\n\x0erecent_digests\x18\x08 \x03(\x0b\x32\x19.neuronode.v1.RoundDigest\x12\x0f\n\x07leaving\x18\t \x01(\x08\"H\n\x0bRoundDigest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x03 \x01(\r\".\n\nPeerRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"c\n\x0cHelloRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.neuronode.v1.NodeInfo\x12-\n\x0bknown_peers\x18\x02 \x03(\x0b\x32\x18.neuronode.v1.PeerRecord\"\x8b\x01\n\rHelloResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.neuronode.v1.NodeInfo\x12-\n\x0bknown_peers\x18\x02 \x03(\x0b\x32\x18.neuronode.v1.PeerRecord\x12\x10\n\x08\x61uth_tag\x18\x03 \x01(\t\x12\x13\n\x0btimestamp_s\x18\x04 \x01(\x03\"1\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\xbe\x02\n\x11\x43ontributionChunk\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\"\n\x05\x63odec\x18\x05 \x01(\x0e\x32\x13.neuronode.v1.Codec\x12\x12\n\ncompressed\x18\x06 \x01(\x08\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x1b\n\x13\x63ontribution_digest\x18\x08 \x01(\t\x12\x0e\n\x06weight\x18\t \x01(\x01\x12\x16\n\x0etotal_elements\x18\n \x01(\x04\x12\x10\n\x08swarm_id\x18\x0b \x01(\t\x12\x16\n\x0e\x63hunk_elements\x18\x0c \x01(\x04\x12\x10\n\x08\x61uth_tag\x18\r \x01(\t\x12\x10\n\x08shuffled\x18\x0e \x01(\x08\"\"\n\x07PushAck\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\r\"1\n\x0cStateRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\"\xd1\x01\n\x0bStateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x02 \x01(\t\x12\x12\n\nn_elements\x18\x03 \x01(\x04\x12\x14\n\x0chas_momentum\x18\x04 \x01(\x08\x12\x17\n\x0fmomentum_digest\x18\x05 \x01(\t\x12\x19\n\x11inner_steps_total\x18\x06 \x01(\x04\x12\x16\n\x0e\x63hunk_elements\x18\x07 \x01(\x04\x12\x15\n\rmanifest_hash\x18\x08 \x01(\t\x12\x10\n\x08\x61uth_tag\x18\t \x01(\t\"\xad\x01\n\nStateChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.neuronode.v1.StateHeader\x12%\n\x04part\x18\x02 \x01(\x0e\x32\x17.neuronode.v1.StatePart\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\x12\n\ncompressed\x18\x05 \x01(\x08\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\"1\n\x0cReachRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\"C\n\rReachResponse\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x0f\n\rStatusRequest\"R\n\nPeerStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"\xe4\x03\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05phase\x18\x03 \x01(\t\x12\'\n\x05peers\x18\x04 \x03(\x0b\x32\x18.neuronode.v1.PeerStatus\x12\x1f\n\x17last_round_contributors\x18\x05 \x01(\r\x12\x14\n\x0cparam_digest\x18\x06 \x01(\t\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x10\n\x08val_loss\x18\x08 \x01(\x01\x12\x12\n\nbytes_sent\x18\t \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\n \x01(\x04\x12\x10\n\x08swarm_id\x18\x0b \x01(\t\x12\x11\n\tadvertise\x18\x0c \x01(\t\x12\x13\n\x0binner_steps\x18\r \x01(\x04\x12\x11\n\tagreement\x18\x0e \x01(\t\x12\x14\n\x0ctokens_per_s\x18\x0f \x01(\x01\x12\x18\n\x10protocol_version\x18\x10 \x01(\r\x12\"\n\x1alast_round_contributor_ids\x18\x11 \x03(\t\x12\x17\n\x0fstate_transfers\x18\x12 \x01(\r\x12\x15\n\rstates_served\x18\x13 \x01(\r\x12\x13\n\x0butilization\x18\x14 \x01(\x01\x12\x11\n\treachable\x18\x15 \x01(\t*n\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_INT4\x10\x05*W\n\tStatePart\x12\x1a\n\x16STATE_PART_UNSPECIFIED\x10\x00\x12\x15\n\x11STATE_PART_PARAMS\x10\x01\x12\x17\n\x13STATE_PART_MOMENTUM\x10\x02\x32\xae\x03\n\x04Node\x12@\n\x05Hello\x12\x1a.neuronode.v1.HelloRequest\x1a\x1b.neuronode.v1.HelloResponse\x12@\n\x05Leave\x12\x1a.neuronode.v1.LeaveRequest\x1a\x1b.neuronode.v1.LeaveResponse\x12L\n\x10PushContribution\x12\x1f.neuronode.v1.ContributionChunk\x1a\x15.neuronode.v1.PushAck(\x01\x12\x43\n\x06Status\x12\x1b.neuronode.v1.StatusRequest\x1a\x1c.neuronode.v1.StatusResponse\x12\x44\n\nFetchState\x12\x1a.neuronode.v1.StateRequest\x1a\x18.neuronode.v1.StateChunk0\x01\x12I\n\x0e\x43heckReachable\x12\x1a.neuronode.v1.ReachRequest\x1a\x1b.neuronode.v1.ReachResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17neuronode/v1/node.proto\x12\x0cneuronode.v1\"\xda\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x15\n\rmanifest_hash\x18\x04 \x01(\t\x12\x11\n\tadvertise\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x07 \x01(\t\x12\x31\n\x0erecent_digests\x18\x08 \x03(\x0b\x32\x19.neuronode.v1.RoundDigest\x12\x0f\n\x07leaving\x18\t \x01(\x08\"H\n\x0bRoundDigest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x03 \x01(\r\".\n\nPeerRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"c\n\x0cHelloRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.neuronode.v1.NodeInfo\x12-\n\x0bknown_peers\x18\x02 \x03(\x0b\x32\x18.neuronode.v1.PeerRecord\"\x8b\x01\n\rHelloResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.neuronode.v1.NodeInfo\x12-\n\x0bknown_peers\x18\x02 \x03(\x0b\x32\x18.neuronode.v1.PeerRecord\x12\x10\n\x08\x61uth_tag\x18\x03 \x01(\t\x12\x13\n\x0btimestamp_s\x18\x04 \x01(\x03\"1\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\xd3\x02\n\x11\x43ontributionChunk\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\"\n\x05\x63odec\x18\x05 \x01(\x0e\x32\x13.neuronode.v1.Codec\x12\x12\n\ncompressed\x18\x06 \x01(\x08\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x1b\n\x13\x63ontribution_digest\x18\x08 \x01(\t\x12\x0e\n\x06weight\x18\t \x01(\x01\x12\x16\n\x0etotal_elements\x18\n \x01(\x04\x12\x10\n\x08swarm_id\x18\x0b \x01(\t\x12\x16\n\x0e\x63hunk_elements\x18\x0c \x01(\x04\x12\x10\n\x08\x61uth_tag\x18\r \x01(\t\x12\x10\n\x08shuffled\x18\x0e \x01(\x08\x12\x13\n\x0b\x62\x61se_digest\x18\x0f \x01(\t\"\"\n\x07PushAck\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\r\"1\n\x0cStateRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\"\xd1\x01\n\x0bStateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x02 \x01(\t\x12\x12\n\nn_elements\x18\x03 \x01(\x04\x12\x14\n\x0chas_momentum\x18\x04 \x01(\x08\x12\x17\n\x0fmomentum_digest\x18\x05 \x01(\t\x12\x19\n\x11inner_steps_total\x18\x06 \x01(\x04\x12\x16\n\x0e\x63hunk_elements\x18\x07 \x01(\x04\x12\x15\n\rmanifest_hash\x18\x08 \x01(\t\x12\x10\n\x08\x61uth_tag\x18\t \x01(\t\"\xad\x01\n\nStateChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.neuronode.v1.StateHeader\x12%\n\x04part\x18\x02 \x01(\x0e\x32\x17.neuronode.v1.StatePart\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\x12\n\ncompressed\x18\x05 \x01(\x08\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\"1\n\x0cReachRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\"C\n\rReachResponse\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x0f\n\rStatusRequest\"R\n\nPeerStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"\xe4\x03\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05phase\x18\x03 \x01(\t\x12\'\n\x05peers\x18\x04 \x03(\x0b\x32\x18.neuronode.v1.PeerStatus\x12\x1f\n\x17last_round_contributors\x18\x05 \x01(\r\x12\x14\n\x0cparam_digest\x18\x06 \x01(\t\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x10\n\x08val_loss\x18\x08 \x01(\x01\x12\x12\n\nbytes_sent\x18\t \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\n \x01(\x04\x12\x10\n\x08swarm_id\x18\x0b \x01(\t\x12\x11\n\tadvertise\x18\x0c \x01(\t\x12\x13\n\x0binner_steps\x18\r \x01(\x04\x12\x11\n\tagreement\x18\x0e \x01(\t\x12\x14\n\x0ctokens_per_s\x18\x0f \x01(\x01\x12\x18\n\x10protocol_version\x18\x10 \x01(\r\x12\"\n\x1alast_round_contributor_ids\x18\x11 \x03(\t\x12\x17\n\x0fstate_transfers\x18\x12 \x01(\r\x12\x15\n\rstates_served\x18\x13 \x01(\r\x12\x13\n\x0butilization\x18\x14 \x01(\x01\x12\x11\n\treachable\x18\x15 \x01(\t*n\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_INT4\x10\x05*W\n\tStatePart\x12\x1a\n\x16STATE_PART_UNSPECIFIED\x10\x00\x12\x15\n\x11STATE_PART_PARAMS\x10\x01\x12\x17\n\x13STATE_PART_MOMENTUM\x10\x02\x32\xae\x03\n\x04Node\x12@\n\x05Hello\x12\x1a.neuronode.v1.HelloRequest\x1a\x1b.neuronode.v1.HelloResponse\x12@\n\x05Leave\x12\x1a.neuronode.v1.LeaveRequest\x1a\x1b.neuronode.v1.LeaveResponse\x12L\n\x10PushContribution\x12\x1f.neuronode.v1.ContributionChunk\x1a\x15.neuronode.v1.PushAck(\x01\x12\x43\n\x06Status\x12\x1b.neuronode.v1.StatusRequest\x1a\x1c.neuronode.v1.StatusResponse\x12\x44\n\nFetchState\x12\x1a.neuronode.v1.StateRequest\x1a\x18.neuronode.v1.StateChunk0\x01\x12I\n\x0e\x43heckReachable\x12\x1a.neuronode.v1.ReachRequest\x1a\x1b.neuronode.v1.ReachResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'neuronode.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=2199
-  _globals['_CODEC']._serialized_end=2309
-  _globals['_STATEPART']._serialized_start=2311
-  _globals['_STATEPART']._serialized_end=2398
+  _globals['_CODEC']._serialized_start=2220
+  _globals['_CODEC']._serialized_end=2330
+  _globals['_STATEPART']._serialized_start=2332
+  _globals['_STATEPART']._serialized_end=2419
   _globals['_NODEINFO']._serialized_start=42
   _globals['_NODEINFO']._serialized_end=260
   _globals['_ROUNDDIGEST']._serialized_start=262
@@ -50,25 +50,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEAVERESPONSE']._serialized_start=678
   _globals['_LEAVERESPONSE']._serialized_end=693
   _globals['_CONTRIBUTIONCHUNK']._serialized_start=696
-  _globals['_CONTRIBUTIONCHUNK']._serialized_end=1014
-  _globals['_PUSHACK']._serialized_start=1016
-  _globals['_PUSHACK']._serialized_end=1050
-  _globals['_STATEREQUEST']._serialized_start=1052
-  _globals['_STATEREQUEST']._serialized_end=1101
-  _globals['_STATEHEADER']._serialized_start=1104
-  _globals['_STATEHEADER']._serialized_end=1313
-  _globals['_STATECHUNK']._serialized_start=1316
-  _globals['_STATECHUNK']._serialized_end=1489
-  _globals['_REACHREQUEST']._serialized_start=1491
-  _globals['_REACHREQUEST']._serialized_end=1540
-  _globals['_REACHRESPONSE']._serialized_start=1542
-  _globals['_REACHRESPONSE']._serialized_end=1609
-  _globals['_STATUSREQUEST']._serialized_start=1611
-  _globals['_STATUSREQUEST']._serialized_end=1626
-  _globals['_PEERSTATUS']._serialized_start=1628
-  _globals['_PEERSTATUS']._serialized_end=1710
-  _globals['_STATUSRESPONSE']._serialized_start=1713
-  _globals['_STATUSRESPONSE']._serialized_end=2197
-  _globals['_NODE']._serialized_start=2401
-  _globals['_NODE']._serialized_end=2831
+  _globals['_CONTRIBUTIONCHUNK']._serialized_end=1035
+  _globals['_PUSHACK']._serialized_start=1037
+  _globals['_PUSHACK']._serialized_end=1071
+  _globals['_STATEREQUEST']._serialized_start=1073
+  _globals['_STATEREQUEST']._serialized_end=1122
+  _globals['_STATEHEADER']._serialized_start=1125
+  _globals['_STATEHEADER']._serialized_end=1334
+  _globals['_STATECHUNK']._serialized_start=1337
+  _globals['_STATECHUNK']._serialized_end=1510
+  _globals['_REACHREQUEST']._serialized_start=1512
+  _globals['_REACHREQUEST']._serialized_end=1561
+  _globals['_REACHRESPONSE']._serialized_start=1563
+  _globals['_REACHRESPONSE']._serialized_end=1630
+  _globals['_STATUSREQUEST']._serialized_start=1632
+  _globals['_STATUSREQUEST']._serialized_end=1647
+  _globals['_PEERSTATUS']._serialized_start=1649
+  _globals['_PEERSTATUS']._serialized_end=1731
+  _globals['_STATUSRESPONSE']._serialized_start=1734
+  _globals['_STATUSRESPONSE']._serialized_end=2218
+  _globals['_NODE']._serialized_start=2422
+  _globals['_NODE']._serialized_end=2852
 # @@protoc_insertion_point(module_scope)

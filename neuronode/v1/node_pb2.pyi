@@ -104,7 +104,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ContributionChunk(_message.Message):
-    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled")
+    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled", "base_digest")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class ContributionChunk(_message.Message):
     CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
     SHUFFLED_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     sender_id: str
     chunk_index: int
@@ -133,7 +134,8 @@ class ContributionChunk(_message.Message):
     chunk_elements: int
     auth_tag: str
     shuffled: bool
-    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ...) -> None: ...
+    base_digest: str
+    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ..., base_digest: _Optional[str] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks_received",)
