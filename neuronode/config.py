@@ -89,6 +89,9 @@ class NodeConfig:
     threads: int = opt(0, "torch threads for this node (0: half the cores, at most 8)")
     device: str = opt("auto", "where to train", choices=DEVICES)
     codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire", choices=CODECS)
+    averaging: str = opt("all-to-all", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
+                         "member i averages shard i (about 2x one contribution sent, whatever the swarm size)",
+                         choices=("all-to-all", "reduce-scatter"))
     aggregator: str = opt("mean", "how contributions are combined (robust ones resist lying peers)", choices=AGGREGATORS)
     aggregator_option: tuple[str, ...] = opt(
         (), "comma list of aggregator options: trim_fraction, clip_factor, iterations, cosine_threshold",
@@ -111,6 +114,11 @@ class NodeConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             validate_field(f.name, getattr(self, f.name), f.metadata)
+        if self.averaging == "reduce-scatter" and (
+                self.aggregator in ("norm-clip", "centered-clip")
+                or any(kv.startswith("cosine_threshold=") for kv in self.aggregator_option)):
+            raise ConfigError(f"--aggregator {self.aggregator} (or a cosine filter) needs whole "
+                              "contributions; with --averaging reduce-scatter use mean, trimmed-mean or median")
         tls = [self.tls_cert, self.tls_key, self.tls_ca]
         if any(tls) and not all(tls):
             raise ConfigError("--tls-cert, --tls-key and --tls-ca go together; give all three")

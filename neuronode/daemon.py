@@ -17,10 +17,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from neuronode import checkpoint
+from neuronode.codec import shard_ranges
 from neuronode.config import NodeConfig, check_data_dir
 from neuronode.errors import CheckpointError, ConfigError
 from neuronode.metrics import Metrics, Snapshot
@@ -28,7 +32,8 @@ from neuronode.security.auth import load_secret, permissions_warning
 from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
 from neuronode.swarm.rounds import Contribution
 from neuronode.swarm.security import Security
-from neuronode.trainer import Trainer
+from neuronode.trainer import Encoded, Trainer
+from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,7 +152,7 @@ class Daemon:
         self.restored_meta: dict[str, Any] = {}
         self.last_repair_round = -(10**9)
         self.utilization = 0.0
-        self.pending: tuple[int, asyncio.Task[Any]] | None = None  # --overlap: sync in flight
+        self.pending: tuple[int, asyncio.Task[SyncResult]] | None = None  # --overlap: sync in flight
         self.sync_started = 0.0
         self.metrics = Metrics(self.metrics_snapshot)
         self.stop_flag = threading.Event()  # seen by the training thread between steps
@@ -158,6 +163,8 @@ class Daemon:
         # One thread trains (torch state is not thread-safe); another encodes/decodes chunks.
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.codec_pool = ThreadPoolExecutor(2, thread_name_prefix="codec")
+        self.writer_pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self.writing: asyncio.Future[Any] | None = None
 
     @property
     def engine(self) -> Any:
@@ -224,12 +231,14 @@ class Daemon:
             if self.engine.steps_this_round and not self.finished():
                 # Keep the inner steps of the interrupted round; a restart resumes them (or
                 # catches up with the swarm if it moved on meanwhile).
-                await self.off_loop(self.train_pool, self.save_checkpoint)
+                await self.save_checkpoint()
+            await self.flush_checkpoint()
             await self.swarm.drain(timeout_s=5.0 if stopped.is_set() else self.cfg.sync_timeout)
             await self.swarm.stop()
             self.metrics.close()
             self.train_pool.shutdown(wait=True)
             self.codec_pool.shutdown(wait=True)
+            self.writer_pool.shutdown(wait=True)
         logger.info("stopped at round %d; param_digest %s", self.engine.round, self.param_digest[:16])
         return 0
 
@@ -285,17 +294,9 @@ class Daemon:
         if self.swarm.faults.path:
             plan = self.swarm.faults.refresh()
             self.trainer.lie = (plan.byzantine_scale, plan.byzantine_noise)
-        link = self.swarm.push_rate
-        if self.swarm.upload.enabled:
-            link = min(link or self.swarm.upload.bytes_per_s, self.swarm.upload.bytes_per_s)
-        enc = await self.off_loop(self.train_pool, self.trainer.encode, link)
-        out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames, digest=enc.digest,
-                       n_elements=self.trainer.n_params, chunk_elements=enc.chunk_elements,
-                       weight=enc.weight, shuffled=enc.shuffled, base_digest=self.trainer.param_digest)
-        own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own,
-                           base_digest=self.trainer.param_digest)
+        sync = await self.prepare_sync(round_id)
         if not self.cfg.overlap:
-            if not await self.finish_sync(round_id, self.start_sync(out, own), stopped):
+            if not await self.finish_sync(round_id, self.start_sync(round_id, sync), stopped):
                 return False
         else:
             previous, self.pending = self.pending, None
@@ -303,15 +304,67 @@ class Daemon:
                 return False
             if previous is None:  # nothing to apply yet: round r+1 starts from the global params
                 await self.off_loop(self.train_pool, self.trainer.restart_from_global)
-            self.pending = (round_id, self.start_sync(out, own))
+            self.pending = (round_id, self.start_sync(round_id, sync))
         self.utilization = train_s / max(time.monotonic() - started, 1e-9)
         return True
 
-    def start_sync(self, out: Outgoing, own: Contribution) -> asyncio.Task[Any]:
-        self.sync_started = time.monotonic()
-        return asyncio.get_running_loop().create_task(self.swarm.exchange(out, own), name=f"sync-{out.round_id}")
+    def link_rate(self) -> float:
+        """Bytes/s our pushes reach (capped by --max-upload-mbps), for the zstd level choice."""
+        link = self.swarm.push_rate
+        if self.swarm.upload.enabled:
+            link = min(link or self.swarm.upload.bytes_per_s, self.swarm.upload.bytes_per_s)
+        return link
 
-    async def finish_sync(self, round_id: int, exchange: asyncio.Task[Any], stopped: asyncio.Event) -> bool:
+    async def prepare_sync(self, round_id: int) -> Awaitable[SyncResult]:
+        """Encode this round's contribution (in the training thread, before the model moves on)
+        and return the coroutine that exchanges and averages it."""
+        base = self.trainer.param_digest  # the parameters this round started from
+        if self.cfg.averaging == "reduce-scatter":
+            members = tuple(sorted(self.swarm.expected(round_id)))
+            ranges = shard_ranges(self.trainer.n_params, len(members), self.cfg.codec)
+            shards = await self.off_loop(self.train_pool, self.trainer.encode_shards, ranges, self.link_rate())
+            return self.reduce_scatter(round_id, members, ranges, shards, base)
+        enc = await self.off_loop(self.train_pool, self.trainer.encode, self.link_rate())
+        out = self.outgoing(round_id, enc, base)
+        own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own, base_digest=base)
+        return self.all_to_all(out, own)
+
+    def outgoing(self, round_id: int, enc: Encoded, base: str, **shard: Any) -> Outgoing:
+        return Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames, digest=enc.digest,
+                        n_elements=self.trainer.n_params, chunk_elements=enc.chunk_elements,
+                        weight=enc.weight, shuffled=enc.shuffled, base_digest=base, **shard)
+
+    async def all_to_all(self, out: Outgoing, own: Contribution) -> SyncResult:
+        contributions = await self.swarm.exchange(out, own)
+        by_node = {c.sender_id: (c.data, c.weight) for c in contributions.values()}
+        return SyncResult(contributions=by_node, contributors=sorted(by_node))
+
+    async def reduce_scatter(self, round_id: int, members: tuple[str, ...], ranges: list[tuple[int, int]],
+                             shards: list[Encoded], base: str) -> SyncResult:
+        """Member i averages everyone's shard i and sends the averaged shard to all: each node
+        sends about 2x one contribution whatever the swarm size (docs/protocol.md)."""
+        me = members.index(self.node_id)
+        outs = {m: self.outgoing(round_id, shards[j], base, phase=pb.PHASE_SHARD, shard_index=j, members=members)
+                for j, m in enumerate(members) if m != self.node_id}
+        own = Contribution(self.node_id, round_id, self.cfg.codec, shards[me].weight, shards[me].own,
+                           base_digest=base, members=members, shard_index=me)
+        pieces = await self.swarm.exchange(outs, own, members=members)
+        by_node = {c.sender_id: (c.data, c.weight) for c in pieces.values()}
+        reduced = await self.off_loop(self.codec_pool, self.trainer.reduce_shard, by_node, self.link_rate())
+        contributors = tuple(sorted(by_node))
+        out = self.outgoing(round_id, reduced, base, phase=pb.PHASE_AVERAGED, shard_index=me,
+                            members=members, contributors=contributors)
+        own_avg = Contribution(self.node_id, round_id, self.cfg.codec, reduced.weight, reduced.own,
+                               base_digest=base, members=members, contributors=contributors, shard_index=me)
+        averaged = await self.swarm.exchange(out, own_avg, members=members)
+        return await self.off_loop(self.codec_pool, assemble_shards, averaged, members, ranges,
+                                   self.trainer.n_params, round_id)
+
+    def start_sync(self, round_id: int, sync: Awaitable[SyncResult]) -> asyncio.Task[SyncResult]:
+        self.sync_started = time.monotonic()
+        return asyncio.get_running_loop().create_task(sync, name=f"sync-{round_id}")  # type: ignore[arg-type]
+
+    async def finish_sync(self, round_id: int, exchange: asyncio.Task[SyncResult], stopped: asyncio.Event) -> bool:
         """Wait for a round's exchange (or a stop), then average and take the outer step."""
         self.phase = "syncing"
         waited = time.monotonic()
@@ -322,19 +375,21 @@ class Daemon:
             exchange.cancel()
             await asyncio.gather(exchange, return_exceptions=True)
             return False
-        contributions = exchange.result()
+        result = exchange.result()
         sync_s = time.monotonic() - self.sync_started
         self.metrics.sync_seconds.observe(sync_s)
         self.phase = "outer step"
-        by_node = {c.sender_id: (c.data, c.weight) for c in contributions.values()}
-        self.param_digest = await self.off_loop(self.train_pool, self.trainer.apply, by_node)
-        self.last_contributors = sorted(by_node)
+        if result.average is not None:
+            self.param_digest = await self.off_loop(self.train_pool, self.trainer.apply_average, result.average)
+        else:
+            self.param_digest = await self.off_loop(self.train_pool, self.trainer.apply, result.contributions)
+        self.last_contributors = result.contributors
         self.swarm.record_round(round_id, self.param_digest)
-        await self.off_loop(self.train_pool, self.save_checkpoint)
+        await self.save_checkpoint()
         self.progress.clear()
         logger.info(
             "round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs waited %.1fs digest %s from %s",
-            self.engine.round, self.trainer.loss, self.trainer.val_loss, len(by_node), sync_s,
+            self.engine.round, self.trainer.loss, self.trainer.val_loss, len(result.contributors), sync_s,
             time.monotonic() - waited, self.param_digest[:12], ",".join(self.last_contributors))
         return True
 
@@ -361,7 +416,7 @@ class Daemon:
         self.param_digest = await self.off_loop(self.train_pool, self.trainer.adopt, state)
         self.swarm.adopt(state.round, self.param_digest)
         self.last_repair_round = self.engine.round
-        await self.off_loop(self.train_pool, self.save_checkpoint)
+        await self.save_checkpoint()
         logger.info("adopted the swarm's state at round %d in %.1fs (digest %s, val_loss %.4f)",
                     state.round, time.monotonic() - started, self.param_digest[:12], self.trainer.val_loss)
 
@@ -419,16 +474,55 @@ class Daemon:
             refusals=dict(counters.refusals) if counters else {},
         )
 
-    def save_checkpoint(self) -> None:
+    async def save_checkpoint(self) -> None:
+        """Snapshot the state in the training thread (a quick copy), then serialize, fsync and
+        rename in the writer thread, so training goes on while the disk works. One write at a
+        time: the next save, and shutdown, wait for the one before."""
+        await self.flush_checkpoint()
         meta = {**self.status(), **self.swarm.snapshot(), "phase": "stopped",
                 "manifest_hash": self.engine.manifest_hash(), "saved_at": time.time()}
-        checkpoint.save(self.data_dir, self.engine.round, meta, self.trainer.state_dict(),
-                        keep=self.cfg.keep_checkpoints)
+        state = await self.off_loop(self.train_pool, self.trainer.state_dict)
+        self.writing = asyncio.get_running_loop().run_in_executor(
+            self.writer_pool, lambda: checkpoint.save(self.data_dir, meta["round"], meta, state,
+                                                      keep=self.cfg.keep_checkpoints))
+
+    async def flush_checkpoint(self) -> None:
+        if self.writing is not None:
+            await self.writing
+            self.writing = None
 
 
 def format_eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+@dataclass
+class SyncResult:
+    """A finished exchange: the contributions to average (all-to-all), or the average itself
+    (reduce-scatter, assembled from the averaged shards)."""
+
+    contributors: list[str]
+    contributions: dict[str, tuple[Any, float]] = field(default_factory=dict)
+    average: torch.Tensor | None = None
+
+
+def assemble_shards(averaged: dict[str, Contribution], members: tuple[str, ...],
+                    ranges: list[tuple[int, int]], n_params: int, round_id: int) -> SyncResult:
+    """Concatenate the averaged shards. A shard whose reducer is gone gets no update this round
+    (zeros): every member that missed it does the same; one that got it differs, and the
+    lineage rule repairs it next round."""
+    avg = torch.zeros(n_params, dtype=torch.float32)
+    contributors: set[str] = set()
+    for c in averaged.values():
+        start, stop = ranges[c.shard_index]
+        avg[start:stop] = c.data.decode()
+        contributors.update(c.contributors)
+    missing = sorted(set(members) - {c.sender_id for c in averaged.values()})
+    if missing:
+        logger.warning("round %d: no averaged shard from %s; those parameters get no update this round",
+                       round_id, ", ".join(missing))
+    return SyncResult(contributors=sorted(contributors), average=avg)
 
 
 def finite_or(value: float, default: float = float("nan")) -> float:

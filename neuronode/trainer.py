@@ -176,15 +176,20 @@ class Trainer:
         return self.engine.steps_this_round >= self.cfg.inner_steps or (
             self.time_limited and self.engine.steps_this_round > 0)
 
-    def encode(self, link_bytes_per_s: float = 0.0) -> Encoded:
-        """Pseudo-gradient -> wire frames; the node averages the decoded (wire) form of its own
-        contribution too, so lossy codecs leave every replica with the same result."""
+    def compensated_delta(self) -> torch.Tensor:
+        """This round's pseudo-gradient plus the error feedback carried from the last round."""
         delta = self.engine.pseudo_gradient()
         if self.lie != (1.0, 0.0):
             scale, noise = self.lie
             delta = delta * scale + noise * torch.randn_like(delta)
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
+        return delta
+
+    def encode_vector(self, vector: torch.Tensor, link_bytes_per_s: float) -> Encoded:
+        """Encode one flat vector into frames, and an Assembler of its own raw payloads (the
+        node averages the decoded wire form of its own contribution too, so lossy codecs leave
+        every replica with the same result)."""
         digest = ContributionDigest()
         level = self.cfg.zstd_level
         if level < 0:
@@ -193,28 +198,57 @@ class Trainer:
         # 1.29x -> 1.47x with zstd 1); int codecs have one-byte elements, nothing to split.
         shuffle = self.cfg.byte_shuffle and self.codec.shuffle_width > 1 and level > 0
         started = time.perf_counter()
-        frames = list(encode_frames(delta, codec=self.codec.name, chunk_bytes=self.cfg.chunk_bytes,
+        frames = list(encode_frames(vector, codec=self.codec.name, chunk_bytes=self.cfg.chunk_bytes,
                                     zstd_level=level, shuffle=shuffle, digest=digest))
-        if level > 0:
-            raw_bytes = self.codec.payload_bytes(delta.numel())
+        if level > 0 and vector.numel():
+            raw_bytes = self.codec.payload_bytes(vector.numel())
             self.compress_rate = raw_bytes / max(time.perf_counter() - started, 1e-9)
-        chunk_bytes = self.cfg.chunk_bytes
-        own = Assembler(n_elems=delta.numel(), codec=self.codec.name, chunk_bytes=chunk_bytes, shuffle=shuffle)
+        own = Assembler(n_elems=vector.numel(), codec=self.codec.name, chunk_bytes=self.cfg.chunk_bytes,
+                        shuffle=shuffle)
         for frame in frames:
             own.add_frame(frame)
-        if self.feedback is not None:
-            self.feedback.update(delta, own.decode())
         block = self.codec.payload_bytes(self.codec.block_elems)
-        chunk_elements = (chunk_bytes // block) * self.codec.block_elems
+        chunk_elements = (self.cfg.chunk_bytes // block) * self.codec.block_elems
         return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
                        own=own, weight=float(max(self.engine.samples_this_round, 1)),
                        shuffled=shuffle, zstd_level=level)
+
+    def encode(self, link_bytes_per_s: float = 0.0) -> Encoded:
+        """Our whole contribution (all-to-all averaging)."""
+        delta = self.compensated_delta()
+        enc = self.encode_vector(delta, link_bytes_per_s)
+        if self.feedback is not None:
+            self.feedback.update(delta, enc.own.decode())
+        return enc
+
+    def encode_shards(self, ranges: list[tuple[int, int]], link_bytes_per_s: float = 0.0) -> list[Encoded]:
+        """Our contribution cut into reduce-scatter shards, each encoded on its own."""
+        delta = self.compensated_delta()
+        shards = [self.encode_vector(delta[a:b], link_bytes_per_s) for a, b in ranges]
+        if self.feedback is not None:
+            self.feedback.update(delta, torch.cat([e.own.decode() for e in shards]))
+        return shards
+
+    def reduce_shard(self, pieces: dict[str, tuple[Assembler, float]], link_bytes_per_s: float = 0.0) -> Encoded:
+        """The reducer's job: aggregate every member's slice of our shard (sorted by node id),
+        then encode the result for the all-gather. Its weight is the total of the pieces'."""
+        lazy = {node: (data.decode, weight) for node, (data, weight) in pieces.items()}
+        avg = self.aggregate(lazy)
+        if not torch.isfinite(avg).all():
+            logger.error("averaged shard is not finite; sending a zero update for it")
+            avg = torch.zeros_like(avg)
+        enc = self.encode_vector(avg, link_bytes_per_s)
+        enc.weight = float(sum(weight for _, weight in pieces.values()))
+        return enc
 
     def apply(self, contributions: dict[str, tuple[Assembler, float]]) -> str:
         """Average the round's contributions (decoded one at a time, sorted by node id), take the
         outer step, evaluate; returns the new param_digest."""
         lazy = {node: (data.decode, weight) for node, (data, weight) in contributions.items()}
-        avg = self.aggregate(lazy)
+        return self.apply_average(self.aggregate(lazy))
+
+    def apply_average(self, avg: torch.Tensor) -> str:
+        """Outer step with an averaged pseudo-gradient; returns the new param_digest."""
         if not torch.isfinite(avg).all():
             logger.error("averaged pseudo-gradient is not finite; skipping the outer update")
             avg = torch.zeros_like(avg)
@@ -223,11 +257,6 @@ class Trainer:
             self.param_digest = self.engine.param_digest()
         self.validate()
         return self.param_digest
-
-    def restart_from_global(self) -> None:
-        """Working weights back to the global parameters (overlap's first round)."""
-        with self.global_lock:
-            self.engine.load_flat_global(self.engine.flat_global())
 
     def snapshot(self) -> GlobalState:
         """The global state for a joiner (called from a worker thread while we may train)."""

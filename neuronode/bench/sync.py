@@ -60,8 +60,10 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 POLL_S = 0.005
-# Untimed full-size rounds before the timed ones. 0: the hellos already opened every channel, and
-# a first round measured only ~5% slower than later ones (N=4, P=25M), less than a full round costs.
+# Untimed full-size rounds before the timed ones. 0 keeps N=4, P=25M within a minute on 2 cores:
+# the hellos have opened every channel already; the first round is still often slower (gRPC
+# flow-control windows grow during the first big transfer), which the median over >= 3 rounds
+# absorbs and `round_seconds` shows.
 WARMUP_ROUNDS = 0
 START_TIMEOUT_S = 120.0  # process start (torch import) and peer discovery, on a loaded machine
 AVERAGING = ("all-to-all",)
@@ -219,7 +221,7 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
     result: dict[str, Any] = {
         "nodes": cfg.nodes, "params": cfg.params, "codec": cfg.codec, "averaging": cfg.averaging,
         "rounds": cfg.rounds, "zstd_level": cfg.zstd_level, "chunk_bytes": cfg.chunk_bytes,
-        "byte_shuffle": cfg.shuffle,
+        "byte_shuffle": all(w["byte_shuffle"] for w in nodes),
         "seconds": round(seconds, 4), "round_seconds": [round(s, 4) for s in round_s],
         "encode_seconds": round(statistics.median(slowest("encode_s")), 4),
         "exchange_seconds": round(statistics.median(slowest("exchange_s")), 4),
@@ -360,7 +362,7 @@ class NodeWorker:
             self.work_pool.shutdown(wait=True)
             self.codec_pool.shutdown(wait=True)
         return {"index": self.index, "address": address, "rounds": rounds,
-                "peak_rss_bytes": peak_rss_bytes()}
+                "byte_shuffle": self.cfg.shuffle, "peak_rss_bytes": peak_rss_bytes()}
 
     async def rounds(self, node: SwarmNode, *, start_deadline: float) -> list[dict[str, Any]]:
         """Warm-up and timed rounds; each result gets the bytes sent and the CPU time used

@@ -14,6 +14,7 @@ from neuronode.codec.framing import (
     encode_frames,
     expected_raw_lens,
     roundtrip,
+    shard_ranges,
     shuffle_width,
 )
 from neuronode.codec.quant import BLOCK_ELEMS, CODECS, Codec, CodecError, check_finite, get_codec
@@ -31,6 +32,7 @@ __all__ = [
     "ErrorFeedback",
     "Frame",
     "check_finite",
+    "shard_ranges",
     "chunk_ranges",
     "contribution_digest",
     "decode_frame",

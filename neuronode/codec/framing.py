@@ -28,6 +28,7 @@ __all__ = [
     "ContributionDigest",
     "Frame",
     "chunk_ranges",
+    "shard_ranges",
     "contribution_digest",
     "decode_frame",
     "encode_frames",
@@ -65,6 +66,18 @@ def chunk_ranges(n_elems: int, codec: str, chunk_bytes: int) -> list[tuple[int, 
     # payload_bytes is monotone in n, so a partial last chunk is no larger than a full one.
     step = blocks_per_chunk * c.block_elems
     return [(start, min(start + step, n_elems)) for start in range(0, n_elems, step)]
+
+
+def shard_ranges(n_elems: int, n_shards: int, codec: str) -> list[tuple[int, int]]:
+    """Split ``n_elems`` into ``n_shards`` contiguous, block-aligned, near-equal ranges
+    (reduce-scatter: member i reduces shard i). Deterministic: every member computes the same."""
+    if n_shards < 1:
+        raise CodecError(f"n_shards must be >= 1, got {n_shards}")
+    block = get_codec(codec).block_elems
+    blocks = -(-n_elems // block)
+    bounds = [min(n_elems, (blocks * i // n_shards) * block) for i in range(n_shards + 1)]
+    bounds[-1] = n_elems
+    return [(bounds[i], bounds[i + 1]) for i in range(n_shards)]
 
 
 def expected_raw_lens(n_elems: int, codec: str, chunk_bytes: int) -> list[int]:
@@ -235,6 +248,16 @@ class Assembler:
     def missing(self) -> list[int]:
         """Indices not yet received, ascending."""
         return [i for i in range(self.count) if i not in self._chunks]
+
+    def chunk_elems(self, index: int) -> int:
+        """Number of elements chunk ``index`` decodes to."""
+        self._check_index(index)
+        start, stop = self._ranges[index]
+        return stop - start
+
+    @property
+    def n_elems(self) -> int:
+        return self._n_elems
 
     def expected_raw_len(self, index: int) -> int:
         """Raw payload length of chunk ``index``; raises CodecError if out of range."""

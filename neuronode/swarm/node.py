@@ -23,7 +23,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from neuronode.codec import Assembler, ContributionDigest, Frame, decode_frame, get_codec
+from neuronode.codec import (
+    Assembler,
+    ContributionDigest,
+    Frame,
+    decode_frame,
+    get_codec,
+    shard_ranges,
+)
 from neuronode.errors import ConfigError
 from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
@@ -55,6 +62,8 @@ logger = logging.getLogger(__name__)
 MAX_CHUNK_PAYLOAD = 4 << 20
 MAX_KNOWN_ADDRESSES = 1024
 NODE_SERVICE = "neuronode.v1.Node"
+PHASE_NAMES = {pb.PHASE_UNSPECIFIED: "contribution", pb.PHASE_SHARD: "shard slices",
+               pb.PHASE_AVERAGED: "averaged shard"}
 # Refusals that retrying cannot fix; anything else (UNAVAILABLE, DEADLINE_EXCEEDED) is retried.
 FINAL_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
@@ -96,6 +105,25 @@ class Outgoing:
     weight: float
     shuffled: bool = False
     base_digest: str = ""
+    phase: int = pb.PHASE_UNSPECIFIED  # reduce-scatter: PHASE_SHARD or PHASE_AVERAGED
+    shard_index: int = 0
+    members: tuple[str, ...] = ()
+    contributors: tuple[str, ...] = ()
+
+
+@dataclass
+class Outbox:
+    """What we still push for one (phase, round): one Outgoing for all, or one per peer."""
+
+    outs: dict[str, Outgoing] | Outgoing
+    targets: set[str] | None  # None: every live peer that is not behind
+    pushed: set[str]
+    deadline: float
+
+    def for_peer(self, peer_id: str) -> Outgoing | None:
+        if isinstance(self.outs, Outgoing):
+            return self.outs
+        return self.outs.get(peer_id)
 
 
 @dataclass
@@ -122,6 +150,8 @@ class SwarmNode:
         self.status_provider = status_provider or dict
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0))
         self.book = RoundBook(closed_below=cfg.first_round)
+        # Reduce-scatter keeps its shard slices in `book` and the averaged shards here.
+        self.gather_book = RoundBook(closed_below=cfg.first_round)
         self.counters = Counters()
         self.advertise = cfg.advertise
         self.round = cfg.first_round
@@ -132,7 +162,7 @@ class SwarmNode:
         self._server: grpc.aio.Server | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._outbox: dict[int, tuple[Outgoing, set[str], float]] = {}
+        self._outbox: dict[tuple[int, int], Outbox] = {}  # (phase, round) -> what to push
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._said: dict[str, float] = {}
         self._contact = asyncio.Event()  # set by the first successful hello either way
@@ -372,37 +402,63 @@ class SwarmNode:
         ids = {p.node_id for p in self.table.alive() if round_id - 1 <= p.round <= round_id + 1}
         return ids | {self.cfg.node_id}
 
-    async def exchange(self, out: Outgoing, own: Contribution) -> dict[str, Contribution]:
-        """Push `out` to every live peer and collect the round; returns contributions by sender."""
-        self.book.add_own(own)
-        logger.info("round %d: contribution ready (%d chunks), sending to %d peers", out.round_id,
-                    len(out.frames), len(self.table.alive()))
+    async def exchange(
+        self, out: Outgoing | dict[str, Outgoing], own: Contribution, *,
+        members: tuple[str, ...] = (),
+    ) -> dict[str, Contribution]:
+        """Push our contribution and collect the round's; returns contributions by sender.
+
+        All-to-all: `out` goes to every live peer. Reduce-scatter (`members` given): `out` is
+        one Outgoing per member (scatter) or one for all (gather), and only members are
+        expected. Contributions made from other parameters, or for other members, are dropped.
+        """
+        phase = own_phase = (out.phase if isinstance(out, Outgoing) else pb.PHASE_SHARD)
+        book = self.gather_book if phase == pb.PHASE_AVERAGED else self.book
+        round_id = own.round_id
+        book.add_own(own)
+        targets = set(members) - {self.cfg.node_id} if members else None
+        logger.info("round %d: %s ready, sending to %d peers", round_id,
+                    PHASE_NAMES[phase], len(targets) if targets is not None else len(self.table.alive()))
         deadline = time.monotonic() + self.cfg.sync_timeout_s
-        self._outbox[out.round_id] = (out, set(), deadline)
-        for old in [r for r in self._outbox if r < out.round_id - 1]:
+        self._outbox[(phase, round_id)] = Outbox(out, targets, set(), deadline)
+        for old in [k for k in self._outbox if k[1] < round_id - 1]:
             del self._outbox[old]
         self._push_outbox_to_new_peers()
-        got = await self.book.collect(
-            out.round_id, expected=lambda: self.expected(out.round_id),
-            timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
-        )
-        kept = {k: c for k, c in got.items() if c.base_digest == own.base_digest}
+
+        def expected() -> set[str]:
+            if targets is None:
+                return self.expected(round_id)
+            alive = {p.node_id for p in self.table.alive()}
+            return (targets & alive) | {self.cfg.node_id}
+
+        got = await book.collect(round_id, expected=expected, timeout_s=self.cfg.sync_timeout_s,
+                                 min_contributors=self.cfg.min_contributors if own_phase == 0 else 1)
+        kept = {k: c for k, c in got.items()
+                if c.base_digest == own.base_digest and c.members == own.members}
         for sender in sorted(set(got) - set(kept)):
-            logger.warning("round %d: not averaging %s's contribution: it was made from other "
-                           "parameters (another lineage); the repair rule will reconcile us",
-                           out.round_id, sender)
+            logger.warning("round %d: not averaging %s's %s: it was made from other parameters or "
+                           "another membership; the repair rule will reconcile us",
+                           round_id, sender, PHASE_NAMES[phase])
         return kept
 
     def _push_outbox_to_new_peers(self) -> None:
         now = time.monotonic()
-        for out, pushed, deadline in self._outbox.values():
-            if now >= deadline:
+        for (phase, round_id), box in self._outbox.items():
+            if now >= box.deadline:
                 continue
             for peer in self.table.alive():
-                if peer.node_id not in pushed and peer.round + 1 >= out.round_id:
-                    pushed.add(peer.node_id)
-                    self._spawn(self._push(peer.node_id, peer.address, out, deadline),
-                                f"push-r{out.round_id}-{peer.node_id}")
+                if peer.node_id in box.pushed:
+                    continue
+                if box.targets is None and peer.round + 1 < round_id:
+                    continue  # behind: it will catch up by state transfer instead
+                if box.targets is not None and peer.node_id not in box.targets:
+                    continue
+                out = box.for_peer(peer.node_id)
+                if out is None:
+                    continue
+                box.pushed.add(peer.node_id)
+                self._spawn(self._push(peer.node_id, peer.address, out, box.deadline),
+                            f"push-r{round_id}-p{phase}-{peer.node_id}")
 
     async def _push(self, peer_id: str, address: str, out: Outgoing, deadline: float) -> None:
         """Stream `out` to one peer, retrying transient failures until the deadline."""
@@ -443,6 +499,8 @@ class SwarmNode:
                 compressed=frame.compressed, payload=frame.data, contribution_digest=out.digest,
                 weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
                 auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
+                phase=out.phase, shard_index=out.shard_index, shard_count=len(out.members),
+                members=out.members, contributors=out.contributors,
             )
             size = msg.ByteSize()
             await self.upload.acquire(size)
@@ -557,6 +615,7 @@ class SwarmNode:
         self.param_digest = param_digest
         self.own_digests = {round_id: param_digest}
         self.book.reset(round_id)
+        self.gather_book.reset(round_id)
         self._update_agreement()
 
     # ---- incoming contributions -------------------------------------------------------------
@@ -599,8 +658,10 @@ class SwarmNode:
             if digest.hexdigest() != first.contribution_digest:
                 raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
                               "does not match its digest; discarded")
-            self.book.finish(Contribution(first.sender_id, first.round_id, PB_TO_CODEC[first.codec],
-                                          first.weight, assembler, base_digest=first.base_digest))
+            self.book_for(first.phase).finish(Contribution(
+                first.sender_id, first.round_id, PB_TO_CODEC[first.codec], first.weight, assembler,
+                base_digest=first.base_digest, members=tuple(first.members),
+                contributors=tuple(first.contributors), shard_index=first.shard_index))
             return assembler.count
         except RoundRefused as exc:
             raise Refusal(exc.code, str(exc)) from None
@@ -608,7 +669,7 @@ class SwarmNode:
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
         finally:
             if first is not None:
-                self.book.abort(first.round_id, first.sender_id)
+                self.book_for(first.phase).abort(first.round_id, first.sender_id)
 
     def _check_proof(self, chunk: pb.ContributionChunk, proven_id: str) -> None:
         """In a closed swarm: the sender is the caller that proved itself, and the contribution's
@@ -646,14 +707,39 @@ class SwarmNode:
                           f"{codec.block_elems} within {MAX_CHUNK_PAYLOAD} bytes")
         if not (chunk.weight > 0 and chunk.weight < 1e15):
             raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count")
-        assembler = Assembler(n_elems=self.cfg.n_elements, codec=codec.name,
+        assembler = Assembler(n_elems=self._payload_elements(chunk, codec.name), codec=codec.name,
                               chunk_bytes=codec.payload_bytes(per_chunk))
         if chunk.chunk_count != assembler.count:
             raise Refusal("INVALID_ARGUMENT", f"chunk_count {chunk.chunk_count} does not match "
                           f"{assembler.count} chunks of {per_chunk} elements")
-        self.book.begin(chunk.round_id, chunk.sender_id)
+        self.book_for(chunk.phase).begin(chunk.round_id, chunk.sender_id)
         peer.last_seen = time.monotonic()
         return assembler
+
+    def book_for(self, phase: int) -> RoundBook:
+        return self.gather_book if phase == pb.PHASE_AVERAGED else self.book
+
+    def _payload_elements(self, chunk: pb.ContributionChunk, codec: str) -> int:
+        """Elements this stream carries: the model, or one reduce-scatter shard of it."""
+        if chunk.phase == pb.PHASE_UNSPECIFIED:
+            if chunk.members or chunk.shard_count:
+                raise Refusal("INVALID_ARGUMENT", "a whole contribution names no shard")
+            return self.cfg.n_elements
+        if chunk.phase not in (pb.PHASE_SHARD, pb.PHASE_AVERAGED):
+            raise Refusal("INVALID_ARGUMENT", f"unknown phase {chunk.phase}")
+        members = list(chunk.members)
+        if not 0 < len(members) <= MAX_PEERS_LISTED or members != sorted(set(members)) \
+                or chunk.shard_count != len(members) or chunk.shard_index >= len(members):
+            raise Refusal("INVALID_ARGUMENT", "members must be sorted unique node ids, one shard each")
+        reducer = members[chunk.shard_index]
+        if chunk.phase == pb.PHASE_SHARD and reducer != self.cfg.node_id:
+            raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not here")
+        if chunk.phase == pb.PHASE_AVERAGED and reducer != chunk.sender_id:
+            raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not the sender")
+        if len(chunk.contributors) > len(members):
+            raise Refusal("INVALID_ARGUMENT", "more contributors than members")
+        start, stop = shard_ranges(self.cfg.n_elements, len(members), codec)[chunk.shard_index]
+        return stop - start
 
     @staticmethod
     def _decode_chunk(assembler: Assembler, chunk: pb.ContributionChunk) -> bytes:
@@ -663,8 +749,7 @@ class SwarmNode:
         codec = get_codec(PB_TO_CODEC[chunk.codec])
         width = codec.shuffle_width if chunk.shuffled else 1
         raw = decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected, shuffle_width=width)
-        start = chunk.chunk_index * chunk.chunk_elements
-        codec.decode(raw, min(chunk.chunk_elements, chunk.total_elements - start))
+        codec.decode(raw, assembler.chunk_elems(chunk.chunk_index))
         return raw
 
     def _count_received(self, chunk: pb.ContributionChunk) -> None:
@@ -702,7 +787,8 @@ def is_loopback(host: str) -> bool:
 def check_same_stream(first: pb.ContributionChunk, chunk: pb.ContributionChunk) -> None:
     """Header fields may not change within one stream, and chunks come in order exactly once."""
     for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
-                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest"):
+                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest", "phase", "shard_index",
+                 "shard_count", "members", "contributors"):
         if getattr(chunk, name) != getattr(first, name):
             raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
 

@@ -54,6 +54,9 @@ class Contribution:
     weight: float
     data: Any
     base_digest: str = ""  # param_digest of the parameters the sender's round started from
+    members: tuple[str, ...] = ()  # reduce-scatter: the round's members (sorted)
+    contributors: tuple[str, ...] = ()  # reduce-scatter: whom an averaged shard averaged
+    shard_index: int = 0
 
 
 class RoundBook:

@@ -16,6 +16,12 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT8: _ClassVar[Codec]
     CODEC_INT4: _ClassVar[Codec]
 
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_SHARD: _ClassVar[Phase]
+    PHASE_AVERAGED: _ClassVar[Phase]
+
 class StatePart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STATE_PART_UNSPECIFIED: _ClassVar[StatePart]
@@ -27,6 +33,9 @@ CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_INT8: Codec
 CODEC_INT4: Codec
+PHASE_UNSPECIFIED: Phase
+PHASE_SHARD: Phase
+PHASE_AVERAGED: Phase
 STATE_PART_UNSPECIFIED: StatePart
 STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
@@ -104,7 +113,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ContributionChunk(_message.Message):
-    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled", "base_digest")
+    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled", "base_digest", "phase", "shard_index", "shard_count", "members", "contributors")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +129,11 @@ class ContributionChunk(_message.Message):
     AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
     SHUFFLED_FIELD_NUMBER: _ClassVar[int]
     BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     sender_id: str
     chunk_index: int
@@ -135,7 +149,12 @@ class ContributionChunk(_message.Message):
     auth_tag: str
     shuffled: bool
     base_digest: str
-    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ..., base_digest: _Optional[str] = ...) -> None: ...
+    phase: Phase
+    shard_index: int
+    shard_count: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ..., base_digest: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks_received",)

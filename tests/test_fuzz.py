@@ -1,0 +1,834 @@
+"""Every RPC of live `neuronode start` processes, driven with malformed and hostile messages.
+
+Three real nodes share one --node-id and the seeds: `open` (no secret: protected mode, loopback
+callers only), `closed` (--secret-file) and `twin`, which nobody talks to. A single node's
+training is deterministic given its id and seeds, so all three must end with one param_digest.
+
+The open and closed nodes bootstrap from a *pacer*: a fake peer served from this test process
+that answers their heartbeats and never contributes. Each round therefore waits its
+--sync-timeout for the pacer and closes with the node's own contribution alone: the nodes keep
+training, one round per deadline, for as long as the fuzzing lasts. Hypothesis sends garbage
+bytes, messages of the wrong type and hostile fields (huge counts, zstd bombs, NaN/Inf payloads,
+wrong rounds, forged proofs, oversized strings) to every method. After every example the node
+still answers Status and has averaged nobody's contribution but its own; every hostile call ends
+with an error status. The few legitimate requests hypothesis may build (a well-formed Hello, a
+Leave, a member's FetchState) are recognised by an oracle written from docs/protocol.md, and no
+contribution the fuzzer sends can be valid: each carries at least one fatal defect. At the end
+the pacer says it leaves, the nodes finish their rounds and exit 0, and their parameters are
+bit-identical to the twin's: nothing the fuzzer sent was used.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import math
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import zstandard as zstd
+from google.protobuf.message import DecodeError, Message
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from procutil import Node, poll
+
+from neuronode import checkpoint
+from neuronode.codec import get_codec
+from neuronode.security import auth
+from neuronode.swarm.security import AUTH_KEY, Security
+from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
+from neuronode.v1 import node_pb2 as pb
+from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+NODE_ID = "fuzzed"
+SWARM = "fuzz-swarm"
+PACER = "pacer"
+ROGUE = "rogue"  # the fuzzer's own peer identity: it said Hello, so its streams are read deeply
+ROUNDS = 40
+SYNC_TIMEOUT_S = 5  # one round per deadline while the pacer lives: ROUNDS x this covers the fuzzing
+NODE_ARGS = (
+    "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
+    "--inner-steps", "5", "--rounds", str(ROUNDS), "--node-id", NODE_ID, "--swarm-id", SWARM,
+    "--sync-timeout", str(SYNC_TIMEOUT_S),
+)
+RPC_TIMEOUT_S = 20.0
+Code = grpc.StatusCode
+OK = Code.OK
+METHODS = ("Hello", "Leave", "PushContribution", "Status", "FetchState", "CheckReachable")
+REQUEST_TYPES: dict[str, type[Message]] = {
+    "Hello": pb.HelloRequest, "Leave": pb.LeaveRequest, "PushContribution": pb.ContributionChunk,
+    "Status": pb.StatusRequest, "FetchState": pb.StateRequest, "CheckReachable": pb.ReachRequest,
+}
+# An undecodable request fails inside grpc before any handler runs (grpc answers UNKNOWN);
+# INVALID_ARGUMENT is what the node says when it catches that itself.
+UNDECODABLE = {Code.UNKNOWN, Code.INTERNAL, Code.INVALID_ARGUMENT}
+MAX_DETAILS_CHARS = 4096  # a refusal explains itself; it never echoes megabytes back
+FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=False,
+                suppress_health_check=list(HealthCheck))
+
+
+# ---- the pacer: a fake bootstrap peer that keeps the nodes in their rounds ----------------------
+
+
+class Pacer(pb_grpc.NodeServicer):
+    """Answers the node's heartbeats as a live peer of its round and never contributes, so each
+    round waits for it until the deadline. Setting `leaving` makes it answer that it leaves."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        pb_grpc.add_NodeServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.security = Security(node_id=PACER, swarm_id=SWARM, secret=secret)
+        self.leaving = threading.Event()
+        self.node_info: pb.NodeInfo | None = None  # the node's own, from its latest heartbeat
+        self.heard_at = 0.0
+        self.server.start()
+
+    def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
+        self.node_info, self.heard_at = request.info, time.monotonic()
+        tag, ts = self.security.hello_proof(self.address)
+        info = pb.NodeInfo(node_id=PACER, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
+                           manifest_hash=request.info.manifest_hash, advertise=self.address,
+                           round=request.info.round, leaving=self.leaving.is_set())
+        return pb.HelloResponse(info=info, auth_tag=tag, timestamp_s=ts)
+
+    def PushContribution(self, request_iterator: Any, context: grpc.ServicerContext) -> pb.PushAck:
+        context.abort(Code.FAILED_PRECONDITION, "the pacer takes no contributions")
+        raise AssertionError("unreachable")  # abort raises
+
+
+# ---- the nodes under test ----------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """One fuzzed node, the pacer it waits for, a channel to it, and what the fuzzer knows."""
+
+    name: str
+    node: Node
+    pacer: Pacer
+    channel: grpc.Channel
+    secret: bytes = b""
+    refused: tuple[str, ...] = ()  # addresses nobody listens on, for fake peers to advertise
+    manifest: str = ""
+    n_params: int = 0
+    members: set[str] = field(default_factory=set)  # ids the node took as peers (Hello OK)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return (*self.refused, self.node.address, "", "unix:/nonexistent/fuzz", "[::1]:1", "é" * 20)
+
+    def proof(self, node_id: str, method: str) -> tuple[tuple[str, str], ...] | None:
+        return Security(node_id=node_id, swarm_id=SWARM, secret=self.secret).metadata(method)
+
+    def call(self, method: str, blobs: Sequence[bytes], *,
+             metadata: Sequence[tuple[str, str]] | None = None) -> tuple[Code, str, list[bytes]]:
+        """Send raw request bytes to `method`; (status, details, raw responses)."""
+        path = f"/neuronode.v1.Node/{method}"
+        md = tuple(metadata) if metadata is not None else None
+        try:
+            if method == "PushContribution":
+                out = [self.channel.stream_unary(path)(iter(blobs), timeout=RPC_TIMEOUT_S, metadata=md)]
+            elif method == "FetchState":
+                out = list(self.channel.unary_stream(path)(blobs[0], timeout=RPC_TIMEOUT_S, metadata=md))
+            else:
+                out = [self.channel.unary_unary(path)(blobs[0], timeout=RPC_TIMEOUT_S, metadata=md)]
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or "", []
+        return OK, "", out
+
+    def hello_as(self, node_id: str) -> None:
+        """Say a well-formed Hello as `node_id` (with a proof on the closed node)."""
+        info = pb.NodeInfo(node_id=node_id, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
+                           manifest_hash=self.manifest, advertise=self.refused[0])
+        code, details, _ = self.call("Hello", [pb.HelloRequest(info=info).SerializeToString()],
+                                     metadata=self.proof(node_id, "Hello"))
+        assert code == OK, f"{self.name} refused a well-formed Hello from {node_id}: {code} {details}"
+        self.members.add(node_id)
+
+    def assert_alive(self) -> pb.StatusResponse:
+        """The node runs, answers Status, is still training, and averaged only itself."""
+        proc = self.node.proc
+        assert proc is not None and proc.poll() is None, f"{self.name} exited:\n{self.node.log()[-3000:]}"
+        code, details, out = self.call("Status", [b""])
+        assert code == OK, f"{self.name} stopped answering Status: {code} {details}"
+        status = pb.StatusResponse.FromString(out[0])
+        assert status.node_id == NODE_ID
+        assert status.round < ROUNDS, (
+            f"{self.name} finished its {ROUNDS} rounds before the fuzzing did (the pacer at "
+            f"{self.pacer.address} should hold each round for {SYNC_TIMEOUT_S} s); raise ROUNDS")
+        assert set(status.last_round_contributor_ids) <= {NODE_ID}, status.last_round_contributor_ids
+        return status
+
+    def current_round(self) -> int:
+        return int(self.assert_alive().round)
+
+
+def refused_sockets(n: int) -> list[socket.socket]:
+    """Bound sockets that never listen: dialing them is refused at once."""
+    socks = []
+    for _ in range(n):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        socks.append(sock)
+    return socks
+
+
+def n_params_of(node: Node) -> int:
+    found = re.search(rf"node {NODE_ID}: (\d+) parameters", node.log())
+    return int(found.group(1)) if found else 0
+
+
+@dataclass
+class Fuzzed:
+    open: Target  # protected mode: no secret, loopback callers only
+    closed: Target  # --secret-file
+    twin: Node  # same id and seeds, never spoken to
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    secret = base64.b64encode(os.urandom(32))
+    secret_file = tmp / "swarm.secret"
+    secret_file.write_bytes(secret + b"\n")
+    secret_file.chmod(0o600)
+    socks = refused_sockets(2)
+    refused = tuple(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+    twin = Node(tmp, "twin", *NODE_ARGS)
+    targets: dict[str, Target] = {}
+    for name, key in (("open", b""), ("closed", secret)):
+        pacer = Pacer(key)
+        extra = ("--secret-file", str(secret_file)) if key else ()
+        node = Node(tmp, name, *NODE_ARGS, *extra, "--peers", pacer.address)
+        targets[name] = Target(name, node, pacer, grpc.insecure_channel(node.address), secret=key,
+                               refused=refused)
+    try:
+        for proc in (twin, *(t.node for t in targets.values())):
+            proc.start()
+        for t in targets.values():
+            poll(f"{t.name} to train and meet its pacer",
+                 lambda t=t: t.pacer.node_info is not None and n_params_of(t.node), timeout_s=120)
+            assert t.pacer.node_info is not None
+            t.manifest, t.n_params = t.pacer.node_info.manifest_hash, n_params_of(t.node)
+            t.hello_as(ROGUE)
+            t.assert_alive()
+        yield Fuzzed(open=targets["open"], closed=targets["closed"], twin=twin)
+    finally:
+        for t in targets.values():
+            t.channel.close()
+            t.pacer.server.stop(0)
+            t.node.kill()
+        twin.kill()
+        for sock in socks:
+            sock.close()
+
+
+# ---- oracles: what the node must answer (docs/protocol.md, "What is refused") -------------------
+
+
+def parse(method: str, blob: bytes) -> Message | None:
+    try:
+        return REQUEST_TYPES[method].FromString(blob)
+    except DecodeError:
+        return None
+
+
+def hello_verdict(t: Target, req: pb.HelloRequest) -> set[Code]:
+    info, refusals = req.info, set()
+    if not info.node_id or len(info.node_id) > 128 or len(info.advertise) > 256:
+        refusals.add(Code.INVALID_ARGUMENT)
+    if info.swarm_id != SWARM or info.protocol_version != PROTOCOL_VERSION or info.manifest_hash != t.manifest:
+        refusals |= {Code.FAILED_PRECONDITION, Code.INVALID_ARGUMENT}  # bounding a long id is fine too
+    if info.node_id == NODE_ID and info.advertise != t.node.address:
+        refusals.add(Code.ALREADY_EXISTS)
+    return refusals or {OK}
+
+
+def verdict(t: Target, method: str, msg: Message) -> set[Code]:
+    """The status codes `msg`, well-formed as `method`'s request, may get from the open node."""
+    if method == "Hello":
+        assert isinstance(msg, pb.HelloRequest)
+        return hello_verdict(t, msg)
+    if method in ("Leave", "Status"):
+        return {OK}  # a Leave for anyone, even a stranger, is harmless and answered
+    if method == "PushContribution":  # a chunk of random bytes never matches its digest
+        return {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED, Code.DATA_LOSS}
+    assert isinstance(msg, pb.StateRequest | pb.ReachRequest)
+    member = msg.node_id in t.members | {PACER}
+    if method == "FetchState":
+        return {OK} if msg.swarm_id == SWARM and member else {Code.FAILED_PRECONDITION}
+    if msg.swarm_id != SWARM:
+        return {Code.PERMISSION_DENIED}
+    return {OK, Code.RESOURCE_EXHAUSTED} if member else {Code.FAILED_PRECONDITION}
+
+
+def check_answer(t: Target, method: str, blobs: Sequence[bytes], code: Code, details: str,
+                 out: list[bytes]) -> None:
+    """Classify a raw call: undecodable, or well-formed and judged by `verdict`."""
+    msgs = [parse(method, b) for b in blobs]
+    if any(m is None for m in msgs):
+        assert code in UNDECODABLE, f"{method}: undecodable request answered {code}: {details}"
+    elif method == "PushContribution":
+        want = verdict(t, method, msgs[0]) if msgs else {Code.INVALID_ARGUMENT}
+        assert code in want, f"{method}: {code} {details}"
+    else:
+        msg = msgs[0]
+        assert msg is not None
+        assert code in verdict(t, method, msg), f"{method}({msg!r:.300}): {code} {details}"
+        if code == OK and method == "Hello" and msg.info.node_id != NODE_ID:  # type: ignore[attr-defined]
+            t.members.add(msg.info.node_id)  # type: ignore[attr-defined]
+        if code == OK and method == "FetchState":  # a member got the state: header first
+            assert pb.StateChunk.FromString(out[0]).header.n_elements == t.n_params
+    assert "banned" not in details, "a loopback caller was banned"
+
+
+# ---- strategies for unary requests ---------------------------------------------------------------
+
+UINT32 = st.one_of(st.sampled_from([0, 1, 2**31 - 1, 2**32 - 1]), st.integers(0, 2**32 - 1))
+UINT64 = st.one_of(st.sampled_from([0, 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
+LONG = "x" * 10_000
+TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", LONG, "é" * 129, "\x00" * 8]))
+STRANGERS = st.from_regex(r"fz-[a-z0-9]{1,12}", fullmatch=True)
+# Ids for Hello and Leave: never the pacer's or the rogue's, whose membership the test relies on.
+HELLO_IDS = st.one_of(STRANGERS, st.just(NODE_ID), TEXT).filter(lambda s: s not in (PACER, ROGUE))
+ANY_IDS = st.one_of(HELLO_IDS, st.sampled_from([ROGUE, PACER]))
+SWARMS = st.one_of(st.just(SWARM), TEXT)
+
+
+@st.composite
+def hello_requests(draw: st.DrawFn, t: Target) -> pb.HelloRequest:
+    info = pb.NodeInfo(
+        node_id=draw(HELLO_IDS), swarm_id=draw(SWARMS),
+        protocol_version=draw(st.one_of(st.just(PROTOCOL_VERSION), UINT32)),
+        manifest_hash=draw(st.one_of(st.just(t.manifest), TEXT)),
+        advertise=draw(st.one_of(st.sampled_from(t.addresses), TEXT)), round=draw(UINT64),
+        param_digest=draw(TEXT), leaving=draw(st.booleans()),
+    )
+    for _ in range(draw(st.integers(0, 12))):
+        info.recent_digests.add(round=draw(UINT64), param_digest=draw(TEXT), contributors=draw(UINT32))
+    req = pb.HelloRequest(info=info)
+    if draw(st.integers(0, 9)) == 0:  # a flood of 10k gossiped peers (the node keeps a bounded set)
+        req.known_peers.extend(pb.PeerRecord(node_id=f"fz-{i}", address=f"unix:/nonexistent/{i}")
+                               for i in range(10_000))
+    for _ in range(draw(st.integers(0, 6))):
+        req.known_peers.add(node_id=draw(ANY_IDS), address=draw(st.one_of(st.sampled_from(t.addresses), TEXT)))
+    return req
+
+
+def small_requests(t: Target, method: str) -> st.SearchStrategy[Message]:
+    if method == "Hello":
+        return hello_requests(t)
+    if method == "Leave":
+        return st.builds(pb.LeaveRequest, node_id=HELLO_IDS, swarm_id=SWARMS)
+    if method == "Status":
+        return st.just(pb.StatusRequest())
+    kind = pb.StateRequest if method == "FetchState" else pb.ReachRequest
+    return st.builds(kind, node_id=ANY_IDS, swarm_id=SWARMS)
+
+
+def garbage(t: Target) -> st.SearchStrategy[bytes]:
+    """Bytes that are not the method's message: random, truncated, other types, varint bombs."""
+    other = st.sampled_from(METHODS).flatmap(lambda m: small_requests(t, m) if m != "PushContribution"
+                                             else st.just(pb.ContributionChunk(sender_id=ROGUE, chunk_count=2**32 - 1)))
+    serialized = other.map(lambda m: m.SerializeToString())
+    return st.one_of(
+        st.binary(max_size=512),
+        serialized,
+        st.tuples(serialized, st.integers(1, 64)).map(lambda p: p[0][: max(0, len(p[0]) - p[1])] + b"\xff"),
+        st.sampled_from([
+            b"\x0a\xff\xff\xff\xff\x0f",  # a field claiming 4 GiB
+            b"\x08" + b"\xff" * 10 + b"\x01",  # an overlong varint
+            b"\x0b" * 5000,  # groups nested 5000 deep
+            b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+            os.urandom(3 << 20),  # 3 MiB of noise
+        ]),
+    )
+
+
+# ---- the open node: garbage, wrong types and hostile fields on every unary method ---------------
+
+
+@FUZZ
+@given(data=st.data(), method=st.sampled_from(METHODS))
+def test_garbage_and_wrong_message_types_on_every_method(nodes: Fuzzed, data: st.DataObject,
+                                                         method: str) -> None:
+    t = nodes.open
+    n_blobs = data.draw(st.integers(0, 3)) if method == "PushContribution" else 1
+    blobs = [data.draw(garbage(t)) for _ in range(n_blobs)]
+    code, details, out = t.call(method, blobs)
+    check_answer(t, method, blobs, code, details, out)
+    t.assert_alive()
+
+
+@settings(FUZZ, max_examples=100)
+@given(data=st.data(), method=st.sampled_from([m for m in METHODS if m != "PushContribution"]))
+def test_hostile_unary_requests(nodes: Fuzzed, data: st.DataObject, method: str) -> None:
+    t = nodes.open
+    blob = data.draw(small_requests(t, method)).SerializeToString()
+    code, details, out = t.call(method, [blob])
+    check_answer(t, method, [blob], code, details, out)
+    t.assert_alive()
+
+
+# ---- contribution streams: an honest base, then at least one fatal defect -----------------------
+
+NONFINITE = {  # little-endian bit patterns of NaN (quiet, signalling, negative) and +-Inf
+    "fp32": [0x7FC00000, 0x7F800001, 0xFFC00000, 0x7F800000, 0xFF800000],
+    "fp16": [0x7E00, 0x7C01, 0xFE00, 0x7C00, 0xFC00],
+    "bf16": [0x7FC0, 0x7F81, 0xFFC0, 0x7F80, 0xFF80],
+}
+BAD_SCALES = [float("nan"), float("inf"), float("-inf"), 3.4028235e38, -3.0e38]  # int8/int4 blocks
+BAD_WEIGHTS = [0.0, -0.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e15, 1e300, -5e-324]
+HEADER_FIELDS = ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest", "weight",
+                 "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled")
+
+
+@functools.cache
+def bombs() -> tuple[bytes, bytes]:
+    """64 MiB of zeros as one small zstd frame, with and without its size in the header."""
+    zeros = bytes(64 << 20)
+    return (zstd.ZstdCompressor(level=3).compress(zeros),
+            zstd.ZstdCompressor(level=3, write_content_size=False).compress(zeros))
+
+
+@dataclass(frozen=True)
+class Defect:
+    """One fatal change to an honest stream; `args` are fractions or values resolved on apply."""
+
+    kind: str
+    args: tuple[Any, ...] = ()
+
+
+CODES = {
+    "digest": {Code.DATA_LOSS}, "nonfinite": {Code.INVALID_ARGUMENT}, "bomb": {Code.INVALID_ARGUMENT},
+    "garbage_zstd": {Code.INVALID_ARGUMENT, Code.DATA_LOSS}, "resize": {Code.INVALID_ARGUMENT},
+    "total_elements": {Code.INVALID_ARGUMENT}, "chunk_count": {Code.INVALID_ARGUMENT},
+    "chunk_elements": {Code.INVALID_ARGUMENT}, "weight": {Code.INVALID_ARGUMENT},
+    "codec": {Code.INVALID_ARGUMENT}, "round": {Code.FAILED_PRECONDITION},
+    "swarm": {Code.PERMISSION_DENIED}, "sender": {Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED},
+    "truncate": {Code.DATA_LOSS}, "empty": {Code.INVALID_ARGUMENT}, "duplicate": {Code.INVALID_ARGUMENT},
+    "swap": {Code.INVALID_ARGUMENT}, "extra": {Code.INVALID_ARGUMENT}, "index": {Code.INVALID_ARGUMENT},
+    "midstream": {Code.INVALID_ARGUMENT},
+}
+FRACTION = st.floats(0, 1, exclude_max=True)
+DEFECTS = st.one_of(
+    st.just(Defect("digest")),
+    st.builds(lambda *a: Defect("nonfinite", a), FRACTION, FRACTION, st.integers(0, 4)),
+    st.builds(lambda *a: Defect("bomb", a), FRACTION, st.integers(0, 2)),
+    st.builds(lambda *a: Defect("garbage_zstd", a), FRACTION, st.binary(min_size=1, max_size=64)),
+    st.builds(lambda *a: Defect("resize", a), FRACTION, st.integers(-64, 64).filter(bool)),
+    st.builds(lambda v: Defect("total_elements", (v,)), UINT64),
+    st.builds(lambda v: Defect("chunk_count", (v,)), UINT32),
+    st.builds(lambda v: Defect("chunk_elements", (v,)),
+              st.sampled_from(["zero", "max", "huge", "plus1", "minus1", "plus_block"])),
+    st.builds(lambda v: Defect("weight", (v,)), st.sampled_from(BAD_WEIGHTS)),
+    st.builds(lambda v: Defect("codec", (v,)), st.sampled_from([0, 6, 7, 99, 2**31 - 1, -1])),
+    st.builds(lambda *a: Defect("round", a), st.sampled_from(["closed", "far"]), UINT64),
+    st.builds(lambda v: Defect("swarm", (v,)), TEXT.filter(lambda s: s != SWARM)),
+    st.builds(lambda v: Defect("sender", (v,)), st.one_of(st.sampled_from([NODE_ID, "", LONG]),
+                                                          st.from_regex(r"nobody-[a-z]{1,8}", fullmatch=True))),
+)
+STRUCTURAL = st.one_of(
+    st.builds(lambda f: Defect("truncate", (f,)), FRACTION),
+    st.just(Defect("empty")),
+    st.builds(lambda f: Defect("duplicate", (f,)), FRACTION),
+    st.builds(lambda f: Defect("swap", (f,)), FRACTION),
+    st.just(Defect("extra")),
+    st.builds(lambda *a: Defect("index", a), FRACTION, UINT32),
+    st.builds(lambda *a: Defect("midstream", a), st.sampled_from(HEADER_FIELDS), FRACTION),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A contribution stream: honest base (2-4 chunks), 1-3 defects, maybe a broken structure."""
+
+    codec: str
+    n_chunks: int
+    compress: bool
+    seed: int
+    defects: tuple[Defect, ...]
+    structural: Defect | None
+
+    def codes(self) -> set[Code]:
+        # Whatever else is wrong, the round may also close while the stream is sent.
+        kinds = [d.kind for d in self.defects] + ([self.structural.kind] if self.structural else [])
+        return set().union(*(CODES[k] for k in kinds)) | {Code.FAILED_PRECONDITION}
+
+
+PLANS = st.builds(Plan, codec=st.sampled_from(sorted(CODEC_TO_PB)), n_chunks=st.integers(2, 4),
+                  compress=st.booleans(), seed=st.integers(0, 2**16),
+                  defects=st.lists(DEFECTS, min_size=1, max_size=3).map(tuple),
+                  structural=st.one_of(st.none(), STRUCTURAL))
+
+
+class Stream:
+    """An honest contribution (raw encoded chunks + header) that defects then break."""
+
+    def __init__(self, plan: Plan, *, n_elements: int, round_id: int, sender_id: str) -> None:
+        self.codec = get_codec(plan.codec)
+        block = self.codec.block_elems
+        per = -(-n_elements // plan.n_chunks)
+        per = -(-per // block) * block
+        x = torch.randn(n_elements, generator=torch.Generator().manual_seed(plan.seed)) * 1e-3
+        x[n_elements // 2 :] = 0.0  # compressible: the stream mixes raw and zstd frames
+        self.raws = [bytearray(self.codec.encode(x[a : a + per])) for a in range(0, n_elements, per)]
+        self.lengths = [min(per, n_elements - a) for a in range(0, n_elements, per)]
+        self.compress = plan.compress
+        self.header: dict[str, Any] = dict(
+            round_id=round_id, sender_id=sender_id, swarm_id=SWARM, codec=CODEC_TO_PB[plan.codec],
+            weight=40.0, total_elements=n_elements, chunk_elements=per, chunk_count=len(self.raws))
+        self.payloads: dict[int, tuple[bytes, bool]] = {}  # chunk -> (payload, compressed) override
+        self.wrong_digest = False
+
+    def pick(self, fraction: float) -> int:
+        return min(int(fraction * len(self.raws)), len(self.raws) - 1)
+
+    def digest(self) -> str:
+        right = hashlib.sha256(b"".join(self.raws)).hexdigest()
+        return right[:-1] + ("0" if right[-1] != "0" else "1") if self.wrong_digest else right
+
+    def frame(self, index: int) -> tuple[bytes, bool]:
+        if index in self.payloads:
+            return self.payloads[index]
+        raw = bytes(self.raws[index])
+        packed = zstd.ZstdCompressor(level=1).compress(raw) if self.compress else raw
+        return (packed, True) if len(packed) < len(raw) else (raw, False)
+
+    def chunks(self) -> list[pb.ContributionChunk]:
+        digest = self.digest()
+        out = []
+        for index in range(len(self.raws)):
+            payload, compressed = self.frame(index)
+            out.append(pb.ContributionChunk(chunk_index=index, payload=payload, compressed=compressed,
+                                            contribution_digest=digest, **self.header))
+        return out
+
+
+def break_payload(s: Stream, d: Defect) -> None:
+    """Defects of the payload: non-finite values, bombs, corrupt zstd, wrong sizes."""
+    k = s.pick(d.args[0])
+    raw = s.raws[k]
+    if d.kind == "nonfinite" and s.codec.block_elems == 1:
+        i, width = min(int(d.args[1] * s.lengths[k]), s.lengths[k] - 1), s.codec.payload_bytes(1)
+        pattern = NONFINITE[s.codec.name][d.args[2]]
+        raw[i * width : (i + 1) * width] = pattern.to_bytes(width, "little")
+    elif d.kind == "nonfinite":  # a block scale of NaN/Inf/huge, and the largest code beside it
+        n_blocks = -(-s.lengths[k] // s.codec.block_elems)
+        j = min(int(d.args[1] * n_blocks), n_blocks - 1)
+        raw[4 * j : 4 * j + 4] = struct.pack("<f", BAD_SCALES[d.args[2]])
+        first_code = j * s.codec.block_elems  # int8: one byte per code; int4: two codes per byte
+        if s.codec.name == "int8":
+            raw[4 * n_blocks + first_code] = 0x7F
+        else:
+            raw[4 * n_blocks + first_code // 2] = 0xFF
+    elif d.kind == "bomb":
+        with_size, no_size = bombs()
+        trailing = zstd.ZstdCompressor(level=1).compress(bytes(raw)) + no_size
+        s.payloads[k] = ((with_size, no_size, trailing)[d.args[1]], True)
+    elif d.kind == "garbage_zstd":
+        s.payloads[k] = (d.args[1], True)
+    elif d.kind == "resize":
+        delta = d.args[1]
+        s.payloads[k] = (bytes(raw) + bytes(delta) if delta > 0 else bytes(raw[:delta]), False)
+
+
+def break_header(s: Stream, d: Defect, *, current_round: int) -> None:
+    """Defects of the header fields, each refused on the first chunk."""
+    h = s.header
+    value = d.args[0] if d.args else None
+    if d.kind == "digest":
+        s.wrong_digest = True
+    elif d.kind in ("total_elements", "chunk_count"):
+        h[d.kind] = value if value != h[d.kind] else value + 1
+    elif d.kind == "chunk_elements":
+        per, block = h["chunk_elements"], s.codec.block_elems
+        h["chunk_elements"] = {"zero": 0, "max": 2**64 - 1, "huge": (8 << 20) // max(1, s.codec.payload_bytes(1)) + block,
+                               "plus1": per + 1, "minus1": per - 1, "plus_block": per + block}[value]
+    elif d.kind in ("weight", "codec", "sender"):
+        h[{"sender": "sender_id"}.get(d.kind, d.kind)] = value
+    elif d.kind == "swarm":
+        h["swarm_id"] = value
+    elif d.kind == "round":  # closed rounds lie behind the node; rounds past ROUNDS + 1 never open
+        where, number = d.args
+        h["round_id"] = number % current_round if where == "closed" and current_round else max(number, ROUNDS + 2)
+
+
+def break_structure(chunks: list[pb.ContributionChunk], d: Defect) -> list[pb.ContributionChunk]:
+    """Defects of the stream: chunks missing, repeated, reordered, extra, renumbered, or a header
+    that changes mid-stream."""
+    k = min(int(d.args[0] * len(chunks)), len(chunks) - 1) if d.args else 0
+    if d.kind == "truncate":
+        return chunks[: max(1, k)]
+    if d.kind == "empty":
+        return []
+    if d.kind == "duplicate":
+        return [*chunks[: k + 1], chunks[k], *chunks[k + 1 :]]
+    if d.kind == "swap":
+        k = min(k, len(chunks) - 2)
+        return [*chunks[:k], chunks[k + 1], chunks[k], *chunks[k + 2 :]]
+    if d.kind == "extra":
+        extra = pb.ContributionChunk()
+        extra.CopyFrom(chunks[-1])
+        extra.chunk_index = len(chunks)
+        return [*chunks, extra]
+    if d.kind == "index":
+        chunks[k].chunk_index = d.args[1] if d.args[1] != k else k + 1
+        return chunks
+    name = d.args[0]  # midstream: chunk k >= 1 carries another value of one header field
+    k = max(1, min(int(d.args[1] * len(chunks)), len(chunks) - 1))
+    first = getattr(chunks[0], name)
+    other = {bool: lambda v: not v, str: lambda v: v + "x", float: lambda v: v + 1.0}.get(type(first), lambda v: v + 1)
+    setattr(chunks[k], name, other(first))
+    return chunks
+
+
+def hostile_stream(t: Target, plan: Plan, *, sender_id: str = ROGUE) -> list[pb.ContributionChunk]:
+    current = t.current_round()
+    s = Stream(plan, n_elements=t.n_params, round_id=current, sender_id=sender_id)
+    for d in plan.defects:
+        if d.kind in ("nonfinite", "bomb", "garbage_zstd", "resize"):
+            break_payload(s, d)
+        else:
+            break_header(s, d, current_round=current)
+    chunks = s.chunks()
+    if t.secret:  # a member's valid tag over whatever header it claims: only the content is wrong
+        for c in chunks:
+            c.auth_tag = contribution_tag(t, c)
+    return break_structure(chunks, plan.structural) if plan.structural else chunks
+
+
+def contribution_tag(t: Target, c: pb.ContributionChunk) -> str:
+    codec = {v: k for k, v in CODEC_TO_PB.items()}.get(c.codec, "?")
+    try:
+        return auth.contribution_tag(t.secret, swarm_id=c.swarm_id, round_id=c.round_id, sender_id=c.sender_id,
+                                     contribution_digest=c.contribution_digest, codec=codec,
+                                     weight=c.weight, total_elements=c.total_elements)
+    except ValueError:  # a non-finite weight has no tag
+        return "0" * 64
+
+
+@settings(FUZZ, max_examples=100)
+@given(plan=PLANS)
+def test_hostile_contribution_streams_are_refused_and_never_used(nodes: Fuzzed, plan: Plan) -> None:
+    t = nodes.open
+    chunks = hostile_stream(t, plan)
+    code, details, _ = t.call("PushContribution", [c.SerializeToString() for c in chunks])
+    assert code in plan.codes(), f"{code}: {details}"
+    assert "banned" not in details, "a loopback caller was banned"
+    t.assert_alive()
+
+
+def test_handpicked_hostile_requests(nodes: Fuzzed) -> None:
+    """The brief's named cases, each sent once whatever hypothesis draws: huge counts, a message
+    over the 8 MiB limit, 10 kB ids, 10k gossiped peers, and a wrong-type message per method."""
+    t = nodes.open
+    honest = Plan("fp32", 2, True, 1, (), None)
+    over_limit = hostile_stream(t, honest)
+    over_limit[0].payload = bytes(9 << 20)
+    cases: list[tuple[str, list[bytes], set[Code]]] = [
+        ("PushContribution", [c.SerializeToString() for c in over_limit], {Code.RESOURCE_EXHAUSTED}),
+        ("PushContribution", [pb.ContributionChunk(sender_id=ROGUE, swarm_id=SWARM, chunk_count=2**32 - 1,
+                                                   total_elements=2**63).SerializeToString()],
+         {Code.INVALID_ARGUMENT}),
+        ("PushContribution", [pb.HelloRequest(info=pb.NodeInfo(node_id=ROGUE)).SerializeToString()],
+         {Code.PERMISSION_DENIED, *UNDECODABLE}),
+        ("Hello", [pb.ContributionChunk(sender_id=ROGUE, payload=b"\x00" * 999).SerializeToString()],
+         {Code.INVALID_ARGUMENT, *UNDECODABLE}),
+        ("Hello", [pb.HelloRequest(info=pb.NodeInfo(node_id=LONG, swarm_id=SWARM)).SerializeToString()],
+         {Code.INVALID_ARGUMENT}),
+        ("FetchState", [pb.ReachRequest(node_id=LONG, swarm_id=SWARM).SerializeToString()],
+         {Code.FAILED_PRECONDITION}),
+        ("CheckReachable", [pb.StateRequest(node_id=NODE_ID, swarm_id=SWARM).SerializeToString()],
+         {Code.FAILED_PRECONDITION}),
+        ("Leave", [pb.StatusResponse(node_id=LONG).SerializeToString()], {OK, *UNDECODABLE}),
+    ]
+    flood = pb.HelloRequest(info=pb.NodeInfo(node_id="fz-flood", swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
+                                             manifest_hash=t.manifest, advertise=t.refused[1]))
+    flood.known_peers.extend(pb.PeerRecord(node_id=f"fz-{i}", address=f"unix:/nonexistent/flood-{i}")
+                             for i in range(10_000))
+    cases.append(("Hello", [flood.SerializeToString()], {OK}))
+    for method, blobs, want in cases:
+        code, details, _ = t.call(method, blobs)
+        assert code in want, f"{method}: {code} {details[:300]}"
+        t.assert_alive()
+    t.members.add("fz-flood")
+    peers = {p.address for p in t.assert_alive().peers}
+    assert not any(a.startswith("unix:/nonexistent/flood-") for a in peers)  # gossip is dialed, not trusted
+
+
+def test_refusals_never_echo_unbounded_strings(nodes: Fuzzed) -> None:
+    """A 1 MB swarm id is refused with a short message (it is also logged: bounded there too)."""
+    t = nodes.open
+    huge = "s" * 1_000_000
+    hello = pb.HelloRequest(info=pb.NodeInfo(node_id="fz-huge", swarm_id=huge, protocol_version=PROTOCOL_VERSION,
+                                             manifest_hash=t.manifest, advertise=t.refused[0]))
+    chunk = pb.ContributionChunk(sender_id=ROGUE, swarm_id=huge)
+    for method, blob in (("Hello", hello.SerializeToString()), ("PushContribution", chunk.SerializeToString())):
+        code, details, _ = t.call(method, [blob])
+        assert code in (Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED), (code, details[:200])
+        assert len(details) <= MAX_DETAILS_CHARS
+    t.assert_alive()
+    assert max(map(len, t.node.log().splitlines())) < 100_000, "a refusal logged the whole swarm id"
+
+
+# ---- the closed node: no valid proof, no service --------------------------------------------------
+
+
+def proofs(t: Target, method: str) -> st.SearchStrategy[tuple[tuple[str, str], ...] | None]:
+    """Metadata that proves nothing: none, garbage, a forged or stale tag, another method's tag,
+    a tag made with another secret, an over-long id."""
+    now = int(time.time())
+    wrong_secret = base64.b64encode(b"not the swarm's secret, 32 bytes")
+    printable = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=80)
+
+    def tag(node_id: str, method: str, ts: int, secret: bytes) -> tuple[tuple[str, str], ...]:
+        mac = auth.request_tag(secret, method=f"/neuronode.v1.Node/{method}", node_id=node_id,
+                               swarm_id=SWARM, timestamp_s=ts)
+        return ((AUTH_KEY, f"{node_id}:{ts}:{mac}"),)
+
+    return st.one_of(
+        st.none(),
+        printable.map(lambda v: ((AUTH_KEY, v),)),
+        st.tuples(STRANGERS, st.integers(0, 2**40), st.text("0123456789abcdef", min_size=64, max_size=64))
+        .map(lambda p: ((AUTH_KEY, f"{p[0]}:{p[1]}:{p[2]}"),)),
+        st.builds(tag, st.just(ROGUE), st.sampled_from([m for m in (*METHODS, "Nope") if m != method]),
+                  st.just(now), st.just(t.secret)),
+        st.builds(tag, st.just(ROGUE), st.sampled_from(METHODS), st.just(now), st.just(wrong_secret)),
+        st.builds(tag, st.just(ROGUE), st.sampled_from(METHODS), st.sampled_from([now - 3600, now + 3600, 0]),
+                  st.just(t.secret)),
+        st.builds(tag, st.just("m" * 200), st.sampled_from(METHODS), st.just(now), st.just(t.secret)),
+        st.just((("x-neuronode-auth", f"{ROGUE}:{now}:00"),)),
+    )
+
+
+def honest_request(t: Target, method: str) -> list[bytes]:
+    """A request that would be served (a contribution that would be averaged) with a proof."""
+    if method == "PushContribution":
+        return [c.SerializeToString() for c in hostile_stream(t, Plan("bf16", 2, True, 3, (), None))]
+    msg: Message = {
+        "Hello": pb.HelloRequest(info=pb.NodeInfo(node_id=ROGUE, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
+                                                  manifest_hash=t.manifest, advertise=t.refused[0])),
+        "Leave": pb.LeaveRequest(node_id=ROGUE, swarm_id=SWARM), "Status": pb.StatusRequest(),
+        "FetchState": pb.StateRequest(node_id=ROGUE, swarm_id=SWARM),
+        "CheckReachable": pb.ReachRequest(node_id=ROGUE, swarm_id=SWARM),
+    }[method]
+    return [msg.SerializeToString()]
+
+
+@settings(FUZZ, max_examples=80)
+@given(data=st.data(), method=st.sampled_from(METHODS), honest=st.booleans())
+def test_closed_node_refuses_every_call_without_a_valid_proof(nodes: Fuzzed, data: st.DataObject,
+                                                               method: str, honest: bool) -> None:
+    """Even a request that would be served, or a contribution that would be averaged, is refused
+    UNAUTHENTICATED without a valid proof; only Status from loopback needs none."""
+    t = nodes.closed
+    proof = data.draw(proofs(t, method))
+    if method == "PushContribution":
+        blobs = honest_request(t, method) if honest else [data.draw(garbage(t)) for _ in range(data.draw(st.integers(0, 2)))]
+    else:
+        blobs = honest_request(t, method) if honest else [data.draw(garbage(t))]
+    code, details, _ = t.call(method, blobs, metadata=proof)
+    decodable = all(parse(method, b) is not None for b in blobs)
+    if not decodable:
+        assert code in UNDECODABLE | {Code.UNAUTHENTICATED}, (method, code, details)
+    else:
+        assert code == (OK if method == "Status" else Code.UNAUTHENTICATED), (method, code, details)
+    t.assert_alive()
+
+
+@settings(FUZZ, max_examples=40)
+@given(plan=PLANS, serial=st.integers(0, 10**9))
+def test_closed_node_refuses_hostile_contributions_from_members(nodes: Fuzzed, plan: Plan,
+                                                                  serial: int) -> None:
+    """A member (valid proofs, valid contribution tag) sending broken content is refused like
+    anyone else; a fresh member id per example keeps the bans of earlier examples out of the way."""
+    t = nodes.closed
+    member = f"member-{serial}"
+    t.hello_as(member)
+    chunks = hostile_stream(t, plan, sender_id=member)
+    code, details, _ = t.call("PushContribution", [c.SerializeToString() for c in chunks],
+                              metadata=t.proof(member, "PushContribution"))
+    assert code in plan.codes() | {Code.PERMISSION_DENIED}, f"{code}: {details}"
+    t.assert_alive()
+
+
+def test_closed_node_bans_a_member_that_keeps_sending_garbage(nodes: Fuzzed) -> None:
+    """Bans key on the proven node id in a closed swarm, so they apply even from loopback."""
+    t = nodes.closed
+    t.hello_as("member-banned")
+    broken = Plan("fp32", 2, False, 5, (Defect("digest"),), None)
+    codes = []
+    for _ in range(7):
+        chunks = hostile_stream(t, broken, sender_id="member-banned")
+        code, details, _ = t.call("PushContribution", [c.SerializeToString() for c in chunks],
+                                  metadata=t.proof("member-banned", "PushContribution"))
+        codes.append((code, details))
+    assert codes[0][0] in (Code.DATA_LOSS, Code.FAILED_PRECONDITION), codes[0]
+    assert codes[-1][0] == Code.PERMISSION_DENIED and "banned" in codes[-1][1], codes
+    t.assert_alive()
+
+
+# ---- the end: the fuzzed nodes finish like their untouched twin ----------------------------------
+
+
+def unexpected_tracebacks(log: str) -> list[str]:
+    """Tracebacks in a node's log other than grpc's report of an undecodable request."""
+    lines = log.splitlines()
+    return [lines[i - 1] if i else line for i, line in enumerate(lines)
+            if line.startswith("Traceback") and not (i and "Unexpected [DecodeError]" in lines[i - 1])]
+
+
+def test_fuzzed_nodes_finish_bit_identical_to_their_untouched_twin(nodes: Fuzzed) -> None:
+    """Runs last (file order): release the pacers, let every node finish, compare parameters."""
+    fuzzed = [nodes["open"], nodes["closed"]]
+    for t in fuzzed:
+        t.assert_alive()
+        assert time.monotonic() - t.pacer.heard_at < 5, f"{t.name} stopped its heartbeats"
+        t.pacer.leaving.set()
+        for member in sorted(t.members):  # stop waiting for the fuzzer's peers too
+            t.call("Leave", [pb.LeaveRequest(node_id=member, swarm_id=SWARM).SerializeToString()],
+                   metadata=t.proof(member, "Leave"))
+    everyone = [*fuzzed, nodes["twin"]]
+    for t in everyone:
+        assert t.node.wait(120) == 0, f"{t.name}:\n{t.node.log()[-4000:]}"
+    statuses = {t.name: t.node.status() for t in everyone}
+    for name, status in statuses.items():
+        assert status["round"] == ROUNDS, (name, status["round"])
+        assert status["last_round_contributor_ids"] == [NODE_ID], (name, status)
+        assert math.isfinite(status["val_loss"]), (name, status["val_loss"])
+    digests = {name: s["param_digest"] for name, s in statuses.items()}
+    assert len(set(digests.values())) == 1, digests
+    loaded = checkpoint.load_latest(Path(nodes["open"].node.data_dir))
+    assert loaded is not None
+    engine = loaded.state["engine"]
+    assert all(torch.isfinite(v).all() for v in iter_tensors(engine))
+    for t in fuzzed:
+        assert not unexpected_tracebacks(t.node.log()), unexpected_tracebacks(t.node.log())[:5]
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from iter_tensors(value)
