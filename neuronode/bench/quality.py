@@ -283,10 +283,15 @@ def rounds_done(events: list[tuple[float, str]]) -> list[dict[str, Any]]:
 
 
 def check_finished(spec: SwarmSpec, runs: list[NodeRun], statuses: list[dict[str, Any]]) -> None:
+    """Every node completed `rounds` rounds of exactly `inner_steps` steps each."""
+    steps = spec.rounds * spec.inner_steps
     for node, status in zip(runs, statuses, strict=True):
         if status.get("round") != spec.rounds:
             raise BenchError(f"node {node.node_id} stopped at round {status.get('round')} of "
                              f"{spec.rounds}: {log_tail(node.log_path)}")
+        if status.get("inner_steps") != steps:
+            raise BenchError(f"node {node.node_id} took {status.get('inner_steps')} inner steps in "
+                             f"{spec.rounds} rounds of {spec.inner_steps}, not {steps} (a daemon bug)")
 
 
 # ---- quality --------------------------------------------------------------------------------
@@ -295,12 +300,16 @@ def check_finished(spec: SwarmSpec, runs: list[NodeRun], statuses: list[dict[str
 def spec_from_args(args: argparse.Namespace) -> SwarmSpec:
     if args.nodes < 2:
         raise ConfigError(f"--nodes {args.nodes}: a swarm needs at least 2 nodes")
-    extra = ["--aggregator", args.aggregator]
+    extra = [*device_flags(args), "--aggregator", args.aggregator]
     for option in args.aggregator_option or ():
         extra += ["--aggregator-option", option]
     return SwarmSpec(nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,
                      codec=args.codec, overlap=args.overlap, seed=args.seed,
                      model=ModelFlags.from_args(args), extra=tuple(extra), timeout_s=args.timeout)
+
+
+def device_flags(args: argparse.Namespace) -> list[str]:
+    return ["--device", args.device] if args.device else []
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -352,6 +361,7 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, inner_steps: int, ro
         parser.add_argument(f"--{name}", type=int, default=None, help=f"--{name} of the nodes (default: the daemon's)")
     parser.add_argument("--val-windows", type=int, default=None,
                         help="bytelm validation windows (default: the task's, 16)")
+    parser.add_argument("--device", default=None, help="--device of the nodes (default: the daemon's, auto)")
     parser.add_argument("--timeout", type=float, default=0.0,
                         help="seconds before the nodes are killed and the bench fails (default: 0, from the sizes)")
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")

@@ -235,15 +235,23 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         "gloo_seconds": None, "ratio_vs_gloo": None,
     }
     if gloo:
-        gloo_s = [max(w["seconds"][k] for w in gloo) for k in range(len(gloo[0]["seconds"]))]
-        result["gloo_seconds"] = round(statistics.median(gloo_s), 4)
-        result["gloo_round_seconds"] = [round(s, 4) for s in gloo_s]
-        result["ratio_vs_gloo"] = round(seconds / max(statistics.median(gloo_s), 1e-9), 2)
-        gloo_cpu = [sum(w["cpu_s"][k] for w in gloo) for k in range(len(gloo_s))]
-        result["gloo_cpu_seconds"] = round(statistics.median(gloo_cpu), 3)
-        result["gloo_peak_rss_bytes"] = max(w["peak_rss_bytes"] for w in gloo)
-        result["gloo_replicas_identical"] = len({w["sha256"] for w in gloo}) == 1
+        result.update(summarize_gloo(gloo))
+        result["ratio_vs_gloo"] = round(seconds / max(result["gloo_seconds"], 1e-9), 2)
     return result
+
+
+def summarize_gloo(gloo: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reference's fields, measured the same way: slowest rank per round, median."""
+    n_rounds = len(gloo[0]["seconds"])
+    round_s = [max(w["seconds"][k] for w in gloo) for k in range(n_rounds)]
+    cpu_s = [sum(w["cpu_s"][k] for w in gloo) for k in range(n_rounds)]
+    return {
+        "gloo_seconds": round(statistics.median(round_s), 4),
+        "gloo_round_seconds": [round(s, 4) for s in round_s],
+        "gloo_cpu_seconds": round(statistics.median(cpu_s), 3),
+        "gloo_peak_rss_bytes": max(w["peak_rss_bytes"] for w in gloo),
+        "gloo_replicas_identical": len({w["sha256"] for w in gloo}) == 1,
+    }
 
 
 # ---- workers --------------------------------------------------------------------------------

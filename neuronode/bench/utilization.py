@@ -47,6 +47,7 @@ from neuronode.bench.quality import (
     SwarmSpec,
     add_swarm_arguments,
     check_finished,
+    device_flags,
     rounds_done,
     run_swarm,
 )
@@ -60,10 +61,12 @@ def spec_from_args(args: argparse.Namespace) -> SwarmSpec:
         raise ConfigError(f"--rounds {args.rounds}: the first round is not timed; run at least 2")
     if args.max_upload_mbps < 0:
         raise ConfigError(f"--max-upload-mbps {args.max_upload_mbps}: must be >= 0 (0: no cap)")
-    extra = ("--max-upload-mbps", str(args.max_upload_mbps)) if args.max_upload_mbps else ()
+    extra = device_flags(args)
+    if args.max_upload_mbps:
+        extra += ["--max-upload-mbps", str(args.max_upload_mbps)]
     return SwarmSpec(nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,
                      codec=args.codec, overlap=args.overlap, seed=args.seed,
-                     model=ModelFlags.from_args(args), extra=extra, timeout_s=args.timeout)
+                     model=ModelFlags.from_args(args), extra=tuple(extra), timeout_s=args.timeout)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

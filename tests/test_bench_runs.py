@@ -1,0 +1,105 @@
+"""`neuronode bench quality` and `bench utilization` at tiny sizes: real node processes on
+127.0.0.1, one JSON object out. Figures are checked for sanity only, never against a clock."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neuronode.bench import quality, utilization
+from neuronode.errors import ConfigError
+
+TINY_MODEL = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32",
+              "--batch-size", "4")
+QUALITY_KEYS = {
+    "val_loss", "val_loss_per_node", "val_loss_by_round", "replicas_identical", "param_digest",
+    "contributors_min", "payload_bytes_per_param", "params", "nodes", "rounds", "codec",
+    "inner_steps", "overlap", "seed", "seconds", "aggregator",
+}
+UTILIZATION_KEYS = {
+    "utilization", "utilization_per_node", "round_seconds", "train_seconds", "other_seconds",
+    "sync_seconds", "waited_seconds", "step_seconds", "inner_steps", "overlap", "rounds",
+    "timed_rounds", "nodes", "codec", "max_upload_mbps", "seconds",
+}
+
+
+def bench(kind: str, *flags: str, timeout_s: float) -> dict[str, Any]:
+    # Until cli.py wires `neuronode bench quality|utilization`, run the modules themselves; they
+    # take the same flags.
+    out = subprocess.run([sys.executable, "-m", f"neuronode.bench.{kind}", *flags, "--json"],
+                         capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout
+    return dict(json.loads(lines[0]))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_quality_tiny() -> None:
+    result = bench("quality", "--nodes", "2", "--rounds", "2", "--inner-steps", "5", "--codec", "int8",
+                   *TINY_MODEL, timeout_s=280)
+    assert QUALITY_KEYS <= result.keys()
+    assert (result["nodes"], result["rounds"], result["inner_steps"]) == (2, 2, 5)
+    assert result["codec"] == "int8" and result["overlap"] is False
+    assert result["replicas_identical"] is True
+    assert result["contributors_min"] == 2
+    assert math.isfinite(result["val_loss"]) and result["val_loss"] < 5.6
+    assert result["val_loss_per_node"] == [result["val_loss"]] * 2
+    assert len(result["val_loss_by_round"]) == 3  # before training, then after each round
+    assert result["val_loss_by_round"][-1] == pytest.approx(result["val_loss"], abs=1e-4)
+    assert result["params"] > 0
+    # int8 is about 1.06 bytes a parameter before zstd; framing adds a little.
+    assert 0.3 < result["payload_bytes_per_param"] < 2.0
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_utilization_tiny() -> None:
+    result = bench("utilization", "--inner-steps", "5", "--rounds", "3", timeout_s=280)
+    assert UTILIZATION_KEYS <= result.keys()
+    assert (result["inner_steps"], result["rounds"], result["timed_rounds"]) == (5, 3, 2)
+    assert result["overlap"] is False and result["nodes"] == 2
+    assert 0 < result["utilization"] <= 1
+    assert all(0 < u <= 1 for u in result["utilization_per_node"])
+    assert 0 < result["train_seconds"] <= result["round_seconds"]
+    assert result["step_seconds"] == pytest.approx(result["train_seconds"] / 5, rel=0.01)
+
+
+def parse(module: Any, *flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.configure(parser)
+    return parser.parse_args(list(flags))
+
+
+@pytest.mark.parametrize("module, flags, word", [
+    (quality, ("--nodes", "1"), "--nodes 1"),
+    (quality, ("--rounds", "0"), "--rounds 0"),
+    (quality, ("--inner-steps", "0"), "--inner-steps 0"),
+    (utilization, ("--rounds", "1"), "--rounds 1"),
+    (utilization, ("--max-upload-mbps", "-1"), "--max-upload-mbps"),
+])
+def test_bad_flags_are_refused_before_any_process_starts(module: Any, flags: tuple[str, ...], word: str) -> None:
+    with pytest.raises(ConfigError, match=word):
+        module.spec_from_args(parse(module, *flags))
+
+
+def test_node_flags() -> None:
+    spec = quality.spec_from_args(parse(quality, "--nodes", "3", "--codec", "int4", "--overlap",
+                                        "--d-model", "64", "--val-windows", "8"))
+    first = spec.node_argv(0, data_dir=Path("d0"), port=1, bootstrap="127.0.0.1:1")
+    other = spec.node_argv(2, data_dir=Path("d2"), port=3, bootstrap="127.0.0.1:1")
+    assert "--peers" not in first and other[-2:] == ["--peers", "127.0.0.1:1"]
+    for argv in (first, other):
+        joined = " ".join(argv)
+        assert "--codec int4" in joined and "--overlap" in joined and "--min-peers 3" in joined
+        assert "--d-model 64" in joined and "--task-option val_windows=8" in joined
+        assert "--threads 1" in joined and "--log-format json" in joined
+    assert "--node-id bench-2" in " ".join(other)
