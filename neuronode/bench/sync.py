@@ -3,17 +3,40 @@ through neuronode's real transport, and time gloo's all_reduce of the same size 
 
 Parent (`run_sync_bench`): starts N `python -m neuronode.bench.sync node ...` processes, waits
 for them (bounded), then N `... gloo ...` processes, and folds their JSON result files into one
-dict. Every child is killed when the parent leaves, whatever the reason; a child also exits by
-itself when its parent disappears.
+dict. Every child is killed when the parent leaves, whatever the reason (Ctrl-C included: the
+children run in their own session, so the terminal's SIGINT reaches only the parent); a child
+also exits by itself when its parent disappears.
 
 Node worker: a SwarmNode on 127.0.0.1:0 (worker 0's address is the others' bootstrap peer), a
-random float32 pseudo-gradient seeded by its index, then rounds. A round is timed on each worker
-from encode start to the averaged vector; the round's time is the slowest worker's (every
-replica has the result only then), and the benchmark reports the median over rounds. Rounds
-start together: before round r each worker waits until its peer table shows every peer at round
-r (so the swarm's push and expect rules, which read that table, include everyone) and then for
+random float32 pseudo-gradient seeded by its index, then rounds, averaged as the daemon does:
+
+- all-to-all: encode the whole contribution, send it to every peer, average all N in sorted
+  sender order.
+- reduce-scatter (docs/protocol.md): members are the sorted ids of all N workers; encode one
+  shard per member, send shard j to member j, average the slices of my shard, send the averaged
+  shard to every member, concatenate (`neuronode.daemon.assemble_shards`).
+
+A round is timed on each worker from encode start to the averaged vector; the round's time is
+the slowest worker's (every replica has the result only then), and the benchmark reports the
+median over rounds. `exchange_seconds` is the time spent waiting in exchanges (both phases for
+reduce-scatter); `decode_average_seconds` the averaging (for reduce-scatter: reducing and
+re-encoding my shard, plus decoding and concatenating the averaged shards). Rounds start
+together: before round r each worker waits until its peer table shows every peer at round r
+(so the swarm's push and expect rules, which read that table, include everyone) and then for
 all workers' barrier files. Byte counters are read at those barriers, when every push of the
 previous round has finished. Hashing the result (to compare replicas) is not timed.
+
+Bytes, per parameter: `payload_bytes_per_param` is one encoded full contribution: the frame
+bytes (zstd output or raw codec payload, without gRPC/protobuf framing) of all of one node's
+shards, its own included (all-to-all: its one contribution); the smallest over workers and
+rounds. `wire_bytes_per_param` is everything one node sends in a round, message framing
+included, averaged over workers and rounds: about (N-1) x payload for all-to-all, 2(N-1)/N x
+payload for reduce-scatter.
+
+`--zstd-level -1` (auto) chooses the level per encode as the daemon does
+(`neuronode.trainer.auto_zstd_level`, from the node's last push rate and our last zstd rate);
+the first round then runs at level 1 while nothing is measured, so auto adds one untimed
+warm-up round. `zstd_levels_used` lists the levels of the timed rounds.
 
 Gloo workers run after the node workers, never beside them: N ranks all_reduce(SUM) the same
 size of float32 and divide, after one untimed warm-up; again the slowest rank per round counts.
@@ -45,14 +68,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuronode.config import NodeConfig
+from neuronode.config import RANGES, NodeConfig
 from neuronode.errors import ConfigError, NeuronodeError
 
 if TYPE_CHECKING:  # the parent process never imports torch or grpc; workers import them lazily
     import torch
 
-    from neuronode.codec import ErrorFeedback
-    from neuronode.swarm.node import SwarmNode
+    from neuronode.codec import Assembler, ErrorFeedback
+    from neuronode.swarm.node import Outgoing, SwarmNode
     from neuronode.swarm.rounds import Contribution
     from neuronode.trainer import Encoded
 
@@ -63,14 +86,21 @@ POLL_S = 0.005
 # Untimed full-size rounds before the timed ones. 0 keeps N=4, P=25M within a minute on 2 cores:
 # the hellos have opened every channel already; the first round is still often slower (gRPC
 # flow-control windows grow during the first big transfer), which the median over >= 3 rounds
-# absorbs and `round_seconds` shows.
+# absorbs and `round_seconds` shows. --zstd-level -1 adds one (see the module docstring).
 WARMUP_ROUNDS = 0
 START_TIMEOUT_S = 120.0  # process start (torch import) and peer discovery, on a loaded machine
-AVERAGING = ("all-to-all",)
+AVERAGING = ("all-to-all", "reduce-scatter")
+AUTO_ZSTD = -1
 
 
 class BenchError(NeuronodeError):
     """A benchmark worker failed or timed out; the message quotes its log."""
+
+
+class BenchInterrupted(BenchError):
+    """Ctrl-C: the workers were killed and nothing was measured (exit status 130, as for SIGINT)."""
+
+    exit_code = 130
 
 
 @dataclass(frozen=True)
@@ -82,7 +112,7 @@ class SyncBenchConfig:
     codec: str
     averaging: str
     rounds: int
-    zstd_level: int
+    zstd_level: int  # -1: auto, as the daemon's --zstd-level -1
     gloo: bool = True
     chunk_bytes: int = NodeConfig.chunk_bytes
     byte_shuffle: bool = NodeConfig.byte_shuffle
@@ -94,8 +124,10 @@ class SyncBenchConfig:
             raise ConfigError(f"--params {self.params}: give at least 1 parameter (e.g. 25e6)")
         if self.rounds < 1:
             raise ConfigError(f"--rounds {self.rounds}: time at least 1 round")
-        if not 0 <= self.zstd_level <= 22:
-            raise ConfigError(f"--zstd-level {self.zstd_level}: must be between 0 (off) and 22")
+        for name in ("zstd_level", "chunk_bytes"):  # the daemon's own limits
+            ok, allowed = RANGES[name]
+            if not ok(getattr(self, name)):
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be {allowed}")
         if self.averaging not in AVERAGING:
             raise ConfigError(f"--averaging {self.averaging}: choose one of {', '.join(AVERAGING)}")
 
@@ -104,14 +136,13 @@ class SyncBenchConfig:
         return cls(nodes=args.nodes, params=int(args.params), codec=args.codec,
                    averaging=args.averaging, rounds=args.rounds, zstd_level=args.zstd_level,
                    gloo=not args.no_gloo,
+                   chunk_bytes=getattr(args, "chunk_bytes", NodeConfig.chunk_bytes),
                    byte_shuffle=getattr(args, "byte_shuffle", NodeConfig.byte_shuffle))
 
     @property
-    def shuffle(self) -> bool:
-        """As the daemon decides: byte planes for multi-byte float codecs, when compressing."""
-        from neuronode.codec import get_codec
-
-        return self.byte_shuffle and get_codec(self.codec).shuffle_width > 1 and self.zstd_level > 0
+    def warmup_rounds(self) -> int:
+        """Auto zstd runs its first round at level 1 (nothing measured yet); leave it untimed."""
+        return WARMUP_ROUNDS + (1 if self.zstd_level == AUTO_ZSTD else 0)
 
     @property
     def round_timeout_s(self) -> float:
@@ -120,7 +151,7 @@ class SyncBenchConfig:
 
     @property
     def total_timeout_s(self) -> float:
-        return START_TIMEOUT_S + (WARMUP_ROUNDS + self.rounds + 1) * self.round_timeout_s
+        return START_TIMEOUT_S + (self.warmup_rounds + self.rounds + 1) * self.round_timeout_s
 
 
 # ---- parent ---------------------------------------------------------------------------------
@@ -130,13 +161,16 @@ def run_sync_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by the CLI's `bench sync` flags; returns the JSON object."""
     cfg = SyncBenchConfig.from_args(args)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="neuronode-bench-") as tmp:
-        workdir = Path(tmp)
-        nodes = run_workers(cfg, workdir, "node", [[] for _ in range(cfg.nodes)])
-        gloo: list[dict[str, Any]] = []
-        if cfg.gloo:
-            port = ["--port", str(free_port())]
-            gloo = run_workers(cfg, workdir, "gloo", [port for _ in range(cfg.nodes)])
+    try:
+        with tempfile.TemporaryDirectory(prefix="neuronode-bench-") as tmp:
+            workdir = Path(tmp)
+            nodes = run_workers(cfg, workdir, "node", [[] for _ in range(cfg.nodes)])
+            gloo: list[dict[str, Any]] = []
+            if cfg.gloo:
+                port = ["--port", str(free_port())]
+                gloo = run_workers(cfg, workdir, "gloo", [port for _ in range(cfg.nodes)])
+    except KeyboardInterrupt:
+        raise BenchInterrupted("bench sync interrupted; its workers were stopped") from None
     result = summarize(cfg, nodes, gloo)
     result["bench_seconds"] = round(time.monotonic() - started, 3)
     return result
@@ -163,9 +197,11 @@ def run_workers(
     try:
         for index, more in enumerate(extra):
             with open(workdir / f"{kind}-{index}.log", "wb") as log:
+                # Own session: a terminal's Ctrl-C interrupts only us, and we stop the workers.
                 procs.append(subprocess.Popen(
                     [*worker_argv(cfg, workdir, kind, index), *more], env=env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log))
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                    start_new_session=True))
         wait_all(procs, workdir, kind, timeout_s=cfg.total_timeout_s)
     finally:
         for proc in procs:  # only still-running ones: after an error or Ctrl-C
@@ -205,23 +241,25 @@ def log_tail(path: Path, lines: int = 3) -> str:
 
 def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> dict[str, Any]:
     """Fold per-worker results into the benchmark's JSON object (see the module docstring)."""
-    timed = [w["rounds"][WARMUP_ROUNDS:] for w in nodes]
+    timed = [w["rounds"][cfg.warmup_rounds:] for w in nodes]
     n_rounds = len(timed[0])
+    every = [r for rounds in timed for r in rounds]
 
     def slowest(key: str) -> list[float]:  # per round, the slowest worker
         return [max(rounds[k][key] for rounds in timed) for k in range(n_rounds)]
 
     round_s = slowest("seconds")
     digests_agree = all(len({rounds[k]["sha256"] for rounds in timed}) == 1 for k in range(n_rounds))
-    contributors = min(r["contributors"] for rounds in timed for r in rounds)
-    payload = min(r["min_peer_bytes"] for rounds in timed for r in rounds)
-    sent = statistics.fmean(r["bytes_sent"] for rounds in timed for r in rounds)
+    contributors = min(r["contributors"] for r in every)
+    payload = min(r["payload_bytes"] for r in every)
+    sent = statistics.fmean(r["bytes_sent"] for r in every)
     cpu_s = [sum(rounds[k]["cpu_s"] for rounds in timed) for k in range(n_rounds)]
     seconds = statistics.median(round_s)
     result: dict[str, Any] = {
         "nodes": cfg.nodes, "params": cfg.params, "codec": cfg.codec, "averaging": cfg.averaging,
         "rounds": cfg.rounds, "zstd_level": cfg.zstd_level, "chunk_bytes": cfg.chunk_bytes,
-        "byte_shuffle": all(w["byte_shuffle"] for w in nodes),
+        "zstd_levels_used": sorted({level for r in every for level in r["zstd_levels"]}),
+        "byte_shuffle": all(r["shuffled"] for r in every),
         "seconds": round(seconds, 4), "round_seconds": [round(s, 4) for s in round_s],
         "encode_seconds": round(statistics.median(slowest("encode_s")), 4),
         "exchange_seconds": round(statistics.median(slowest("exchange_s")), 4),
@@ -232,6 +270,8 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         # All workers' CPU per round: steadier than wall time on a shared machine.
         "cpu_seconds": round(statistics.median(cpu_s), 3),
         "replicas_identical": digests_agree and contributors == cfg.nodes,
+        # The last timed round's average (sha256 of its float32 bytes), when all replicas agree.
+        "result_digest": timed[0][-1]["sha256"] if digests_agree else None,
         "gloo_seconds": None, "ratio_vs_gloo": None,
     }
     if gloo:
@@ -252,6 +292,81 @@ def summarize_gloo(gloo: list[dict[str, Any]]) -> dict[str, Any]:
         "gloo_peak_rss_bytes": max(w["peak_rss_bytes"] for w in gloo),
         "gloo_replicas_identical": len({w["sha256"] for w in gloo}) == 1,
     }
+
+
+# ---- encoding, as the daemon does -----------------------------------------------------------
+
+
+@dataclass
+class VectorEncoder:
+    """Trainer.encode_vector without a Trainer (which needs a model): the same zstd level choice
+    (auto included), byte-shuffle rule, frames and own Assembler. tests/test_bench.py checks
+    that both give the same frames. One thread at a time (it keeps the last zstd rate)."""
+
+    codec: str
+    chunk_bytes: int
+    zstd_level: int  # -1: auto_zstd_level(link rate, our last zstd rate)
+    byte_shuffle: bool
+    compress_rate: float = 0.0  # bytes/s our last zstd pass managed (0: not measured)
+
+    def encode(self, vector: torch.Tensor, link_bytes_per_s: float, *, weight: float = 1.0) -> Encoded:
+        """Frames for the wire and the decoded (wire) form of `vector` for ourselves."""
+        from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
+        from neuronode.trainer import Encoded, auto_zstd_level
+
+        c = get_codec(self.codec)
+        level = self.zstd_level
+        if level == AUTO_ZSTD:
+            level = auto_zstd_level(link_bytes_per_s, self.compress_rate)
+        shuffle = self.byte_shuffle and c.shuffle_width > 1 and level > 0
+        digest = ContributionDigest()
+        started = time.perf_counter()
+        frames = list(encode_frames(vector, codec=self.codec, chunk_bytes=self.chunk_bytes,
+                                    zstd_level=level, shuffle=shuffle, digest=digest))
+        if level > 0 and vector.numel():
+            elapsed_s = max(time.perf_counter() - started, 1e-9)
+            self.compress_rate = c.payload_bytes(vector.numel()) / elapsed_s
+        own = Assembler(n_elems=vector.numel(), codec=self.codec, chunk_bytes=self.chunk_bytes,
+                        shuffle=shuffle)
+        for frame in frames:
+            own.add_frame(frame)
+        chunk_elements = (self.chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
+        return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
+                       own=own, weight=weight, shuffled=shuffle, zstd_level=level)
+
+    def encode_parts(self, delta: torch.Tensor, ranges: list[tuple[int, int]], link_bytes_per_s: float,
+                     feedback: ErrorFeedback | None) -> list[Encoded]:
+        """Trainer.encode (one range) and Trainer.encode_shards: error feedback compensates the
+        whole vector, each range is encoded on its own, feedback learns from the wire form."""
+        import torch
+
+        if feedback is not None:
+            delta = feedback.compensate(delta)
+        parts = [self.encode(delta[a:b], link_bytes_per_s) for a, b in ranges]
+        if feedback is not None:
+            feedback.update(delta, torch.cat([p.own.decode() for p in parts]))
+        return parts
+
+    def reduce(self, pieces: dict[str, tuple[Assembler, float]], link_bytes_per_s: float) -> Encoded:
+        """Trainer.reduce_shard with the mean: average the slices (sorted by sender), encode the
+        result; its weight is the pieces' total."""
+        avg = average_of(pieces)
+        return self.encode(avg, link_bytes_per_s, weight=float(sum(w for _, w in pieces.values())))
+
+
+def average_of(pieces: dict[str, tuple[Assembler, float]]) -> torch.Tensor:
+    """Average as the daemon does: decoded one at a time, in sorted sender order."""
+    from neuronode.diloco import average
+
+    return average({sender: (data.decode, weight) for sender, (data, weight) in pieces.items()})
+
+
+def pieces_of(got: dict[str, Contribution]) -> dict[str, tuple[Assembler, float]]:
+    return {c.sender_id: (c.data, c.weight) for c in got.values()}
+
+
+def frame_bytes(parts: list[Encoded]) -> int:
+    return sum(len(f.data) for enc in parts for f in enc.frames)
 
 
 # ---- workers --------------------------------------------------------------------------------
@@ -294,39 +409,21 @@ def pseudo_gradient(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=gen) * 1e-3  # (P,) float32, a pseudo-gradient's scale
 
 
-def encode_contribution(delta: torch.Tensor, *, codec: str, chunk_bytes: int, zstd_level: int,
-                        shuffle: bool, feedback: ErrorFeedback | None, weight: float) -> Encoded:
-    """What Trainer.encode does after taking the pseudo-gradient: frames for the wire, and the
-    decoded (wire) form of our own contribution, with error feedback for lossy codecs.
-    tests/test_bench.py checks that both give the same frames."""
-    from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
-    from neuronode.trainer import Encoded
-
-    if feedback is not None:
-        delta = feedback.compensate(delta)
-    digest = ContributionDigest()
-    frames = list(encode_frames(delta, codec=codec, chunk_bytes=chunk_bytes,
-                                zstd_level=zstd_level, shuffle=shuffle, digest=digest))
-    own = Assembler(n_elems=delta.numel(), codec=codec, chunk_bytes=chunk_bytes, shuffle=shuffle)
-    for frame in frames:
-        own.add_frame(frame)
-    if feedback is not None:
-        feedback.update(delta, own.decode())
-    c = get_codec(codec)
-    chunk_elements = (chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
-    return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
-                   own=own, weight=weight, shuffled=shuffle, zstd_level=zstd_level)
-
-
-def average_contributions(contributions: dict[str, Contribution]) -> torch.Tensor:
-    """Average as the daemon does: decoded one at a time, in sorted sender order."""
-    from neuronode.diloco import average
-
-    return average({c.sender_id: (c.data.decode, c.weight) for c in contributions.values()})
-
-
 def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class Averaged:
+    """One worker's round: the average, what it took, and what it sent."""
+
+    average: torch.Tensor
+    contributors: int  # the fewest contributions any part of the average holds
+    encoded: list[Encoded]  # every encode of the round (reduce-scatter: shards and reduced shard)
+    payload_bytes: int  # frame bytes of our full contribution (all shards)
+    encode_s: float
+    exchange_s: float
+    decode_average_s: float
 
 
 class NodeWorker:
@@ -339,8 +436,11 @@ class NodeWorker:
         self.workdir = workdir
         self.index = index
         self.node_id = f"bench-{index}"
+        self.members = tuple(sorted(f"bench-{i}" for i in range(cfg.nodes)))  # reduce-scatter
         self.delta = pseudo_gradient(cfg.params, seed=1000 + index)
         self.feedback = ErrorFeedback(cfg.params) if get_codec(cfg.codec).lossy else None
+        self.encoder = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes,
+                                     zstd_level=cfg.zstd_level, byte_shuffle=cfg.byte_shuffle)
         # As in the daemon: one thread for torch work, two for the swarm's chunk decoding.
         self.work_pool = ThreadPoolExecutor(1, thread_name_prefix="work")
         self.codec_pool = ThreadPoolExecutor(2, thread_name_prefix="codec")
@@ -370,19 +470,18 @@ class NodeWorker:
             self.work_pool.shutdown(wait=True)
             self.codec_pool.shutdown(wait=True)
         return {"index": self.index, "address": address, "rounds": rounds,
-                "byte_shuffle": self.cfg.shuffle, "peak_rss_bytes": peak_rss_bytes()}
+                "peak_rss_bytes": peak_rss_bytes()}
 
     async def rounds(self, node: SwarmNode, *, start_deadline: float) -> list[dict[str, Any]]:
         """Warm-up and timed rounds; each result gets the bytes sent and the CPU time used
         between its barriers (all threads of this process, so the swarm's work is counted)."""
-        total = WARMUP_ROUNDS + self.cfg.rounds
+        total = self.cfg.warmup_rounds + self.cfg.rounds
         results: list[dict[str, Any]] = []
         usage: list[Usage] = []
         deadline = start_deadline
         for round_id in range(total + 1):
             await self.barrier(node, round_id, deadline=deadline)
-            usage.append(Usage(node.counters.bytes_sent, dict(node.counters.per_peer_sent),
-                               time.process_time()))
+            usage.append(Usage(node.counters.bytes_sent, time.process_time()))
             if round_id < total:
                 deadline = time.monotonic() + self.cfg.round_timeout_s
                 results.append(await self.one_round(node, round_id, deadline=deadline))
@@ -404,37 +503,101 @@ class NodeWorker:
                          lambda: all(n.exists() for n in names), deadline=deadline)
 
     async def one_round(self, node: SwarmNode, round_id: int, *, deadline: float) -> dict[str, Any]:
-        """Encode, exchange, decode and average one round; times each part."""
+        """Average one round as configured; hash the result (untimed) and tell the peers."""
+        if self.cfg.averaging == "reduce-scatter":
+            done = await self.reduce_scatter(node, round_id, deadline=deadline)
+        else:
+            done = await self.all_to_all(node, round_id, deadline=deadline)
+        sha = await self.off_loop(sha256_of, done.average)
+        node.record_round(round_id, sha)
+        return {"round_id": round_id, "encode_s": done.encode_s, "exchange_s": done.exchange_s,
+                "decode_average_s": done.decode_average_s,
+                "seconds": done.encode_s + done.exchange_s + done.decode_average_s,
+                "contributors": done.contributors, "sha256": sha, "payload_bytes": done.payload_bytes,
+                "zstd_levels": sorted({e.zstd_level for e in done.encoded}),
+                "shuffled": all(e.shuffled for e in done.encoded)}
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.work_pool, fn, *args)
+
+    def outgoing(self, round_id: int, enc: Encoded, **shard: Any) -> Outgoing:
         from neuronode.swarm.node import Outgoing
+
+        return Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames, digest=enc.digest,
+                        n_elements=self.cfg.params, chunk_elements=enc.chunk_elements,
+                        weight=enc.weight, shuffled=enc.shuffled, **shard)
+
+    async def exchange(self, node: SwarmNode, out: Outgoing | dict[str, Outgoing], own: Contribution,
+                       *, deadline: float, members: tuple[str, ...] = ()) -> dict[str, Contribution]:
+        """node.exchange within the round's deadline; a timeout names who was missing."""
+        from neuronode.swarm.node import Outgoing
+        from neuronode.v1 import node_pb2 as pb
+
+        try:
+            return await asyncio.wait_for(node.exchange(out, own, members=members),
+                                          deadline - time.monotonic())
+        except TimeoutError:
+            phase = out.phase if isinstance(out, Outgoing) else pb.PHASE_SHARD  # as node.exchange
+            have = sorted(node.book_for(phase).contributors(own.round_id))
+            rounds = {p.node_id: p.round for p in node.table.alive()}
+            raise TimeoutError(f"round {own.round_id}: exchange (phase {phase}) timed out with "
+                               f"contributions from {have}; live peers at rounds {rounds}") from None
+
+    async def all_to_all(self, node: SwarmNode, round_id: int, *, deadline: float) -> Averaged:
+        """Encode the whole contribution, send it to everyone, average all of them."""
         from neuronode.swarm.rounds import Contribution
 
-        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        enc = await loop.run_in_executor(self.work_pool, lambda: encode_contribution(
-            self.delta, codec=self.cfg.codec, chunk_bytes=self.cfg.chunk_bytes,
-            zstd_level=self.cfg.zstd_level, shuffle=self.cfg.shuffle, feedback=self.feedback,
-            weight=1.0))
+        (enc,) = await self.off_loop(self.encoder.encode_parts, self.delta, [(0, self.cfg.params)],
+                                     node.push_rate, self.feedback)
         t1 = time.perf_counter()
-        out = Outgoing(round_id=round_id, codec=self.cfg.codec, frames=enc.frames,
-                       digest=enc.digest, n_elements=self.cfg.params,
-                       chunk_elements=enc.chunk_elements, weight=enc.weight,
-                       shuffled=enc.shuffled)
         own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
-        try:
-            got = await asyncio.wait_for(node.exchange(out, own), deadline - time.monotonic())
-        except TimeoutError:
-            have = sorted(node.book.contributors(round_id))
-            rounds = {p.node_id: p.round for p in node.table.alive()}
-            raise TimeoutError(f"round {round_id}: exchange timed out with contributions from "
-                               f"{have}; live peers at rounds {rounds}") from None
+        got = await self.exchange(node, self.outgoing(round_id, enc), own, deadline=deadline)
         t2 = time.perf_counter()
-        avg = await loop.run_in_executor(self.work_pool, average_contributions, got)
+        avg = await self.off_loop(average_of, pieces_of(got))
         t3 = time.perf_counter()
-        sha = await loop.run_in_executor(self.work_pool, sha256_of, avg)
-        node.record_round(round_id, sha)
-        return {"round_id": round_id, "seconds": t3 - t0, "encode_s": t1 - t0,
-                "exchange_s": t2 - t1, "decode_average_s": t3 - t2, "contributors": len(got),
-                "sha256": sha}
+        return Averaged(average=avg, contributors=len(got), encoded=[enc],
+                        payload_bytes=frame_bytes([enc]), encode_s=t1 - t0, exchange_s=t2 - t1,
+                        decode_average_s=t3 - t2)
+
+    async def reduce_scatter(self, node: SwarmNode, round_id: int, *, deadline: float) -> Averaged:
+        """Daemon.reduce_scatter: shard j to member j, average my shard, send it to all, concatenate."""
+        from neuronode.codec import shard_ranges
+        from neuronode.daemon import assemble_shards
+        from neuronode.swarm.rounds import Contribution
+        from neuronode.v1 import node_pb2 as pb
+
+        members, codec = self.members, self.cfg.codec
+        me = members.index(self.node_id)
+        ranges = shard_ranges(self.cfg.params, len(members), codec)
+        t0 = time.perf_counter()
+        shards = await self.off_loop(self.encoder.encode_parts, self.delta, ranges, node.push_rate,
+                                     self.feedback)
+        t1 = time.perf_counter()
+        outs = {m: self.outgoing(round_id, shards[j], phase=pb.PHASE_SHARD, shard_index=j,
+                                 members=members)
+                for j, m in enumerate(members) if m != self.node_id}
+        own = Contribution(self.node_id, round_id, codec, shards[me].weight, shards[me].own,
+                           members=members, shard_index=me)
+        pieces = await self.exchange(node, outs, own, deadline=deadline, members=members)
+        t2 = time.perf_counter()
+        reduced = await self.off_loop(self.encoder.reduce, pieces_of(pieces), node.push_rate)
+        t3 = time.perf_counter()
+        contributors = tuple(sorted(pieces))
+        out = self.outgoing(round_id, reduced, phase=pb.PHASE_AVERAGED, shard_index=me,
+                            members=members, contributors=contributors)
+        own_avg = Contribution(self.node_id, round_id, codec, reduced.weight, reduced.own,
+                               members=members, contributors=contributors, shard_index=me)
+        averaged = await self.exchange(node, out, own_avg, deadline=deadline, members=members)
+        t4 = time.perf_counter()
+        result = await self.off_loop(assemble_shards, averaged, members, ranges, self.cfg.params,
+                                     round_id)
+        t5 = time.perf_counter()
+        complete = len(averaged) == len(members)  # a missing shard is zeros: no full average
+        fewest = min(len(c.contributors) for c in averaged.values()) if complete else 0
+        return Averaged(average=result.average, contributors=fewest, encoded=[*shards, reduced],
+                        payload_bytes=frame_bytes(shards), encode_s=t1 - t0,
+                        exchange_s=(t2 - t1) + (t4 - t3), decode_average_s=(t3 - t2) + (t5 - t4))
 
 
 @dataclass(frozen=True)
@@ -442,17 +605,12 @@ class Usage:
     """A node's cumulative counters at one barrier."""
 
     bytes_sent: int
-    per_peer_sent: dict[str, int]
     cpu_s: float
 
 
 def used_between(before: Usage, after: Usage) -> dict[str, Any]:
-    """Bytes sent in all, the fewest sent to one peer (one contribution, unless retried), and
-    CPU seconds."""
-    per_peer = [n - before.per_peer_sent.get(peer, 0) for peer, n in after.per_peer_sent.items()]
-    return {"bytes_sent": after.bytes_sent - before.bytes_sent,
-            "min_peer_bytes": min((n for n in per_peer if n > 0), default=0),
-            "cpu_s": after.cpu_s - before.cpu_s}
+    """Bytes sent (message framing included) and CPU seconds between two barriers."""
+    return {"bytes_sent": after.bytes_sent - before.bytes_sent, "cpu_s": after.cpu_s - before.cpu_s}
 
 
 def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any]:

@@ -496,13 +496,16 @@ class SwarmNode:
             msg = pb.ContributionChunk(
                 round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
                 chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
-                compressed=frame.compressed, payload=frame.data, contribution_digest=out.digest,
+                compressed=frame.compressed, contribution_digest=out.digest,
                 weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
                 auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
                 phase=out.phase, shard_index=out.shard_index, shard_count=len(out.members),
                 members=out.members, contributors=out.contributors,
             )
-            size = msg.ByteSize()
+            # Size the small header before the payload goes in: ByteSize() on a full chunk
+            # costs a payload copy on the event loop.
+            size = msg.ByteSize() + payload_field_size(len(frame.data))
+            msg.payload = frame.data
             await self.upload.acquire(size)
             self.counters.bytes_sent += size
             self.counters.per_peer_sent[peer_id] = self.counters.per_peer_sent.get(peer_id, 0) + size
@@ -646,10 +649,9 @@ class SwarmNode:
                     raise Refusal("INVALID_ARGUMENT", f"round {first.round_id}: {first.sender_id} sent chunk "
                                   f"{chunk.chunk_index} where chunk {next_index} was due; chunks go in order, once each")
                 next_index += 1
-                raw = await loop.run_in_executor(self.executor, self._decode_chunk, assembler, chunk)
-                digest.update(raw)
+                raw, size = await loop.run_in_executor(self.executor, self._decode_chunk, assembler, chunk, digest)
                 assembler.add(chunk.chunk_index, raw)
-                self._count_received(chunk)
+                self._count_received(chunk.sender_id, size)
             if first is None or assembler is None:
                 raise Refusal("INVALID_ARGUMENT", "empty contribution stream")
             if not assembler.complete:
@@ -742,21 +744,23 @@ class SwarmNode:
         return stop - start
 
     @staticmethod
-    def _decode_chunk(assembler: Assembler, chunk: pb.ContributionChunk) -> bytes:
+    def _decode_chunk(assembler: Assembler, chunk: pb.ContributionChunk,
+                      digest: ContributionDigest) -> tuple[bytes, int]:
         """Bounded decompression, then a full decode that refuses NaN/Inf before anything is
-        stored: bad values never reach an average."""
+        stored: bad values never reach an average. Hashing happens here too, off the loop
+        (chunks of one stream are awaited one at a time, so the digest sees them in order)."""
         expected = assembler.expected_raw_len(chunk.chunk_index)
         codec = get_codec(PB_TO_CODEC[chunk.codec])
         width = codec.shuffle_width if chunk.shuffled else 1
         raw = decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected, shuffle_width=width)
         codec.decode(raw, assembler.chunk_elems(chunk.chunk_index))
-        return raw
+        digest.update(raw)
+        return raw, chunk.ByteSize()
 
-    def _count_received(self, chunk: pb.ContributionChunk) -> None:
-        size = chunk.ByteSize()
+    def _count_received(self, sender_id: str, size: int) -> None:
         self.counters.bytes_received += size
         per = self.counters.per_peer_received
-        per[chunk.sender_id] = per.get(chunk.sender_id, 0) + size
+        per[sender_id] = per.get(sender_id, 0) + size
 
     def snapshot(self) -> dict[str, Any]:
         """Swarm-side status fields."""
@@ -773,6 +777,20 @@ class SwarmNode:
                 for p in sorted(self.table.peers.values(), key=lambda p: p.node_id)
             ],
         }
+
+
+def payload_field_size(n: int) -> int:
+    """Bytes a payload of n bytes takes in a serialized chunk: tag, length prefix, data."""
+    return n + 1 + len(varint(n)) if n else 0
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
 def is_loopback(host: str) -> bool:
@@ -882,7 +900,7 @@ class NodeService(pb_grpc.NodeServicer):
                                 "state is served to members only: say Hello first")
         try:
             async for msg in self.node.donor.serve(context):
-                size = msg.ByteSize()
+                size = msg.ByteSize()  # state chunks are rare; contributions avoid this
                 await self.node.upload.acquire(size)
                 self.node.counters.bytes_sent += size
                 yield msg
