@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from procutil import neuronode_cmd
 
+from neuronode.bench import sync as bench_sync_mod
 from neuronode.bench.sync import (
+    BenchInterrupted,
     SyncBenchConfig,
     Usage,
-    encode_contribution,
+    VectorEncoder,
     summarize,
     used_between,
 )
-from neuronode.codec import ErrorFeedback
+from neuronode.codec import ErrorFeedback, shard_ranges
 from neuronode.config import NodeConfig
 from neuronode.errors import ConfigError
 from neuronode.trainer import Trainer
@@ -26,8 +32,10 @@ from neuronode.trainer import Trainer
 KEYS = {
     "seconds", "gloo_seconds", "ratio_vs_gloo", "payload_bytes_per_param", "wire_bytes_per_param",
     "peak_rss_bytes", "nodes", "params", "codec", "averaging", "rounds", "replicas_identical",
-    "encode_seconds", "decode_average_seconds",
+    "encode_seconds", "exchange_seconds", "decode_average_seconds", "result_digest",
+    "zstd_level", "zstd_levels_used", "chunk_bytes", "byte_shuffle",
 }
+TINY = ("--nodes", "3", "--params", "300000", "--rounds", "2")
 
 
 def bench_sync(*flags: str, timeout_s: float = 120) -> dict[str, Any]:
@@ -39,24 +47,34 @@ def bench_sync(*flags: str, timeout_s: float = 120) -> dict[str, Any]:
     return dict(json.loads(lines[0]))
 
 
-def check_common(result: dict[str, Any], *, nodes: int, params: int, codec: str) -> None:
+def check_common(result: dict[str, Any], *, nodes: int, params: int, codec: str,
+                 averaging: str = "all-to-all") -> None:
     assert KEYS <= result.keys()
     assert (result["nodes"], result["params"], result["codec"]) == (nodes, params, codec)
-    assert result["averaging"] == "all-to-all" and result["rounds"] == 2
-    assert result["replicas_identical"] is True
+    assert result["averaging"] == averaging and result["rounds"] == 2
+    assert result["replicas_identical"] is True and len(result["result_digest"]) == 64
     assert result["seconds"] > 0 and result["peak_rss_bytes"] > 0
     assert 0 < result["encode_seconds"] <= result["seconds"]
     assert 0 < result["decode_average_seconds"] <= result["seconds"]
-    # Every node sends its contribution once to each of the other N - 1.
-    expected_wire = (nodes - 1) * result["payload_bytes_per_param"]
-    assert result["wire_bytes_per_param"] == pytest.approx(expected_wire, rel=0.3)
+    assert result["zstd_level"] == -1 and result["zstd_levels_used"]  # auto by default
+    payload, wire = result["payload_bytes_per_param"], result["wire_bytes_per_param"]
+    if averaging == "all-to-all":  # every node sends its contribution to each of the other N - 1
+        assert wire == pytest.approx((nodes - 1) * payload, rel=0.3)
+    else:  # N - 1 slices of 1/N out, then N - 1 copies of our averaged 1/N
+        assert wire == pytest.approx(2 * (nodes - 1) / nodes * payload, rel=0.3)
+        assert wire <= 2.3 * payload
+
+
+@pytest.fixture(scope="module")
+def fp32_all_to_all() -> dict[str, Any]:
+    return bench_sync(*TINY, "--codec", "fp32")
 
 
 @pytest.mark.swarm
 @pytest.mark.timeout(150)
-def test_fp32_against_gloo() -> None:
-    result = bench_sync("--nodes", "2", "--params", "200000", "--codec", "fp32", "--rounds", "2")
-    check_common(result, nodes=2, params=200_000, codec="fp32")
+def test_fp32_against_gloo(fp32_all_to_all: dict[str, Any]) -> None:
+    result = fp32_all_to_all
+    check_common(result, nodes=3, params=300_000, codec="fp32")
     assert 3.0 <= result["payload_bytes_per_param"] <= 4.2
     assert result["gloo_seconds"] > 0
     assert result["ratio_vs_gloo"] == pytest.approx(result["seconds"] / result["gloo_seconds"], rel=0.05)
@@ -72,6 +90,71 @@ def test_bf16_without_gloo() -> None:
     assert result["gloo_seconds"] is None and result["ratio_vs_gloo"] is None
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(250)
+def test_reduce_scatter_fp32_averages_exactly_as_all_to_all(fp32_all_to_all: dict[str, Any]) -> None:
+    """Lossless codec, same seeds: every element is the same weighted sum in the same order."""
+    result = bench_sync(*TINY, "--codec", "fp32", "--averaging", "reduce-scatter", "--no-gloo")
+    check_common(result, nodes=3, params=300_000, codec="fp32", averaging="reduce-scatter")
+    assert 3.0 <= result["payload_bytes_per_param"] <= 4.2
+    assert result["result_digest"] == fp32_all_to_all["result_digest"]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_reduce_scatter_int8() -> None:
+    result = bench_sync(*TINY, "--codec", "int8", "--averaging", "reduce-scatter", "--no-gloo")
+    check_common(result, nodes=3, params=300_000, codec="int8", averaging="reduce-scatter")
+    assert 0.9 <= result["payload_bytes_per_param"] <= 1.2
+
+
+def bench_processes(marker: str) -> list[int]:
+    """Pids whose command line mentions `marker` (our workers' work dir lives under it)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_workers_and_exits_130(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        neuronode_cmd("bench", "sync", "--nodes", "2", "--params", "1e5", "--rounds", "100000",
+                      "--no-gloo", "--json"),
+        env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not list(tmp_path.glob("neuronode-bench-*/address-0")):  # a worker is up
+            assert proc.poll() is None and time.monotonic() < deadline, "bench never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "interrupted" in err, err
+    assert bench_processes(str(tmp_path)) == [] and not list(tmp_path.iterdir())
+
+
+def test_interrupt_becomes_a_bench_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*_: Any, **__: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_sync_mod, "run_workers", interrupted)
+    args = dict(nodes=2, params=10.0, codec="fp32", averaging="all-to-all", rounds=1,
+                zstd_level=-1, no_gloo=True)
+    with pytest.raises(BenchInterrupted) as caught:
+        bench_sync_mod.run_sync_bench(argparse.Namespace(**args))
+    assert caught.value.exit_code == 130
+
+
 def test_one_node_is_a_usage_error() -> None:
     out = subprocess.run(neuronode_cmd("bench", "sync", "--nodes", "1", "--json"),
                          capture_output=True, text=True, timeout=60, check=False)
@@ -81,11 +164,13 @@ def test_one_node_is_a_usage_error() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("nodes", 1), ("params", 0), ("rounds", 0),
-                                          ("zstd_level", 23), ("averaging", "ring")])
+                                          ("zstd_level", 23), ("zstd_level", -2),
+                                          ("chunk_bytes", 100), ("averaging", "ring")])
 def test_config_refuses(field: str, value: Any) -> None:
-    good: dict[str, Any] = dict(nodes=2, params=10, codec="fp32", averaging="all-to-all",
-                                rounds=1, zstd_level=1)
-    with pytest.raises(ConfigError):
+    good: dict[str, Any] = dict(nodes=2, params=10, codec="fp32", averaging="reduce-scatter",
+                                rounds=1, zstd_level=-1)
+    SyncBenchConfig(**good)
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}"):
         SyncBenchConfig(**{**good, field: value})
 
 
@@ -93,8 +178,9 @@ def node_result(round_seconds: list[float], sha: str = "s", *, sent: int = 300,
                 contributors: int = 2) -> dict[str, Any]:
     rounds = [{"seconds": s, "encode_s": s / 4, "exchange_s": s / 2, "decode_average_s": s / 4,
                "contributors": contributors, "sha256": sha, "bytes_sent": sent,
-               "min_peer_bytes": sent, "cpu_s": s} for s in round_seconds]
-    return {"rounds": rounds, "byte_shuffle": True, "peak_rss_bytes": 1000 + len(round_seconds)}
+               "payload_bytes": sent, "cpu_s": s, "zstd_levels": [1], "shuffled": True}
+              for s in round_seconds]
+    return {"rounds": rounds, "peak_rss_bytes": 1000 + len(round_seconds)}
 
 
 def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
@@ -109,27 +195,42 @@ def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
     assert result["cpu_seconds"] == 4.5 and result["gloo_cpu_seconds"] == 0.3
     assert result["gloo_seconds"] == 0.2 and result["ratio_vs_gloo"] == 15.0
     assert result["payload_bytes_per_param"] == 3.0 and result["wire_bytes_per_param"] == 3.0
-    assert result["replicas_identical"] is True
+    assert result["replicas_identical"] is True and result["result_digest"] == "s"
+    assert result["zstd_levels_used"] == [1] and result["byte_shuffle"] is True
     assert result["gloo_peak_rss_bytes"] == 9 and result["gloo_replicas_identical"] is True
+
+
+def test_summary_skips_the_auto_zstd_warm_up_round() -> None:
+    cfg = SyncBenchConfig(nodes=2, params=100, codec="fp32", averaging="reduce-scatter", rounds=2,
+                          zstd_level=-1)
+    nodes = [node_result([9.0, 1.0, 2.0]), node_result([9.0, 1.5, 1.0])]
+    nodes[0]["rounds"][0]["zstd_levels"] = [1]
+    for worker in nodes:
+        for r in worker["rounds"][1:]:
+            r["zstd_levels"], r["shuffled"] = [0], False
+    result = summarize(cfg, nodes, [])
+    assert result["round_seconds"] == [1.5, 2.0] and result["zstd_levels_used"] == [0]
+    assert result["byte_shuffle"] is False
 
 
 def test_summary_flags_differing_replicas_and_missing_contributors() -> None:
     cfg = SyncBenchConfig(nodes=2, params=100, codec="fp32", averaging="all-to-all", rounds=1,
                           zstd_level=1)
-    assert not summarize(cfg, [node_result([1.0], "a"), node_result([1.0], "b")], [])["replicas_identical"]
+    differ = summarize(cfg, [node_result([1.0], "a"), node_result([1.0], "b")], [])
+    assert not differ["replicas_identical"] and differ["result_digest"] is None
     short = [node_result([1.0], contributors=1), node_result([1.0])]
     assert not summarize(cfg, short, [])["replicas_identical"]
 
 
-def test_used_between_counts_one_contribution_per_peer() -> None:
-    before = Usage(100, {"a": 40, "b": 60}, 1.0)
-    after = Usage(400, {"a": 190, "b": 210, "c": 0}, 3.5)
-    assert used_between(before, after) == {"bytes_sent": 300, "min_peer_bytes": 150, "cpu_s": 2.5}
+def test_used_between_counts_bytes_and_cpu() -> None:
+    assert used_between(Usage(100, 1.0), Usage(400, 3.5)) == {"bytes_sent": 300, "cpu_s": 2.5}
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16"])
-def test_bench_encodes_as_the_daemon_does(tmp_path: Path, codec: str) -> None:
-    """The benchmark mirrors Trainer.encode; same pseudo-gradient, same frames on the wire."""
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("n_shards", [1, 3])
+def test_bench_encodes_as_the_daemon_does(tmp_path: Path, codec: str, n_shards: int) -> None:
+    """The benchmark mirrors Trainer.encode / encode_shards / reduce_shard: same pseudo-gradient,
+    same frames on the wire."""
     cfg = NodeConfig(data_dir=str(tmp_path), d_model=32, n_layers=1, n_heads=2, seq_len=32,
                      batch_size=4, inner_steps=2, threads=1, codec=codec, zstd_level=1,
                      chunk_bytes=4096)
@@ -137,12 +238,17 @@ def test_bench_encodes_as_the_daemon_does(tmp_path: Path, codec: str) -> None:
     trainer.train_round(threading.Event())
     delta = trainer.engine.pseudo_gradient()
     feedback = ErrorFeedback(delta.numel()) if trainer.feedback is not None else None
-    bench = SyncBenchConfig(nodes=2, params=delta.numel(), codec=codec, averaging="all-to-all",
-                            rounds=1, zstd_level=1, chunk_bytes=cfg.chunk_bytes)
-    ours = encode_contribution(delta, codec=codec, chunk_bytes=bench.chunk_bytes, zstd_level=1,
-                               shuffle=bench.shuffle, feedback=feedback, weight=1.0)
-    theirs = trainer.encode()
-    assert len(ours.frames) > 1
-    assert ours.frames == theirs.frames and ours.digest == theirs.digest
-    assert (ours.chunk_elements, ours.shuffled, ours.zstd_level) == (
-        theirs.chunk_elements, theirs.shuffled, theirs.zstd_level)
+    encoder = VectorEncoder(codec=codec, chunk_bytes=cfg.chunk_bytes, zstd_level=1,
+                            byte_shuffle=cfg.byte_shuffle)
+    ranges = shard_ranges(delta.numel(), n_shards, codec)
+    ours = encoder.encode_parts(delta, ranges, 0.0, feedback)
+    theirs = trainer.encode_shards(ranges) if n_shards > 1 else [trainer.encode()]
+    assert len(ours[0].frames) > 1
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.frames == b.frames and a.digest == b.digest
+        assert (a.chunk_elements, a.shuffled, a.zstd_level) == (b.chunk_elements, b.shuffled, b.zstd_level)
+    start, stop = ranges[0]
+    other = encoder.encode(-0.5 * delta[start:stop], 0.0)
+    pieces = {"node-a": (ours[0].own, 3.0), "node-b": (other.own, 1.0)}
+    mine, daemon = encoder.reduce(pieces, 0.0), trainer.reduce_shard(pieces)
+    assert mine.frames == daemon.frames and mine.weight == daemon.weight == 4.0

@@ -5,9 +5,10 @@ callers only), `closed` (--secret-file) and `twin`, which nobody talks to. A sin
 training is deterministic given its id and seeds, so all three must end with one param_digest.
 
 The open and closed nodes bootstrap from a *pacer*: a fake peer served from this test process
-that answers their heartbeats and never contributes. Each round therefore waits its
---sync-timeout for the pacer and closes with the node's own contribution alone: the nodes keep
-training, one round per deadline, for as long as the fuzzing lasts. Hypothesis sends garbage
+that answers their heartbeats and never contributes. While it reports the node's own round, the
+node waits for its contribution; every few seconds it reports a round far ahead instead, so the
+node stops expecting it and closes the round with its own contribution alone. So the nodes keep
+training, one round per step, and never finish their last round while the fuzzing lasts. Hypothesis sends garbage
 bytes, messages of the wrong type and hostile fields (huge counts, zstd bombs, NaN/Inf payloads,
 wrong rounds, forged proofs, oversized strings) to every method. After every example the node
 still answers Status and has averaged nobody's contribution but its own; every hostile call ends
@@ -48,6 +49,7 @@ from procutil import Node, poll
 from neuronode import checkpoint
 from neuronode.codec import get_codec
 from neuronode.security import auth
+from neuronode.status import from_data_dir as status_of
 from neuronode.swarm.security import AUTH_KEY, Security
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
@@ -59,8 +61,9 @@ NODE_ID = "fuzzed"
 SWARM = "fuzz-swarm"
 PACER = "pacer"
 ROGUE = "rogue"  # the fuzzer's own peer identity: it said Hello, so its streams are read deeply
-ROUNDS = 24
-SYNC_TIMEOUT_S = 8  # one round per deadline while the pacer lives: ROUNDS x this covers the fuzzing
+ROUNDS = 12
+STEP_S = 3.0  # the pacer lets one round close every STEP_S seconds, and never the last one
+SYNC_TIMEOUT_S = 300  # so rounds close when the pacer says, never at a deadline
 NODE_ARGS = (
     "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "5", "--rounds", str(ROUNDS), "--node-id", NODE_ID, "--swarm-id", SWARM,
@@ -81,7 +84,7 @@ REQUEST_TYPES: dict[str, type[Message]] = {
 # INVALID_ARGUMENT is what the node says when it catches that itself.
 UNDECODABLE = {Code.UNKNOWN, Code.INTERNAL, Code.INVALID_ARGUMENT}
 MAX_DETAILS_CHARS = 4096  # a refusal explains itself; it never echoes megabytes back
-FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=False,
+FUZZ = settings(max_examples=50, deadline=None, database=None, derandomize=False,
                 suppress_health_check=list(HealthCheck))
 
 
@@ -89,8 +92,10 @@ FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=False
 
 
 class Pacer(pb_grpc.NodeServicer):
-    """Answers the node's heartbeats as a live peer of its round and never contributes, so each
-    round waits for it until the deadline. Setting `leaving` makes it answer that it leaves."""
+    """Answers the node's heartbeats as a live peer that never contributes. It holds the node in
+    round `hold_at()` (a peer of the node's round is waited for) and lets earlier rounds close
+    (a peer far ahead is not); the hold moves up one round every STEP_S seconds, up to the last
+    round. Setting `leaving` makes it answer that it leaves: the node then finishes."""
 
     def __init__(self, secret: bytes) -> None:
         self.server = grpc.server(ThreadPoolExecutor(2))
@@ -99,15 +104,20 @@ class Pacer(pb_grpc.NodeServicer):
         self.security = Security(node_id=PACER, swarm_id=SWARM, secret=secret)
         self.leaving = threading.Event()
         self.node_info: pb.NodeInfo | None = None  # the node's own, from its latest heartbeat
-        self.heard_at = 0.0
+        self.heard_at = self.first_heard_at = 0.0
         self.server.start()
+
+    def hold_at(self) -> int:
+        return min(int((time.monotonic() - self.first_heard_at) / STEP_S), ROUNDS - 1)
 
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
         self.node_info, self.heard_at = request.info, time.monotonic()
+        self.first_heard_at = self.first_heard_at or self.heard_at
+        held = request.info.round >= self.hold_at()
         tag, ts = self.security.hello_proof(self.address)
         info = pb.NodeInfo(node_id=PACER, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
                            manifest_hash=request.info.manifest_hash, advertise=self.address,
-                           round=request.info.round, leaving=self.leaving.is_set())
+                           round=request.info.round + (0 if held else 5), leaving=self.leaving.is_set())
         return pb.HelloResponse(info=info, auth_tag=tag, timestamp_s=ts)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
@@ -130,14 +140,14 @@ class Target:
     pacer: Pacer
     channel: grpc.Channel
     secret: bytes = b""
-    refused: tuple[str, ...] = ()  # addresses nobody listens on, for fake peers to advertise
+    fakes: tuple[str, ...] = ()  # for fake peers to advertise: a sink, then a refused port
     manifest: str = ""
     n_params: int = 0
     members: set[str] = field(default_factory=set)  # ids the node took as peers (Hello OK)
 
     @property
     def addresses(self) -> tuple[str, ...]:
-        return (*self.refused, self.node.address, "", "unix:/nonexistent/fuzz", "[::1]:1", "é" * 20)
+        return (*self.fakes, self.node.address, "", "unix:/nonexistent/fuzz", "[::1]:1", "é" * 20)
 
     def proof(self, node_id: str, method: str) -> tuple[tuple[str, str], ...] | None:
         return Security(node_id=node_id, swarm_id=SWARM, secret=self.secret).metadata(method)
@@ -159,9 +169,10 @@ class Target:
         return OK, "", out
 
     def hello_as(self, node_id: str) -> None:
-        """Say a well-formed Hello as `node_id` (with a proof on the closed node)."""
+        """Say a well-formed Hello as `node_id` (with a proof on the closed node), from a round so
+        far ahead that the node never waits for us."""
         info = pb.NodeInfo(node_id=node_id, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
-                           manifest_hash=self.manifest, advertise=self.refused[0])
+                           manifest_hash=self.manifest, advertise=self.fakes[0], round=2**40)
         code, details, _ = self.call("Hello", [pb.HelloRequest(info=info).SerializeToString()],
                                      metadata=self.proof(node_id, "Hello"))
         assert code == OK, f"{self.name} refused a well-formed Hello from {node_id}: {code} {details}"
@@ -175,21 +186,25 @@ class Target:
         assert code == OK, f"{self.name} stopped answering Status: {code} {details}"
         status = pb.StatusResponse.FromString(out[0])
         assert status.node_id == NODE_ID
-        assert status.round < ROUNDS, (
-            f"{self.name} finished its {ROUNDS} rounds before the fuzzing did (the pacer at "
-            f"{self.pacer.address} should hold each round for {SYNC_TIMEOUT_S} s); raise ROUNDS")
+        assert status.round < ROUNDS, f"{self.name} finished its rounds while its pacer held the last one"
         assert set(status.last_round_contributor_ids) <= {NODE_ID}, status.last_round_contributor_ids
         return status
 
 
-def refused_sockets(n: int) -> list[socket.socket]:
-    """Bound sockets that never listen: dialing them is refused at once."""
-    socks = []
-    for _ in range(n):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        socks.append(sock)
-    return socks
+class Sink(pb_grpc.NodeServicer):
+    """Where the fuzzer's own peer identities live: refuses every call with a status the node
+    does not retry, so its pushes to them end at once."""
+
+    def __init__(self) -> None:
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        pb_grpc.add_NodeServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def _refuse(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(Code.FAILED_PRECONDITION, "a sink")
+
+    Hello = Leave = PushContribution = Status = FetchState = CheckReachable = _refuse
 
 
 def n_params_of(node: Node) -> int:
@@ -211,8 +226,9 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     secret_file = tmp / "swarm.secret"
     secret_file.write_bytes(secret + b"\n")
     secret_file.chmod(0o600)
-    socks = refused_sockets(2)
-    refused = tuple(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+    sink, refused = Sink(), socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, never listening: dialing it is refused at once
+    fakes = (sink.address, f"127.0.0.1:{refused.getsockname()[1]}")
     twin = Node(tmp, "twin", *NODE_ARGS)
     targets: dict[str, Target] = {}
     for name, key in (("open", b""), ("closed", secret)):
@@ -220,10 +236,12 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
         extra = ("--secret-file", str(secret_file)) if key else ()
         node = Node(tmp, name, *NODE_ARGS, *extra, "--peers", pacer.address)
         channel = grpc.insecure_channel(node.address, options=CHANNEL_OPTIONS)
-        targets[name] = Target(name, node, pacer, channel, secret=key, refused=refused)
+        targets[name] = Target(name, node, pacer, channel, secret=key, fakes=fakes)
     try:
         for proc in (twin, *(t.node for t in targets.values())):
             proc.start()
+        assert twin.proc is not None
+        os.setpriority(os.PRIO_PROCESS, twin.proc.pid, 10)  # the fuzzed nodes start first
         for t in targets.values():
             poll(f"{t.name} to train and meet its pacer",
                  lambda t=t: t.pacer.node_info is not None and n_params_of(t.node), timeout_s=120)
@@ -238,8 +256,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
             t.pacer.server.stop(0)
             t.node.kill()
         twin.kill()
-        for sock in socks:
-            sock.close()
+        sink.server.stop(0)
+        refused.close()
 
 
 # ---- oracles: what the node must answer (docs/protocol.md, "What is refused") -------------------
@@ -380,11 +398,17 @@ def test_garbage_and_wrong_message_types_on_every_method(nodes: Fuzzed, data: st
     t.assert_alive()
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=80)
 @given(data=st.data(), method=st.sampled_from([m for m in METHODS if m != "PushContribution"]))
 def test_hostile_unary_requests(nodes: Fuzzed, data: st.DataObject, method: str) -> None:
     t = nodes.open
-    blob = data.draw(small_requests(t, method)).SerializeToString()
+    msg = data.draw(small_requests(t, method))
+    if isinstance(msg, pb.HelloRequest) and hello_verdict(t, msg) == {OK} and msg.info.advertise != t.node.address:
+        # The node will push its contributions to this new peer and retry an address that does
+        # not answer until --sync-timeout (and wait for those pushes when it exits): give it
+        # the sink's. Garbage addresses still travel in known_peers and refused Hellos.
+        msg.info.advertise = t.fakes[0]
+    blob = msg.SerializeToString()
     code, details, out = t.call(method, [blob])
     check_answer(t, method, [blob], code, details, out)
     t.assert_alive()
@@ -700,7 +724,7 @@ def test_handpicked_hostile_requests(nodes: Fuzzed) -> None:
         ("Leave", [pb.StatusResponse(node_id=LONG).SerializeToString()], {OK, *UNDECODABLE}),
     ]
     flood = pb.HelloRequest(info=pb.NodeInfo(node_id="fz-flood", swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
-                                             manifest_hash=t.manifest, advertise=t.refused[1]))
+                                             manifest_hash=t.manifest, advertise=t.fakes[0]))
     flood.known_peers.extend(pb.PeerRecord(node_id=f"fz-{i}", address=f"unix:/nonexistent/flood-{i}")
                              for i in range(10_000))
     cases.append(("Hello", [flood.SerializeToString()], {OK}))
@@ -718,7 +742,7 @@ def test_refusals_never_echo_unbounded_strings(nodes: Fuzzed) -> None:
     t = nodes.open
     huge = "s" * 1_000_000
     hello = pb.HelloRequest(info=pb.NodeInfo(node_id="fz-huge", swarm_id=huge, protocol_version=PROTOCOL_VERSION,
-                                             manifest_hash=t.manifest, advertise=t.refused[0]))
+                                             manifest_hash=t.manifest, advertise=t.fakes[0]))
     chunk = pb.ContributionChunk(sender_id=ROGUE, swarm_id=huge)
     for method, blob in (("Hello", hello.SerializeToString()), ("PushContribution", chunk.SerializeToString())):
         code, details, _ = t.call(method, [blob])
@@ -764,7 +788,7 @@ def honest_request(t: Target, method: str) -> list[bytes]:
         return [c.SerializeToString() for c in hostile_stream(t, Plan("bf16", 2, True, 3, (), None))]
     msg: Message = {
         "Hello": pb.HelloRequest(info=pb.NodeInfo(node_id=ROGUE, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
-                                                  manifest_hash=t.manifest, advertise=t.refused[0])),
+                                                  manifest_hash=t.manifest, advertise=t.fakes[0])),
         "Leave": pb.LeaveRequest(node_id=ROGUE, swarm_id=SWARM), "Status": pb.StatusRequest(),
         "FetchState": pb.StateRequest(node_id=ROGUE, swarm_id=SWARM),
         "CheckReachable": pb.ReachRequest(node_id=ROGUE, swarm_id=SWARM),
@@ -772,7 +796,7 @@ def honest_request(t: Target, method: str) -> list[bytes]:
     return [msg.SerializeToString()]
 
 
-@settings(FUZZ, max_examples=80)
+@settings(FUZZ, max_examples=60)
 @given(data=st.data(), method=st.sampled_from(METHODS), honest=st.booleans())
 def test_closed_node_refuses_every_call_without_a_valid_proof(nodes: Fuzzed, data: st.DataObject,
                                                                method: str, honest: bool) -> None:
@@ -796,7 +820,7 @@ def test_closed_node_refuses_every_call_without_a_valid_proof(nodes: Fuzzed, dat
 MEMBER_SERIALS = itertools.count()
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=30)
 @given(plan=PLANS)
 def test_closed_node_refuses_hostile_contributions_from_members(nodes: Fuzzed, plan: Plan) -> None:
     """A member (valid proofs, valid contribution tag) sending broken content is refused like
@@ -867,9 +891,9 @@ def test_fuzzed_nodes_finish_bit_identical_to_their_untouched_twin(nodes: Fuzzed
                    metadata=t.proof(member, "Leave"))
     everyone = [nodes.open.node, nodes.closed.node, nodes.twin]
     for node in everyone:
-        assert node.wait(120) == 0, f"{node.name}:\n{node.log()[-4000:]}"
-    with ThreadPoolExecutor(len(everyone)) as pool:  # `neuronode status --data-dir`, concurrently
-        statuses = dict(zip([n.name for n in everyone], pool.map(lambda n: n.status(), everyone), strict=True))
+        assert node.wait(90) == 0, f"{node.name}:\n{node.log()[-4000:]}"
+    # What `neuronode status --data-dir` prints, read in this process (saves three torch imports).
+    statuses = {node.name: status_of(node.data_dir) for node in everyone}
     for name, status in statuses.items():
         assert status["round"] == ROUNDS, (name, status["round"])
         assert status["last_round_contributor_ids"] == [NODE_ID], (name, status)

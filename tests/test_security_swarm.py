@@ -82,8 +82,10 @@ def wait_all(nodes: Iterable[Node], timeout_s: float) -> None:
 def test_wrong_secret_is_refused_by_every_member_and_never_averaged(tmp_path: Path) -> None:
     good = write_secret(tmp_path / "swarm.secret", "s1-" + "a" * 40)
     bad = write_secret(tmp_path / "other.secret", "s2-" + "b" * 40)
+    # A's round-0 contribution reaches members that join later only while its push window
+    # (--sync-timeout) is open: a long one leaves B and C ample time to start on a busy machine.
     member = ("--swarm-id", "closed", "--secret-file", str(good), "--rounds", "3",
-              "--min-peers", "3", "--sync-timeout", "60", *SMALL)
+              "--min-peers", "3", "--sync-timeout", "240", *SMALL)
     a = Node(tmp_path, "a", *member)
     b = Node(tmp_path, "b", *member, "--peers", a.address)
     c = Node(tmp_path, "c", *member, "--peers", a.address)
@@ -92,7 +94,8 @@ def test_wrong_secret_is_refused_by_every_member_and_never_averaged(tmp_path: Pa
     nodes = [a, b, c, x]
     try:
         a.start()
-        # Loopback Status needs no proof (local health checks), even in a closed swarm.
+        # Loopback Status needs no proof (local health checks), even in a closed swarm. A waits
+        # for two more members (--min-peers 3), so X is sure to find it serving and be refused.
         poll("a to serve", lambda: a.status(live=True), timeout_s=90)
         for node in (x, b, c):
             node.start()
@@ -137,7 +140,8 @@ def test_tls_swarm_admits_its_ca_only(tmp_path: Path, capsys: pytest.CaptureFixt
     a_tls, b_tls = issue(ca1, tmp_path / "certs", "a"), issue(ca1, tmp_path / "certs", "b")
     x_tls = issue(ca2, tmp_path / "xcerts", "x")
     capsys.readouterr()  # what `ca` printed
-    member = ("--swarm-id", "tls", "--rounds", "2", "--min-peers", "2", "--sync-timeout", "60",
+    # B joins after the status checks; --sync-timeout leaves it ample time to get A's round 0.
+    member = ("--swarm-id", "tls", "--rounds", "2", "--min-peers", "2", "--sync-timeout", "240",
               *SMALL)
     a = Node(tmp_path, "a", *member, *a_tls)
     b = Node(tmp_path, "b", *member, *b_tls, "--peers", a.address)

@@ -28,10 +28,10 @@ previous round has finished. Hashing the result (to compare replicas) is not tim
 
 Bytes, per parameter: `payload_bytes_per_param` is one encoded full contribution: the frame
 bytes (zstd output or raw codec payload, without gRPC/protobuf framing) of all of one node's
-shards, its own included (all-to-all: its one contribution); the smallest over workers and
-rounds. `wire_bytes_per_param` is everything one node sends in a round, message framing
-included, averaged over workers and rounds: about (N-1) x payload for all-to-all, 2(N-1)/N x
-payload for reduce-scatter.
+shards, its own included (all-to-all: its one contribution). `wire_bytes_per_param` is
+everything one node sends in a round, message framing included. Both are means over the same
+workers and timed rounds, so their ratio means something even when auto zstd varies the
+level: about (N-1) x payload for all-to-all, 2(N-1)/N x payload for reduce-scatter.
 
 `--zstd-level -1` (auto) chooses the level per encode as the daemon does
 (`neuronode.trainer.auto_zstd_level`, from the node's last push rate and our last zstd rate);
@@ -251,7 +251,8 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
     round_s = slowest("seconds")
     digests_agree = all(len({rounds[k]["sha256"] for rounds in timed}) == 1 for k in range(n_rounds))
     contributors = min(r["contributors"] for r in every)
-    payload = min(r["payload_bytes"] for r in every)
+    # Both means over the same worker-rounds: with auto zstd the level, so the size, may vary.
+    payload = statistics.fmean(r["payload_bytes"] for r in every)
     sent = statistics.fmean(r["bytes_sent"] for r in every)
     cpu_s = [sum(rounds[k]["cpu_s"] for rounds in timed) for k in range(n_rounds)]
     seconds = statistics.median(round_s)

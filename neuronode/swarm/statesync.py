@@ -152,7 +152,7 @@ class Donor:
         self.security = security
         self.provider = provider
         self.manifest_hash = manifest_hash
-        self.zstd_level = zstd_level
+        self.zstd_level = zstd_level if zstd_level >= 0 else 1  # auto: 1 (state moves rarely)
         self.executor = executor
         self.active = 0
         self.served = 0

@@ -1,0 +1,48 @@
+"""State transfer between two real SwarmNodes: verified, and served with the daemon's default
+(auto) zstd level."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from neuronode.state import GlobalState
+from neuronode.swarm.node import SwarmConfig, SwarmNode
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("zstd_level", [-1, 0, 3])
+async def test_fetch_state_verified(zstd_level: int) -> None:
+    n = 300_000
+    params = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    momentum = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    import hashlib
+
+    digest = hashlib.sha256(params.numpy().astype("<f4").tobytes()).hexdigest()
+    state = GlobalState(round=7, param_digest=digest, params=params, momentum=momentum, inner_steps_total=350)
+
+    def cfg(node_id: str, peers: tuple[str, ...] = ()) -> SwarmConfig:
+        return SwarmConfig(node_id=node_id, swarm_id="t", manifest_hash="m", n_elements=n,
+                           listen="127.0.0.1:0", advertise="", peers=peers, heartbeat_s=0.2,
+                           zstd_level=zstd_level)
+
+    with ThreadPoolExecutor(2) as pool:
+        donor = SwarmNode(cfg("donor"), executor=pool, state_provider=lambda: state)
+        address = await donor.start()
+        joiner = SwarmNode(cfg("joiner", (address,)), executor=pool)
+        await joiner.start()
+        try:
+            for _ in range(100):
+                if joiner.table.alive() and donor.table.alive():
+                    break
+                await asyncio.sleep(0.1)
+            got = await joiner.fetch_state(["donor"])
+        finally:
+            await joiner.stop()
+            await donor.stop()
+    assert got is not None
+    assert got.round == 7 and got.inner_steps_total == 350 and got.param_digest == digest
+    assert torch.equal(got.params, params) and got.momentum is not None and torch.equal(got.momentum, momentum)
