@@ -89,10 +89,16 @@ def add_bench_parser(sub: Any) -> None:
     sync.add_argument("--params", type=float, default=10e6, help="parameters P (default: 10e6)")
     sync.add_argument("--codec", default="fp32", choices=("fp32", "fp16", "bf16", "int8", "int4"),
                       help="wire codec (default: fp32)")
-    sync.add_argument("--averaging", default="all-to-all", choices=("all-to-all",),
-                      help="averaging scheme (default: all-to-all)")
+    sync.add_argument("--averaging", default="all-to-all", choices=("all-to-all", "reduce-scatter"),
+                      help="averaging scheme, as the daemon's --averaging (default: all-to-all)")
     sync.add_argument("--rounds", type=int, default=3, help="rounds timed; the median is reported (default: 3)")
-    sync.add_argument("--zstd-level", type=int, default=1, help="zstd level (default: 1)")
+    sync.add_argument("--zstd-level", type=int, default=-1,
+                      help="zstd level: -1 auto as the daemon (off when the link outruns zstd), 0 off, "
+                           "up to 22 (default: -1)")
+    sync.add_argument("--byte-shuffle", action=argparse.BooleanOptionalAction, default=NodeConfig.byte_shuffle,
+                      help="split float bytes into planes before zstd, as the daemon (default: on)")
+    sync.add_argument("--chunk-bytes", type=int, default=NodeConfig.chunk_bytes,
+                      help=f"encoded bytes per chunk, as the daemon (default: {NodeConfig.chunk_bytes})")
     sync.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
     sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
 

@@ -84,14 +84,15 @@ def make_aggregator(cfg: NodeConfig) -> Any:
 SLOW_LINK_BYTES_PER_S = 10e6  # 80 Mbit/s: below this, every byte saved counts
 
 
-def auto_zstd_level(link_bytes_per_s: float, compress_bytes_per_s: float) -> int:
+def auto_zstd_level(link_bytes_per_s: float, compress_bytes_per_s: float, *, capped: bool = False) -> int:
     """--zstd-level auto: skip zstd when the link is faster than we compress (it would be the
-    bottleneck), compress harder on slow home links, level 1 otherwise or when unmeasured."""
+    bottleneck), level 1 otherwise or when unmeasured; level 3 only on a known slow link
+    (an upload cap under 80 Mbit/s), since a measured push rate also reflects a busy receiver."""
     if link_bytes_per_s <= 0 or compress_bytes_per_s <= 0:
         return 1
     if link_bytes_per_s > compress_bytes_per_s:
         return 0
-    return 3 if link_bytes_per_s < SLOW_LINK_BYTES_PER_S else 1
+    return 3 if capped and link_bytes_per_s < SLOW_LINK_BYTES_PER_S else 1
 
 
 @dataclass
@@ -193,7 +194,8 @@ class Trainer:
         digest = ContributionDigest()
         level = self.cfg.zstd_level
         if level < 0:
-            level = auto_zstd_level(link_bytes_per_s, self.compress_rate)
+            level = auto_zstd_level(link_bytes_per_s, self.compress_rate,
+                                    capped=self.cfg.max_upload_mbps > 0)
         # Byte planes compress better for float codecs (measured: fp32 1.11x -> 1.27x, bf16
         # 1.29x -> 1.47x with zstd 1); int codecs have one-byte elements, nothing to split.
         shuffle = self.cfg.byte_shuffle and self.codec.shuffle_width > 1 and level > 0
@@ -257,6 +259,11 @@ class Trainer:
             self.param_digest = self.engine.param_digest()
         self.validate()
         return self.param_digest
+
+    def restart_from_global(self) -> None:
+        """Working weights back to the global parameters (overlap's first round)."""
+        with self.global_lock:
+            self.engine.load_flat_global(self.engine.flat_global())
 
     def snapshot(self) -> GlobalState:
         """The global state for a joiner (called from a worker thread while we may train)."""

@@ -472,7 +472,9 @@ class SwarmNode:
                     metadata=self.security.metadata("PushContribution"))
                 elapsed = time.monotonic() - started
                 size = sum(len(f.data) for f in out.frames)
-                self.push_rate = size / max(elapsed, 1e-6)  # bytes/s of the latest push
+                rate = size / max(elapsed, 1e-6)
+                # Smoothed: one slow push (a busy receiver) should not flip the zstd level.
+                self.push_rate = rate if not self.push_rate else 0.7 * self.push_rate + 0.3 * rate
                 logger.debug("round %d: sent to %s", out.round_id, peer_id)
                 return
             except grpc.aio.AioRpcError as exc:
