@@ -101,6 +101,10 @@ def add_bench_parser(sub: Any) -> None:
                       help=f"encoded bytes per chunk, as the daemon (default: {NodeConfig.chunk_bytes})")
     sync.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
     sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
+    from neuronode.bench import quality, utilization  # stdlib-only modules: cheap to import
+
+    quality.add_parser(kinds)
+    utilization.add_parser(kinds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,8 +159,12 @@ def run_bench(args: argparse.Namespace, parser: Parser) -> int:
         from neuronode.bench.sync import run_sync_bench
 
         result = run_sync_bench(args)
+    elif args.bench in ("quality", "utilization"):
+        from neuronode.bench import quality, utilization
+
+        result = (quality if args.bench == "quality" else utilization).run(args)
     else:
-        raise UsageError("neuronode bench: choose a benchmark: sync")
+        raise UsageError("neuronode bench: choose a benchmark: sync, quality or utilization")
     print(json.dumps(result, sort_keys=True))
     return 0
 

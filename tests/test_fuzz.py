@@ -62,7 +62,7 @@ SWARM = "fuzz-swarm"
 PACER = "pacer"
 ROGUE = "rogue"  # the fuzzer's own peer identity: it said Hello, so its streams are read deeply
 ROUNDS = 8
-STEP_S = 6.0  # the pacer lets one round close every STEP_S seconds, and never the last one
+STEP_S = 3.0  # the pacer lets one round close every STEP_S seconds, and never the last one
 SYNC_TIMEOUT_S = 300  # so rounds close when the pacer says, never at a deadline
 NODE_ARGS = (
     "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
@@ -93,9 +93,11 @@ FUZZ = settings(max_examples=50, deadline=None, database=None, derandomize=False
 
 class Pacer(pb_grpc.NodeServicer):
     """Answers the node's heartbeats as a live peer that never contributes. It holds the node in
-    round `hold_at()` (a peer of the node's round is waited for) and lets earlier rounds close
-    (a peer far ahead is not); the hold moves up one round every STEP_S seconds, up to the last
-    round. Setting `leaving` makes it answer that it leaves: the node then finishes."""
+    round `hold_at()` and lets earlier rounds close: a node in round r waits for peers in rounds
+    r-1..r+1 (docs/protocol.md), so the pacer reports r to hold it and r+2 to let it go; r+2 still
+    holds round r+1 should the node get there before its next heartbeat. The hold moves up one
+    round every STEP_S seconds, up to the last round. Setting `leaving` makes it answer that it
+    leaves: the node then finishes."""
 
     def __init__(self, secret: bytes) -> None:
         self.server = grpc.server(ThreadPoolExecutor(2))
@@ -117,7 +119,7 @@ class Pacer(pb_grpc.NodeServicer):
         tag, ts = self.security.hello_proof(self.address)
         info = pb.NodeInfo(node_id=PACER, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
                            manifest_hash=request.info.manifest_hash, advertise=self.address,
-                           round=request.info.round + (0 if held else 5), leaving=self.leaving.is_set())
+                           round=request.info.round + (0 if held else 2), leaving=self.leaving.is_set())
         return pb.HelloResponse(info=info, auth_tag=tag, timestamp_s=ts)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
