@@ -7,11 +7,11 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from procutil import neuronode_cmd
 
 from neuronode.bench import quality, utilization
 from neuronode.errors import ConfigError
@@ -31,9 +31,9 @@ UTILIZATION_KEYS = {
 
 
 def bench(kind: str, *flags: str, timeout_s: float) -> dict[str, Any]:
-    # Until cli.py wires `neuronode bench quality|utilization`, run the modules themselves; they
-    # take the same flags.
-    out = subprocess.run([sys.executable, "-m", f"neuronode.bench.{kind}", *flags, "--json"],
+    # The bench's own deadline comes first, so a hang fails with the node's log quoted.
+    flags = (*flags, "--timeout", str(timeout_s - 40))
+    out = subprocess.run(neuronode_cmd("bench", kind, *flags, "--json"),
                          capture_output=True, text=True, timeout=timeout_s, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
@@ -71,6 +71,18 @@ def test_utilization_tiny() -> None:
     assert all(0 < u <= 1 for u in result["utilization_per_node"])
     assert 0 < result["train_seconds"] <= result["round_seconds"]
     assert result["step_seconds"] == pytest.approx(result["train_seconds"] / 5, rel=0.01)
+
+
+def test_module_main_refuses_one_node(capsys: pytest.CaptureFixture[str]) -> None:
+    assert quality.main(["--nodes", "1", "--json"]) == 2
+    assert "--nodes 1" in capsys.readouterr().err
+
+
+def test_cli_refuses_one_node() -> None:
+    out = subprocess.run(neuronode_cmd("bench", "utilization", "--nodes", "1", "--json"),
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "--nodes 1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 def parse(module: Any, *flags: str) -> argparse.Namespace:

@@ -248,7 +248,7 @@ def test_dockerfile_image_shape() -> None:
     assert ("VOLUME", "/data") in tail
     assert {"7420", "9400"} <= {p for i, r in tail if i == "EXPOSE" for p in r.split()}
     assert dockerfile_json("ENTRYPOINT") == ["neuronode"]
-    assert dockerfile_json("CMD") == ["start", "--data-dir", "/data", "--listen", "0.0.0.0:7420"]
+    assert dockerfile_json("CMD") == ["start", "--data-dir", "/data", "--listen", "0.0.0.0:7420", "--open"]
     cfg = parse_start(dockerfile_json("CMD")[1:])
     health = dockerfile_json("HEALTHCHECK")
     assert health == ["neuronode", "status", "--peer", f"127.0.0.1:{cfg.listen.rsplit(':', 1)[1]}", "--json"]

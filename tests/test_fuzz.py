@@ -50,6 +50,7 @@ from neuronode import checkpoint
 from neuronode.codec import get_codec
 from neuronode.security import auth
 from neuronode.status import from_data_dir as status_of
+from neuronode.swarm.node import bound_digest
 from neuronode.swarm.security import AUTH_KEY, Security
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
@@ -687,7 +688,9 @@ def contribution_tag(t: Target, c: pb.ContributionChunk) -> str:
     codec = {v: k for k, v in CODEC_TO_PB.items()}.get(c.codec, "?")
     try:
         return auth.contribution_tag(t.secret, swarm_id=c.swarm_id, round_id=c.round_id, sender_id=c.sender_id,
-                                     contribution_digest=c.contribution_digest, codec=codec,
+                                     contribution_digest=bound_digest(c.contribution_digest, c.base_digest,
+                                                                      c.phase, c.shard_index, c.members,
+                                                                      c.contributors), codec=codec,
                                      weight=c.weight, total_elements=c.total_elements)
     except ValueError:  # a non-finite weight has no tag
         return "0" * 64

@@ -504,3 +504,29 @@ async def test_nodes_of_different_models_stay_apart(
     # Apart is a state that must last: check it across several heartbeats (redials included).
     await holds_for(lambda: not a.table.peers and not b.table.peers,
                     what="a and b to stay apart", duration_s=6 * HEARTBEAT_S)
+
+
+@pytest.mark.timeout(60)
+async def test_push_window_follows_min_peers_extension() -> None:
+    """A round kept open by --min-peers keeps pushing our contribution to peers that join late,
+    so neither side waits for the other forever."""
+    pool = ThreadPoolExecutor(2)
+    a = SwarmNode(swarm_config("a", sync_timeout_s=1.0, min_contributors=2), executor=pool)
+    await a.start()
+    b = None
+    try:
+        ex_a = asyncio.create_task(a.exchange(*encode("a", make_vector(1))))
+        # Let a's first deadline pass (it then waits alone for --min-peers) before b exists.
+        await asyncio.wait({ex_a}, timeout=2.5)
+        assert not ex_a.done()
+        b = SwarmNode(swarm_config("b", peers=(a.advertise,), sync_timeout_s=1.0, min_contributors=2),
+                      executor=pool)
+        await b.start()
+        got_b = await asyncio.wait_for(b.exchange(*encode("b", make_vector(2))), timeout=20)
+        got_a = await asyncio.wait_for(ex_a, timeout=20)
+        assert set(got_a) == set(got_b) == {"a", "b"}
+    finally:
+        await a.stop(grace_s=0.2)
+        if b is not None:
+            await b.stop(grace_s=0.2)
+        pool.shutdown()

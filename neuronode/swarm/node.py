@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import random
 import time
@@ -174,7 +175,8 @@ class SwarmNode:
         self.upload = UploadLimiter(cfg.max_upload_mbps)
         self.push_rate = 0.0  # bytes/s of the latest completed push (0: none yet)
         self.bans = Bans()
-        self.authenticated = self.security.enabled  # node ids are proven (a closed swarm)
+        # A closed swarm (secret or TLS); only the secret's per-call proofs bind node ids.
+        self.authenticated = self.security.enabled
         self.loopback_only = False  # protected mode: no authentication and no --open
         self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
         for address in cfg.peers:
@@ -420,7 +422,12 @@ class SwarmNode:
         logger.info("round %d: %s ready, sending to %d peers", round_id,
                     PHASE_NAMES[phase], len(targets) if targets is not None else len(self.table.alive()))
         deadline = time.monotonic() + self.cfg.sync_timeout_s
-        self._outbox[(phase, round_id)] = Outbox(out, targets, set(), deadline)
+        box = self._outbox[(phase, round_id)] = Outbox(out, targets, set(), deadline)
+
+        def extend() -> None:
+            box.deadline = time.monotonic() + self.cfg.sync_timeout_s
+            self._push_outbox_to_new_peers()
+
         for old in [k for k in self._outbox if k[1] < round_id - 1]:
             del self._outbox[old]
         self._push_outbox_to_new_peers()
@@ -432,7 +439,8 @@ class SwarmNode:
             return (targets & alive) | {self.cfg.node_id}
 
         got = await book.collect(round_id, expected=expected, timeout_s=self.cfg.sync_timeout_s,
-                                 min_contributors=self.cfg.min_contributors if own_phase == 0 else 1)
+                                 min_contributors=self.cfg.min_contributors if own_phase == 0 else 1,
+                                 on_extend=extend)
         kept = {k: c for k, c in got.items()
                 if c.base_digest == own.base_digest and c.members == own.members}
         for sender in sorted(set(got) - set(kept)):
@@ -488,7 +496,9 @@ class SwarmNode:
 
     async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[pb.ContributionChunk]:
         tag = self.security.contribution_tag(
-            round_id=out.round_id, sender_id=self.cfg.node_id, contribution_digest=out.digest,
+            round_id=out.round_id, sender_id=self.cfg.node_id,
+            contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
+                                             out.members, out.contributors),
             codec=out.codec, weight=out.weight, total_elements=out.n_elements)
         for frame in out.frames:
             if not self.faults.chunk_allowed(frame.index):
@@ -639,7 +649,7 @@ class SwarmNode:
                 if first is None:
                     if sender is not None:
                         sender.append(chunk.sender_id[:MAX_ID_CHARS])
-                    if self.bans.banned_for(f"node:{chunk.sender_id}") and self.authenticated:
+                    if proven_id and self.bans.banned_for(f"node:{proven_id}"):
                         raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
                     self._check_proof(chunk, proven_id)
                     assembler = self._open_stream(chunk)
@@ -685,7 +695,9 @@ class SwarmNode:
         try:
             self.security.check_contribution(
                 chunk.auth_tag, round_id=chunk.round_id, sender_id=chunk.sender_id,
-                contribution_digest=chunk.contribution_digest, codec=PB_TO_CODEC.get(chunk.codec, "?"),
+                contribution_digest=bound_digest(chunk.contribution_digest, chunk.base_digest, chunk.phase,
+                                                 chunk.shard_index, chunk.members, chunk.contributors),
+                codec=PB_TO_CODEC.get(chunk.codec, "?"),
                 weight=chunk.weight, total_elements=chunk.total_elements)
         except AuthError as exc:
             raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
@@ -781,6 +793,13 @@ class SwarmNode:
         }
 
 
+def bound_digest(digest: str, base_digest: str, phase: int, shard_index: int,
+                 members: Any, contributors: Any) -> str:
+    """Everything a contribution's tag must bind besides round, sender, codec, weight and size:
+    its payload digest, the parameters it started from and its reduce-scatter role."""
+    return json.dumps([digest, base_digest, int(phase), int(shard_index), list(members), list(contributors)])
+
+
 def payload_field_size(n: int) -> int:
     """Bytes a payload of n bytes takes in a serialized chunk: tag, length prefix, data."""
     return n + 1 + len(varint(n)) if n else 0
@@ -822,8 +841,9 @@ class NodeService(pb_grpc.NodeServicer):
     def caller_key(self, context: grpc.aio.ServicerContext, node_id: str = "") -> str:
         """Whom to blame for bad input: the node id when ids are authenticated (a closed
         swarm), else the caller's IP; loopback callers are never banned (they are local)."""
-        if node_id and self.node.authenticated:
-            return f"node:{node_id}"
+        proven = caller_id(context) if self.node.security.secret else ""
+        if proven:  # a proven id, never a claimed one: no member can get another banned
+            return f"node:{proven}"
         host = context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
         return "" if is_loopback(host) else f"ip:{host}"
 

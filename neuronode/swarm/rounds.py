@@ -119,6 +119,7 @@ class RoundBook:
         expected: Callable[[], set[str]],
         timeout_s: float,
         min_contributors: int = 1,
+        on_extend: Callable[[], None] | None = None,
     ) -> dict[str, Contribution]:
         """Wait until every expected sender contributed, or the deadline; then close the round."""
         deadline = time.monotonic() + timeout_s
@@ -141,6 +142,8 @@ class RoundBook:
                     round_id, len(have), min_contributors, timeout_s,
                 )
                 deadline = now + timeout_s
+                if on_extend is not None:
+                    on_extend()  # keep pushing our contribution to peers that join meanwhile
             try:
                 await asyncio.wait_for(changed.wait(), timeout=max(0.0, deadline - now))
             except TimeoutError:

@@ -13,6 +13,7 @@ Both can be combined. The pure HMAC and certificate code lives in neuronode/secu
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import grpc
 from neuronode.security import auth
 from neuronode.security.auth import AuthError
 from neuronode.swarm.wire import CHANNEL_OPTIONS
+
+logger = logging.getLogger(__name__)
 
 AUTH_KEY = "neuronode-auth"
 NODE_SERVICE_PREFIX = "/neuronode.v1.Node/"
@@ -145,6 +148,7 @@ def refuse(handler: Any, message: str) -> Any:
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
 
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        logger.warning("refused an unauthenticated call from %s: %s", context.peer(), message)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kwargs = {"request_deserializer": handler.request_deserializer,
@@ -153,6 +157,7 @@ def refuse(handler: Any, message: str) -> Any:
         return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
     if handler.response_streaming and not handler.request_streaming:
         async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            logger.warning("refused an unauthenticated call from %s: %s", context.peer(), message)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this an async generator
 
