@@ -1,0 +1,31 @@
+"""Reachability self-check: with --advertise set, a node asks a peer to dial it back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from procutil import Node, free_port, poll
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+
+def test_node_learns_whether_peers_can_dial_it_back(tmp_path: Path) -> None:
+    small = ("--inner-steps", "5", "--batch-size", "8")
+    a = Node(tmp_path, "a", *small)
+    good = Node(tmp_path, "good", *small, "--peers", a.address)
+    bad = Node(tmp_path, "bad", *small, "--peers", a.address)
+    nodes = [a, good, bad]
+    try:
+        a.start()
+        poll("a to serve", lambda: a.status(live=True), timeout_s=90)
+        good.start("--advertise", good.address)
+        # Advertise a port nobody listens on: what a volunteer behind NAT without forwarding sees.
+        bad.start("--advertise", f"127.0.0.1:{free_port()}")
+        poll("good to be reachable", lambda: good.status(live=True)["reachable"] == "yes", timeout_s=120)
+        poll("bad's warning", lambda: "cannot reach this node" in bad.log(), timeout_s=120)
+    finally:
+        for node in nodes:
+            node.kill()
+    assert "forward TCP port" in bad.log()
+    assert "dialed us back" in good.log()
