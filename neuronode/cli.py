@@ -100,6 +100,9 @@ def add_bench_parser(sub: Any) -> None:
     sync.add_argument("--chunk-bytes", type=int, default=NodeConfig.chunk_bytes,
                       help=f"encoded bytes per chunk, as the daemon (default: {NodeConfig.chunk_bytes})")
     sync.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
+    sync.add_argument("--secret-file", default="",
+                      help="run the nodes as a closed swarm with this secret, to measure the cost of "
+                           "authentication (default: none)")
     sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     from neuronode.bench import quality, utilization  # stdlib-only modules: cheap to import
 

@@ -116,6 +116,7 @@ class SyncBenchConfig:
     gloo: bool = True
     chunk_bytes: int = NodeConfig.chunk_bytes
     byte_shuffle: bool = NodeConfig.byte_shuffle
+    secret_file: str = ""  # closed swarm: HMAC proofs on every call and contribution
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -137,7 +138,8 @@ class SyncBenchConfig:
                    averaging=args.averaging, rounds=args.rounds, zstd_level=args.zstd_level,
                    gloo=not args.no_gloo,
                    chunk_bytes=getattr(args, "chunk_bytes", NodeConfig.chunk_bytes),
-                   byte_shuffle=getattr(args, "byte_shuffle", NodeConfig.byte_shuffle))
+                   byte_shuffle=getattr(args, "byte_shuffle", NodeConfig.byte_shuffle),
+                   secret_file=getattr(args, "secret_file", "") or "")
 
     @property
     def warmup_rounds(self) -> int:
@@ -455,12 +457,16 @@ class NodeWorker:
             first = self.workdir / "address-0"
             await wait_until("worker 0's address", first.exists, deadline=deadline)
             peers = (first.read_text().strip(),)
+        from neuronode.security.auth import load_secret
+        from neuronode.swarm.security import Security
+
+        secret = load_secret(self.cfg.secret_file) if self.cfg.secret_file else b""
         node = SwarmNode(SwarmConfig(
             node_id=self.node_id, swarm_id="bench", manifest_hash=f"bench-{self.cfg.params}",
             n_elements=self.cfg.params, listen="127.0.0.1:0", advertise="", peers=peers,
             sync_timeout_s=self.cfg.round_timeout_s, min_contributors=self.cfg.nodes,
             heartbeat_s=HEARTBEAT_S,
-        ), executor=self.codec_pool)
+        ), executor=self.codec_pool, security=Security(node_id=self.node_id, swarm_id="bench", secret=secret))
         address = await node.start()
         try:
             write_atomic(self.workdir / f"address-{self.index}", address)
