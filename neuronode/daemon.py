@@ -153,7 +153,7 @@ class Daemon:
         self.last_repair_round = -(10**9)
         self.utilization = 0.0
         self.pending: tuple[int, asyncio.Task[SyncResult]] | None = None  # --overlap: sync in flight
-        self.sync_started = 0.0
+        self.last_sync_s = 0.0
         self.metrics = Metrics(self.metrics_snapshot)
         self.stop_flag = threading.Event()  # seen by the training thread between steps
         self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
@@ -361,8 +361,11 @@ class Daemon:
                                    self.trainer.n_params, round_id)
 
     def start_sync(self, round_id: int, sync: Awaitable[SyncResult]) -> asyncio.Task[SyncResult]:
-        self.sync_started = time.monotonic()
-        return asyncio.get_running_loop().create_task(sync, name=f"sync-{round_id}")  # type: ignore[arg-type]
+        started = time.monotonic()
+        task = asyncio.get_running_loop().create_task(sync, name=f"sync-{round_id}")  # type: ignore[arg-type]
+        # How long the exchange itself took (with --overlap it ends long before we read it).
+        task.add_done_callback(lambda _: setattr(self, "last_sync_s", time.monotonic() - started))
+        return task
 
     async def finish_sync(self, round_id: int, exchange: asyncio.Task[SyncResult], stopped: asyncio.Event) -> bool:
         """Wait for a round's exchange (or a stop), then average and take the outer step."""
@@ -376,7 +379,7 @@ class Daemon:
             await asyncio.gather(exchange, return_exceptions=True)
             return False
         result = exchange.result()
-        sync_s = time.monotonic() - self.sync_started
+        sync_s = self.last_sync_s
         self.metrics.sync_seconds.observe(sync_s)
         self.phase = "outer step"
         if result.average is not None:

@@ -264,6 +264,7 @@ class Trainer:
         """Working weights back to the global parameters (overlap's first round)."""
         with self.global_lock:
             self.engine.load_flat_global(self.engine.flat_global())
+            self.engine.steps_this_round = self.engine.samples_this_round = 0
 
     def snapshot(self) -> GlobalState:
         """The global state for a joiner (called from a worker thread while we may train)."""
