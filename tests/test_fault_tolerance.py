@@ -87,7 +87,9 @@ def test_crash_restart_and_late_joiner(tmp_path: Path) -> None:
 
 
 def test_altered_replica_repairs_itself(tmp_path: Path) -> None:
-    a, b, c = start_swarm(tmp_path, ["a", "b", "c"], "--rounds", "7")
+    """c's parameters are altered while it is stopped; back in the (still running) swarm it sees
+    it is outside the winning lineage, downloads the state and agrees again."""
+    a, b, c = start_swarm(tmp_path, ["a", "b", "c"])  # run until stopped: the swarm must outlive c's restart
     try:
         poll("round 2 everywhere", lambda: min(done_round(n) for n in (a, b, c)) >= 2, timeout_s=240)
         assert c.proc is not None
@@ -101,23 +103,25 @@ def test_altered_replica_repairs_itself(tmp_path: Path) -> None:
         meta = dict(loaded.meta, param_digest="altered")
         loaded.path.unlink()
         checkpoint.save(c.data_dir, meta["round"], meta, loaded.state)
-        restart_round = meta["round"]
         c.start()
-        finish([a, b, c])
+        # Repaired, then two more rounds in agreement with a.
+        poll("c to repair", lambda: "adopted the swarm's state" in c.log().split("resumed from")[-1],
+             timeout_s=240)
+        repaired_at = max(rounds(c)) if rounds(c) else 0
+
+        def agreed_rounds() -> list[int]:
+            ca, cc = rounds(a), rounds(c)
+            return [r for r in cc if r in ca and cc[r][2] == ca[r][2] and r > repaired_at]
+
+        poll("two agreeing rounds after the repair", lambda: len(agreed_rounds()) >= 2, timeout_s=240)
     finally:
         for node in (a, b, c):
             node.kill()
     after_restart = c.log().split("resumed from")[-1]
-    assert "diverged from the swarm" in after_restart, after_restart
-    assert "adopted the swarm's state" in after_restart, after_restart
+    assert "diverged from the swarm" in after_restart or "behind the swarm" in after_restart, after_restart
     # Repaired within two rounds of coming back: at most two rounds of its own before adopting.
     before_repair = after_restart.split("adopted the swarm's state")[0]
     assert len(ROUND.findall(before_repair)) <= 2
-    c_rounds = rounds(c)
-    after = sorted(r for r in c_rounds if r > restart_round)
-    digests = {n.status()["param_digest"] for n in (a, b, c)}
-    assert len(digests) == 1
-    assert after and c_rounds[after[-1]][2] == rounds(a)[after[-1]][2]
 
 
 def test_partition_heals_to_one_model(tmp_path: Path) -> None:
