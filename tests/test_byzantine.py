@@ -63,8 +63,8 @@ ROUND_LINE = re.compile(r"round (\d+) done: .* contributors (\d+) ")
 
 
 # Importing torch, grpc and neuronode is ~85% of a small node's CPU (about 6 of 7 s here), and
-# these runs start 14 nodes on two shared cores. So each node is forked from a server that
-# imported them once; it then runs `neuronode start` exactly as the console script does.
+# these runs start 24 nodes on two shared cores. So each node is a process forked from a server
+# that imported them once; it then runs `neuronode start` exactly as the console script does.
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(["neuronode.cli", "neuronode.daemon", "torch._dynamo", "torch.optim",
                               __name__])
@@ -76,7 +76,7 @@ def run_cli(argv: list[str], log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives until exit
+    sys.stdout = sys.stderr = open(2, "w", buffering=1, closefd=False)  # open until the exit
     from neuronode.cli import main
 
     sys.exit(main(argv))
@@ -110,7 +110,8 @@ class Forked:
 
 
 class WarmNode(Node):
-    """A procutil.Node whose `neuronode start` is forked from the warm server."""
+    """A procutil.Node whose `neuronode start` is forked from the warm server (same arguments
+    as procutil.Node.start)."""
 
     def start(self, *more: str) -> WarmNode:
         argv = ["start", "--data-dir", str(self.data_dir), "--listen", self.address, *NODE_DEFAULTS,
@@ -141,8 +142,12 @@ class Swarm:
             self.nodes[-1].extra += ["--fault-file", str(plan)]
 
     def start(self) -> Swarm:
-        for node in self.nodes:
-            node.start()
+        try:
+            for node in self.nodes:
+                node.start()
+        except BaseException:
+            self.kill()
+            raise
         return self
 
     def finish(self) -> dict[str, dict[str, Any]]:
@@ -174,13 +179,8 @@ def honest_val_loss(statuses: dict[str, dict[str, Any]]) -> float:
 @pytest.fixture(scope="module")
 def val_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
     tmp = tmp_path_factory.mktemp("byzantine")
-    losses = {}
-    for name, (flags, lie) in SCENARIOS.items():
-        swarm = Swarm(tmp, name, flags, lie).start()
-        try:
-            losses[name] = honest_val_loss(swarm.finish())
-        finally:
-            swarm.kill()
+    losses = {name: honest_val_loss(Swarm(tmp, name, flags, lie).start().finish())
+              for name, (flags, lie) in SCENARIOS.items()}
     print(f"val_loss after {ROUNDS} rounds: {losses}")  # the measured numbers, shown with -s
     return losses
 

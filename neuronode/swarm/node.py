@@ -265,8 +265,11 @@ class SwarmNode:
 
     def check_info(self, info: pb.NodeInfo) -> None:
         """Refuse a peer of another swarm, protocol or model, with the fix in the message."""
-        if not info.node_id or len(info.node_id) > MAX_ID_CHARS or len(info.advertise) > MAX_ADDRESS_CHARS:
-            raise Refusal("INVALID_ARGUMENT", "hello needs a node id (at most 128 characters) and an address")
+        if (not info.node_id or len(info.node_id) > MAX_ID_CHARS or len(info.swarm_id) > MAX_ID_CHARS
+                or len(info.advertise) > MAX_ADDRESS_CHARS or len(info.manifest_hash) > MAX_ID_CHARS
+                or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64):
+            raise Refusal("INVALID_ARGUMENT", "hello needs a node id and swarm id of at most 128 characters, "
+                          "an address of at most 256, and at most 64 recent digests")
         if info.swarm_id != self.cfg.swarm_id:
             raise Refusal("FAILED_PRECONDITION",
                           f"swarm id mismatch: {info.node_id} is in swarm '{info.swarm_id}', this node "
@@ -862,14 +865,17 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str,
                      node_id: str = "") -> None:
+        message = str(exc)
+        if len(message) > 1024:  # never echo a caller's oversized strings back
+            message = message[:1000] + "... (truncated)"
         reason = exc.code.lower()
         self.node.counters.refusals[reason] = self.node.counters.refusals.get(reason, 0) + 1
         key = self.caller_key(context, node_id)
         if key and exc.code in ("INVALID_ARGUMENT", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED"):
             self.node.bans.strike(key)
         self.node.say(f"refused:{what}:{context.peer()}:{exc.code}", logging.WARNING,
-                      "refused %s from %s: %s", what, context.peer(), exc, every_s=60.0)
-        await context.abort(STATUS_CODES[exc.code], str(exc))
+                      "refused %s from %s: %s", what, context.peer(), message, every_s=60.0)
+        await context.abort(STATUS_CODES[exc.code], message)
 
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
         if self.node.leaving:
