@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy neuronode/diloco neuronode/codec neuronode/training
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
