@@ -281,6 +281,12 @@ class Daemon:
         runs in the background while round r+1 trains; its outer step is applied at the end of
         round r+1 (one-round-delayed outer step), and round r+2 starts from the result.
         """
+        plan = self.swarm.catch_up_plan()
+        if plan is not None and self.pending is not None and self.repair_due(plan):
+            # --overlap: our sync in flight belongs to a lineage we are about to leave.
+            self.pending[1].cancel()
+            await asyncio.gather(self.pending[1], return_exceptions=True)
+            self.pending = None
         if self.pending is None:
             await self.maybe_catch_up()
         round_id = self.rounds_trained()
@@ -400,12 +406,7 @@ class Daemon:
         """Before a round: if we are behind the swarm's winning lineage, or outside it, download
         the global state from one of its members and continue from there."""
         plan = self.swarm.catch_up_plan()
-        if plan is None:
-            return
-        if plan.reason == "diverged" and self.engine.round - self.last_repair_round < self.cfg.repair_cooldown:
-            self.swarm.say("repair-cooldown", logging.WARNING, "diverged from the swarm, but repaired "
-                           "at round %d; next repair after %d rounds", self.last_repair_round,
-                           self.cfg.repair_cooldown)
+        if plan is None or not self.repair_due(plan):
             return
         self.phase = "catching up"
         started = time.monotonic()
@@ -422,6 +423,15 @@ class Daemon:
         await self.save_checkpoint()
         logger.info("adopted the swarm's state at round %d in %.1fs (digest %s, val_loss %.4f)",
                     state.round, time.monotonic() - started, self.param_digest[:12], self.trainer.val_loss)
+
+    def repair_due(self, plan: Any) -> bool:
+        """Catching up is never delayed; a diverged replica repairs at most once per cooldown."""
+        if plan.reason == "diverged" and self.engine.round - self.last_repair_round < self.cfg.repair_cooldown:
+            self.swarm.say("repair-cooldown", logging.WARNING, "diverged from the swarm, but repaired "
+                           "at round %d; next repair after %d rounds", self.last_repair_round,
+                           self.cfg.repair_cooldown)
+            return False
+        return True
 
     def on_step(self, trainer: Trainer) -> None:
         """Called in the training thread after each inner step: live progress on a TTY."""
