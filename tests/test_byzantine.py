@@ -47,7 +47,7 @@ ROUNDS = 4
 SWARM_ARGS = (
     "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "10", "--rounds", str(ROUNDS), "--threads", "1", "--sync-timeout", "60",
-    "--swarm-id", "byzantine-drill",
+    "--swarm-id", "byzantine-drill", "--device", "cpu",  # even with a GPU: reproducible numbers
 )
 TRIMMED = ("--aggregator", "trimmed-mean", "--aggregator-option", "trim_fraction=0.2")
 MEDIAN = ("--aggregator", "median")

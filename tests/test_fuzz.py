@@ -70,7 +70,7 @@ SYNC_TIMEOUT_S = 300  # so rounds close when the pacer says, never at a deadline
 NODE_ARGS = (
     "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "5", "--rounds", str(ROUNDS), "--node-id", NODE_ID, "--swarm-id", SWARM,
-    "--sync-timeout", str(SYNC_TIMEOUT_S),
+    "--sync-timeout", str(SYNC_TIMEOUT_S), "--device", "cpu",  # bit-identical twins need the CPU
 )
 RPC_TIMEOUT_S = 20.0
 # The fuzzer reads whatever a refusal says, however long (grpc's client would cut it at 8 kB).
