@@ -419,7 +419,8 @@ class Daemon:
             return
         self.param_digest = await self.off_loop(self.train_pool, self.trainer.adopt, state)
         self.swarm.adopt(state.round, self.param_digest)
-        self.last_repair_round = self.engine.round
+        if plan.reason == "diverged":  # only repairs count toward the cooldown, not catch-ups
+            self.last_repair_round = self.engine.round
         await self.save_checkpoint()
         logger.info("adopted the swarm's state at round %d in %.1fs (digest %s, val_loss %.4f)",
                     state.round, time.monotonic() - started, self.param_digest[:12], self.trainer.val_loss)
