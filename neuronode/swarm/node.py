@@ -873,7 +873,8 @@ class NodeService(pb_grpc.NodeServicer):
         key = self.caller_key(context, node_id)
         if key and exc.code in ("INVALID_ARGUMENT", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED"):
             self.node.bans.strike(key)
-        self.node.say(f"refused:{what}:{context.peer()}:{exc.code}", logging.WARNING,
+        host = context.peer().rsplit(":", 1)[0]  # not the ephemeral port: one key per caller host
+        self.node.say(f"refused:{what}:{host}:{exc.code}", logging.WARNING,
                       "refused %s from %s: %s", what, context.peer(), message, every_s=60.0)
         await context.abort(STATUS_CODES[exc.code], message)
 
