@@ -326,7 +326,7 @@ class Daemon:
         and return the coroutine that exchanges and averages it."""
         base = self.trainer.param_digest  # the parameters this round started from
         if self.cfg.averaging == "reduce-scatter":
-            members = tuple(sorted(self.swarm.expected(round_id)))
+            members = await self.swarm.members(round_id, self.cfg.min_peers, give_up=self.stop_flag.is_set)
             ranges = shard_ranges(self.trainer.n_params, len(members), self.cfg.codec)
             shards = await self.off_loop(self.train_pool, self.trainer.encode_shards, ranges, self.link_rate())
             return self.reduce_scatter(round_id, members, ranges, shards, base)
@@ -365,6 +365,23 @@ class Daemon:
         averaged = await self.swarm.exchange(out, own_avg, members=members)
         return await self.off_loop(self.codec_pool, assemble_shards, averaged, members, ranges,
                                    self.trainer.n_params, round_id)
+
+    async def listened(self, round_id: int) -> SyncResult:
+        """The average of a round we only listen to (see maybe_catch_up)."""
+        if self.cfg.averaging != "reduce-scatter":
+            got = await self.swarm.listen(round_id)
+            by_node = {c.sender_id: (c.data, c.weight) for c in got.values()}
+            if by_node:
+                return SyncResult(contributions=by_node, contributors=sorted(by_node))
+        else:
+            averaged = await self.swarm.listen(round_id, phase=pb.PHASE_AVERAGED)
+            if averaged:
+                members = next(iter(averaged.values())).members
+                ranges = shard_ranges(self.trainer.n_params, len(members), self.cfg.codec)
+                return await self.off_loop(self.codec_pool, assemble_shards, averaged, members, ranges,
+                                           self.trainer.n_params, round_id)
+        logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id)
+        return SyncResult(contributors=[], average=torch.zeros(self.trainer.n_params))
 
     def start_sync(self, round_id: int, sync: Awaitable[SyncResult]) -> asyncio.Task[SyncResult]:
         started = time.monotonic()
@@ -418,7 +435,13 @@ class Daemon:
             logger.warning("no donor delivered the state; training on and trying again next round")
             return
         self.param_digest = await self.off_loop(self.train_pool, self.trainer.adopt, state)
-        self.swarm.adopt(state.round, self.param_digest)
+        # Under --overlap the swarm made its round-R contributions from the parameters before
+        # the ones we adopted at round R: we listen to round R (apply its average at the end of
+        # our first round, like everyone) and contribute from round R + 1 on.
+        listen = self.cfg.overlap
+        self.swarm.adopt(state.round, self.param_digest, contributes_from=state.round + 1 if listen else 0)
+        if listen:
+            self.pending = (state.round, self.start_sync(state.round, self.listened(state.round)))
         if plan.reason == "diverged":  # only repairs count toward the cooldown, not catch-ups
             self.last_repair_round = self.engine.round
         await self.save_checkpoint()
@@ -460,7 +483,7 @@ class Daemon:
             peers=self.cfg.peers, sync_timeout_s=self.cfg.sync_timeout, min_contributors=self.cfg.min_peers,
             heartbeat_s=self.cfg.heartbeat_s, first_round=self.engine.round,
             zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
-            max_upload_mbps=self.cfg.max_upload_mbps,
+            max_upload_mbps=self.cfg.max_upload_mbps, round_lag=2 if self.cfg.overlap else 1,
         )
 
     def status(self) -> dict[str, Any]:

@@ -53,7 +53,10 @@ def test_three_nodes_chain_bootstrap_identical_replicas(tmp_path: Path) -> None:
 
 
 def run_swarm(tmp: Path, names: list[str], *args: str) -> list[Node]:
+    """Start `names` together and wait until all exit. Each waits for all (--min-peers) before
+    closing a round, so no node trains round 0 alone while the others are still starting."""
     tmp.mkdir(parents=True, exist_ok=True)
+    args = (*args, "--min-peers", str(len(names)))
     first = Node(tmp, names[0], *args, "--node-id", names[0])
     nodes = [first] + [Node(tmp, n, *args, "--node-id", n, "--peers", first.address) for n in names[1:]]
     try:
@@ -93,3 +96,33 @@ def test_overlap_keeps_replicas_identical(tmp_path: Path) -> None:
     assert len({s["param_digest"] for s in statuses}) == 1
     assert all(s["round"] == 4 for s in statuses)
     assert all(0 < s["utilization"] <= 1 for s in statuses)
+
+
+@pytest.mark.parametrize("averaging", ["all-to-all", "reduce-scatter"])
+def test_overlap_late_joiner_listens_to_its_join_round_then_matches(tmp_path: Path, averaging: str) -> None:
+    """Under --overlap the swarm's round-R contributions come from the parameters before the
+    state a joiner adopts at round R. The joiner listens to round R (its peers do not wait for it
+    there), contributes from R + 1 on, and ends with the swarm's digest, with nobody repairing."""
+    args = ("--rounds", "20", "--inner-steps", "10", "--batch-size", "8", "--overlap",
+            "--averaging", averaging)
+    a = Node(tmp_path, "a", *args, "--node-id", "a")
+    b = Node(tmp_path, "b", *args, "--node-id", "b", "--peers", a.address)
+    try:
+        a.start()
+        poll("node a to finish two rounds", lambda: a.status(live=True)["round"] >= 2, timeout_s=120)
+        b.start()
+        for node in (a, b):
+            assert node.wait(300) == 0, f"{node.name}:\n{node.log()}"
+    finally:
+        for node in (a, b):
+            node.kill()
+    a_log, b_log = a.log(), b.log()
+    joined = re.search(r"adopted the swarm's state at round (\d+)", b_log)
+    assert joined, b_log
+    assert f"round {joined.group(1)}: listening to the swarm's" in b_log
+    statuses = [n.status() for n in (a, b)]
+    assert all(s["round"] == 20 for s in statuses)
+    assert statuses[0]["param_digest"] == statuses[1]["param_digest"]
+    assert statuses[1]["last_round_contributors"] == 2
+    for log in (a_log, b_log):
+        assert "diverged" not in log and "not averaging" not in log, log

@@ -23,6 +23,7 @@ class Peer:
     address: str
     round: int = 0
     param_digest: str = ""
+    contributes_from: int = 0  # first round it contributes to (see NodeInfo.contributes_from)
     digests: dict[int, str] = field(default_factory=dict)  # round -> param_digest
     last_seen: float = 0.0  # time.monotonic(); 0 = never heard from
     left: bool = False
@@ -43,7 +44,7 @@ class PeerTable:
 
     def heard_from(
         self, node_id: str, address: str, *, round: int, param_digest: str,
-        digests: dict[int, str], leaving: bool,
+        digests: dict[int, str], leaving: bool, contributes_from: int = 0,
     ) -> bool:
         """Record a message from a peer; True when the peer is new or came back."""
         if node_id == self.self_id:
@@ -59,6 +60,7 @@ class PeerTable:
             peer.address = address
             self.addresses.add(address)
         peer.round, peer.param_digest = round, param_digest
+        peer.contributes_from = contributes_from
         peer.digests.update(digests)
         for old in sorted(peer.digests)[:-RECENT_DIGESTS]:
             del peer.digests[old]

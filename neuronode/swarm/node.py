@@ -16,6 +16,7 @@ import json
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -91,6 +92,9 @@ class SwarmConfig:
     zstd_level: int = 1
     fault_file: str = ""
     max_upload_mbps: float = 0.0
+    # How far a peer's reported round may trail a round it will still contribute to: 1, or 2
+    # under --overlap (a node contributes to round r while round r-1's sync is still in flight).
+    round_lag: int = 1
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ class SwarmNode:
         self.counters = Counters()
         self.advertise = cfg.advertise
         self.round = cfg.first_round
+        self.contributes_from = 0  # NodeInfo.contributes_from: set when we only listen to a round
         self.param_digest = ""
         self.own_digests: dict[int, str] = {}
         self.agreement = "unknown"
@@ -257,6 +262,7 @@ class SwarmNode:
         return pb.NodeInfo(
             node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,
             manifest_hash=self.cfg.manifest_hash, advertise=self.advertise, round=self.round,
+            contributes_from=self.contributes_from,
             param_digest=self.param_digest, recent_digests=recent, leaving=self.leaving,
         )
 
@@ -292,17 +298,19 @@ class SwarmNode:
         digests = {d.round: d.param_digest for d in list(info.recent_digests)[-16:]}
         came = self.table.heard_from(
             info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
-            digests=digests, leaving=info.leaving,
+            digests=digests, leaving=info.leaving, contributes_from=info.contributes_from,
         )
         for rec in known[:MAX_PEERS_LISTED]:
             if (rec.node_id != self.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
                     and len(self.table.addresses) < MAX_KNOWN_ADDRESSES):
                 self.table.add_address(rec.address)
         self._contact.set()
-        if came:
-            self._push_outbox_to_new_peers()
-        if info.leaving:
+        # A new peer, or one that moved to another round, may now be owed an open round's push
+        # (or no longer be waited for): cheap to re-check on every message.
+        self._push_outbox_to_new_peers()
+        if came or info.leaving or info.round:
             self.book.notify()
+            self.gather_book.notify()
 
     async def _heartbeat_loop(self) -> None:
         unanswered_since: float | None = None
@@ -401,11 +409,23 @@ class SwarmNode:
     # ---- rounds ----------------------------------------------------------------------------
 
     def expected(self, round_id: int) -> set[str]:
-        """Peers whose contribution to `round_id` we wait for: live and not behind."""
+        """Peers whose contribution to `round_id` we wait for: live, not behind, and not only
+        listening to it."""
         # A peer two rounds ahead closed this round long ago; one round ahead may still be
         # streaming its contribution to us, so it stays expected.
-        ids = {p.node_id for p in self.table.alive() if round_id - 1 <= p.round <= round_id + 1}
+        ids = {p.node_id for p in self.table.alive()
+               if round_id - self.cfg.round_lag <= p.round <= round_id + 1 and p.contributes_from <= round_id}
         return ids | {self.cfg.node_id}
+
+    async def members(self, round_id: int, minimum: int, *, give_up: Callable[[], bool]) -> tuple[str, ...]:
+        """Reduce-scatter: the round's members (the expected peers and us, sorted), once there
+        are at least `minimum` (--min-peers) of them, or when `give_up()` says stop waiting."""
+        every = min(0.5, self.cfg.heartbeat_s)
+        while len(members := self.expected(round_id)) < minimum and not give_up():
+            self.say(f"members-{round_id}", logging.WARNING, "round %d: %d of --min-peers %d members; "
+                     "waiting for more", round_id, len(members), minimum)
+            await asyncio.sleep(every)
+        return tuple(sorted(members))
 
     async def exchange(
         self, out: Outgoing | dict[str, Outgoing], own: Contribution, *,
@@ -444,12 +464,30 @@ class SwarmNode:
         got = await book.collect(round_id, expected=expected, timeout_s=self.cfg.sync_timeout_s,
                                  min_contributors=self.cfg.min_contributors if own_phase == 0 else 1,
                                  on_extend=extend)
-        kept = {k: c for k, c in got.items()
-                if c.base_digest == own.base_digest and c.members == own.members}
+        return self._same_lineage(got, (own.base_digest, own.members), phase)
+
+    async def listen(self, round_id: int, *, phase: int = pb.PHASE_UNSPECIFIED) -> dict[str, Contribution]:
+        """Collect a round we do not contribute to (the round we joined in under --overlap):
+        the others' contributions, or their averaged shards (`phase` PHASE_AVERAGED)."""
+        book = self.book_for(phase)
+        logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
+                    round_id, PHASE_NAMES[phase], round_id + 1)
+        got = await book.collect(round_id, expected=lambda: self.expected(round_id) - {self.cfg.node_id},
+                                 timeout_s=self.cfg.sync_timeout_s, min_contributors=0)
+        # We have no base of our own for this round: follow the one most senders share.
+        lineages = Counter((c.base_digest, c.members) for c in got.values())
+        best = min(lineages, key=lambda k: (-lineages[k], k)) if lineages else ("", ())
+        return self._same_lineage(got, best, phase)
+
+    @staticmethod
+    def _same_lineage(got: dict[str, Contribution], lineage: tuple[str, tuple[str, ...]],
+                      phase: int) -> dict[str, Contribution]:
+        """Only contributions made from the same parameters, for the same members, are averaged."""
+        kept = {k: c for k, c in got.items() if (c.base_digest, c.members) == lineage}
         for sender in sorted(set(got) - set(kept)):
             logger.warning("round %d: not averaging %s's %s: it was made from other parameters or "
                            "another membership; the repair rule will reconcile us",
-                           round_id, sender, PHASE_NAMES[phase])
+                           got[sender].round_id, sender, PHASE_NAMES[phase])
         return kept
 
     def _push_outbox_to_new_peers(self) -> None:
@@ -460,10 +498,11 @@ class SwarmNode:
             for peer in self.table.alive():
                 if peer.node_id in box.pushed:
                     continue
-                if box.targets is None and peer.round + 1 < round_id:
+                if box.targets is None and peer.round + self.cfg.round_lag < round_id:
                     continue  # behind: it will catch up by state transfer instead
-                if box.targets is not None and peer.node_id not in box.targets:
-                    continue
+                listener = phase == pb.PHASE_AVERAGED and peer.contributes_from == round_id + 1
+                if box.targets is not None and peer.node_id not in box.targets and not listener:
+                    continue  # reduce-scatter: members, plus listeners for the averaged shards
                 out = box.for_peer(peer.node_id)
                 if out is None:
                     continue
@@ -534,6 +573,15 @@ class SwarmNode:
         for old in sorted(self.own_digests)[:-8]:
             del self.own_digests[old]
         self._update_agreement()
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell live peers our new round now, not at the next heartbeat: whom a peer waits for
+        depends on our round, and rounds can be shorter than a heartbeat period."""
+        if self._server is None:
+            return
+        for peer in self.table.alive():
+            self._spawn(self._hello(peer.address), f"announce-{peer.node_id}")
 
     def _update_agreement(self) -> None:
         state = agreement(self.cfg.node_id, self.round, self.own_digests, self.table.alive())
@@ -627,14 +675,16 @@ class SwarmNode:
             return state
         return None
 
-    def adopt(self, round_id: int, param_digest: str) -> None:
+    def adopt(self, round_id: int, param_digest: str, *, contributes_from: int = 0) -> None:
         """After loading a downloaded state: forget our old lineage and rounds."""
         self.round = round_id
+        self.contributes_from = contributes_from
         self.param_digest = param_digest
         self.own_digests = {round_id: param_digest}
         self.book.reset(round_id)
         self.gather_book.reset(round_id)
         self._update_agreement()
+        self._announce()
 
     # ---- incoming contributions -------------------------------------------------------------
 

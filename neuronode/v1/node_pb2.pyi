@@ -41,7 +41,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class NodeInfo(_message.Message):
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RECENT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTES_FROM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -60,7 +61,8 @@ class NodeInfo(_message.Message):
     param_digest: str
     recent_digests: _containers.RepeatedCompositeFieldContainer[RoundDigest]
     leaving: bool
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    contributes_from: int
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
     __slots__ = ("round", "param_digest", "contributors")
