@@ -233,7 +233,7 @@ class Daemon:
                 # catches up with the swarm if it moved on meanwhile).
                 await self.save_checkpoint()
             await self.flush_checkpoint()
-            await self.swarm.drain(timeout_s=5.0 if stopped.is_set() else self.cfg.sync_timeout)
+            await self.drain(stopped)
             await self.swarm.stop()
             self.metrics.close()
             self.train_pool.shutdown(wait=True)
@@ -241,6 +241,19 @@ class Daemon:
             self.writer_pool.shutdown(wait=True)
         logger.info("stopped at round %d; param_digest %s", self.engine.round, self.param_digest[:16])
         return 0
+
+    async def drain(self, stopped: asyncio.Event) -> None:
+        """Let our last pushes finish: up to --sync-timeout after a normal finish, at most 5 s
+        once a stop was requested (before or during the wait)."""
+        grace_s = 5.0
+        drain = asyncio.ensure_future(self.swarm.drain(timeout_s=grace_s if stopped.is_set() else self.cfg.sync_timeout))
+        stop_wait = asyncio.ensure_future(stopped.wait())
+        await asyncio.wait({drain, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not drain.done():
+            await asyncio.wait({drain}, timeout=grace_s)
+            drain.cancel()
+        await asyncio.gather(drain, stop_wait, return_exceptions=True)
 
     async def join(self, stopped: asyncio.Event) -> None:
         """With --peers: wait for first contact (or a stop), catch up with the swarm, check that

@@ -173,3 +173,30 @@ def test_sigterm_peer_leaves_and_round_closes_without_deadline(tmp_path: Path) -
     assert b.status()["round"] >= 1  # checkpoint written
     # a's next round closed without waiting for the 120 s deadline.
     assert rounds(a)[before + 1][1] < 30
+
+
+def test_sigterm_cuts_short_the_final_drain_to_an_unreachable_peer(tmp_path: Path) -> None:
+    """a finishes its rounds while its last push to b keeps failing (UNAVAILABLE, retried until a
+    120 s deadline). Without a stop it would wait for that push; SIGTERM ends the wait at once."""
+    plan = tmp_path / "faults-a.json"
+    plan.write_text("{}")
+    a = Node(tmp_path, "a", *COMMON, "--sync-timeout", "120", "--node-id", "a", "--rounds", "2",
+             "--fault-file", str(plan))
+    b = Node(tmp_path, "b", *COMMON, "--node-id", "b", "--peers", a.address)
+    try:
+        a.start()
+        b.start()
+        poll("round 1 on both", lambda: min(done_round(n) for n in (a, b)) >= 1, timeout_s=180)
+        plan.write_text(json.dumps({"blocked": [b.address]}))
+        poll("a's last round", lambda: done_round(a) >= 2, timeout_s=120)
+        poll("a draining its pushes", lambda: a.status(live=True)["phase"] == "stopping", timeout_s=60)
+        time.sleep(1.0)  # well inside the drain (an early stop was always cut to 5 s)
+        assert a.proc is not None and a.proc.poll() is None, a.log()[-2000:]
+        started = time.monotonic()
+        a.proc.send_signal(signal.SIGTERM)
+        assert a.wait(30) == 0, a.log()[-2000:]
+        assert time.monotonic() - started < 15
+    finally:
+        for node in (a, b):
+            node.kill()
+    assert rounds(a)[2][0] == 1  # b was cut off: a closed its last round alone

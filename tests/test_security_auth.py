@@ -216,3 +216,16 @@ def test_auth_imports_no_network() -> None:
 
     names = imports_of(Path(auth.__file__))
     assert not {n for n in names if n.split(".")[0] in ("grpc", "asyncio", "socket", "cryptography")}
+
+
+@pytest.mark.parametrize("timestamp", ["¹²³", "١٢٣", "1" * 40, "-5", ""])
+def test_metadata_with_a_non_ascii_or_absurd_timestamp_is_refused_not_a_crash(timestamp: str) -> None:
+    """`"¹²³".isdigit()` is True but int() fails: the node must answer AuthError, never crash."""
+    from neuronode.swarm.security import AUTH_KEY, Security
+
+    sec = Security(node_id="a", swarm_id="s", secret=b"k" * 32)
+    good = dict(sec.metadata("Hello") or ())[AUTH_KEY]
+    assert sec.verify_metadata(((AUTH_KEY, good),), "/neuronode.v1.Node/Hello") == "a"
+    node_id, _, tag = good.rsplit(":", 2)
+    with pytest.raises(AuthError):
+        sec.verify_metadata(((AUTH_KEY, f"{node_id}:{timestamp}:{tag}"),), "/neuronode.v1.Node/Hello")

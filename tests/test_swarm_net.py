@@ -426,6 +426,34 @@ async def test_push_without_hello_is_refused(client: Client) -> None:
     await client.assert_serving()
 
 
+@pytest.mark.parametrize(("method", "shape"), [
+    ("Hello", "unary_unary"), ("Status", "unary_unary"), ("FetchState", "unary_stream"),
+    ("PushContribution", "stream_unary"),
+])
+async def test_undecodable_request_is_invalid_argument(client: Client, method: str, shape: str) -> None:
+    """Bytes that are not the method's protobuf message: INVALID_ARGUMENT naming the method,
+    not grpc's UNKNOWN; the node keeps serving."""
+    garbage = b"\xff\xff\xff\xff\x0f"  # a truncated varint under field 31: never valid
+    channel = grpc.aio.insecure_channel(client.node.advertise)
+    try:
+        call = getattr(channel, shape)(f"/neuronode.v1.Node/{method}")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            if shape == "unary_stream":
+                async for _ in call(garbage, timeout=RPC_TIMEOUT_S):
+                    pass
+            elif shape == "stream_unary":
+                async def stream() -> AsyncIterator[bytes]:
+                    yield garbage
+                await call(stream(), timeout=RPC_TIMEOUT_S)
+            else:
+                await call(garbage, timeout=RPC_TIMEOUT_S)
+    finally:
+        await channel.close()
+    assert refused.value.code() == Code.INVALID_ARGUMENT, refused.value.details()
+    assert "not a valid" in (refused.value.details() or "") and method in (refused.value.details() or "")
+    await client.assert_serving()
+
+
 @pytest.mark.parametrize(("override", "code", "keyword"), [
     pytest.param({"swarm_id": "other-swarm"}, Code.FAILED_PRECONDITION, "swarm id", id="swarm"),
     pytest.param({"manifest_hash": "b2" * 32}, Code.FAILED_PRECONDITION, "manifest", id="manifest"),

@@ -42,7 +42,7 @@ from neuronode.swarm.membership import CatchUp, PeerTable, agreement, plan_catch
 from neuronode.swarm.ratelimit import UploadLimiter
 from neuronode.swarm.rounds import Contribution, RoundBook, RoundRefused
 from neuronode.swarm.security import NODE_SERVICE_PREFIX as NODE_PREFIX
-from neuronode.swarm.security import Security, caller_id
+from neuronode.swarm.security import Security, Undecodable, caller_id
 from neuronode.swarm.statesync import Donor, StateProvider, download
 from neuronode.swarm.wire import (
     CODEC_TO_PB,
@@ -699,6 +699,10 @@ class SwarmNode:
         next_index = 0
         try:
             async for chunk in chunks:
+                if isinstance(chunk, Undecodable):
+                    raise Refusal("INVALID_ARGUMENT", f"PushContribution: chunk {next_index} is not a valid "
+                                  f"ContributionChunk message ({chunk.error}); check that both sides run "
+                                  "the same neuronode protocol")
                 if first is None:
                     if sender is not None:
                         sender.append(chunk.sender_id[:MAX_ID_CHARS])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,7 @@ class Security:
         return grpc.aio.secure_channel(address, channel_credentials(cert, key, ca), options=CHANNEL_OPTIONS)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [AuthInterceptor(self)] if self.secret else []
+        return [DecodeGuard(), *([AuthInterceptor(self)] if self.secret else [])]
 
     # ---- per-call proofs -------------------------------------------------------------------
 
@@ -86,7 +86,7 @@ class Security:
             raise AuthError("this swarm is closed: calls must prove membership (start the "
                             "caller with the swarm's --secret-file)")
         node_id, ts_s, tag = value.rsplit(":", 2)
-        if not ts_s.isdigit() or len(node_id) > 128:
+        if not (ts_s.isascii() and ts_s.isdigit()) or len(ts_s) > 20 or len(node_id) > 128:
             raise AuthError("malformed membership proof")
         auth.check_request_tag(self.secret, tag, method=method, node_id=node_id,
                                swarm_id=self.swarm_id, timestamp_s=int(ts_s), now_s=time.time())
@@ -163,3 +163,67 @@ def refuse(handler: Any, message: str) -> Any:
 
         return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
     return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What a request that is not valid protobuf deserializes to (instead of raising inside grpc,
+    which answers UNKNOWN and logs a traceback)."""
+
+    error: str
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, with a message, to a neuronode request that is not valid protobuf."""
+
+    def __init__(self) -> None:
+        self.logged_at = -1e9
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(NODE_SERVICE_PREFIX):
+            return handler
+        name = details.method.rsplit("/", 1)[-1]
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+                return Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+        async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, Undecodable):
+                now = time.monotonic()
+                if now - self.logged_at >= 60.0:  # at most once a minute: bad input must not flood the log
+                    self.logged_at = now
+                    logger.warning("refused an undecodable %s request from %s: %s", name, context.peer(),
+                                   request.error)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{name}: the request is not a valid {name} message ({request.error}); "
+                                    "check that both sides run the same neuronode protocol")
+
+        kwargs = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
+        if handler.request_streaming and not handler.response_streaming:
+            # Streams keep their handler: it refuses an Undecodable chunk itself (SwarmNode.receive).
+            return grpc.stream_unary_rpc_method_handler(handler.stream_unary, **kwargs)
+        if handler.response_streaming and not handler.request_streaming:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await refuse_undecodable(request, context)
+                async for response in inner_us(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
+        if not handler.request_streaming and not handler.response_streaming:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await refuse_undecodable(request, context)
+                return await inner_uu(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
+        return handler
