@@ -11,17 +11,16 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from neuronode.codec import (
     Assembler,
-    ContributionDigest,
+    Encoded,
     ErrorFeedback,
-    Frame,
-    encode_frames,
+    VectorEncoder,
+    auto_zstd_level,
     get_codec,
 )
 from neuronode.config import NodeConfig
@@ -81,31 +80,7 @@ def make_aggregator(cfg: NodeConfig) -> Any:
         raise ConfigError(f"--aggregator-option: {exc}") from None
 
 
-SLOW_LINK_BYTES_PER_S = 10e6  # 80 Mbit/s: below this, every byte saved counts
-
-
-def auto_zstd_level(link_bytes_per_s: float, compress_bytes_per_s: float, *, capped: bool = False) -> int:
-    """--zstd-level auto: skip zstd when the link is faster than we compress (it would be the
-    bottleneck), level 1 otherwise or when unmeasured; level 3 only on a known slow link
-    (an upload cap under 80 Mbit/s), since a measured push rate also reflects a busy receiver."""
-    if link_bytes_per_s <= 0 or compress_bytes_per_s <= 0:
-        return 1
-    if link_bytes_per_s > compress_bytes_per_s:
-        return 0
-    return 3 if capped and link_bytes_per_s < SLOW_LINK_BYTES_PER_S else 1
-
-
-@dataclass
-class Encoded:
-    """Our contribution, encoded: frames for the wire and its raw payloads for ourselves."""
-
-    frames: list[Frame]
-    digest: str
-    chunk_elements: int
-    own: Assembler
-    weight: float
-    shuffled: bool
-    zstd_level: int
+__all__ = ["Encoded", "Trainer", "auto_zstd_level"]  # Encoded and auto_zstd_level live in codec
 
 
 class Trainer:
@@ -141,8 +116,9 @@ class Trainer:
         # Guards the global parameters and momentum: the outer step and adopting a downloaded
         # state change them; a donor snapshots them from another thread while we train.
         self.global_lock = threading.Lock()
-        self.lie: tuple[float, float] = (1.0, 0.0)
-        self.compress_rate = 0.0  # bytes/s our last zstd pass managed  # fault drills only: (scale, noise) of a Byzantine node
+        self.lie: tuple[float, float] = (1.0, 0.0)  # fault drills only: (scale, noise) of a Byzantine node
+        self.encoder = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
+                                     byte_shuffle=cfg.byte_shuffle, capped=cfg.max_upload_mbps > 0)
         self.param_digest = self.engine.param_digest()
 
     @property
@@ -188,32 +164,8 @@ class Trainer:
         return delta
 
     def encode_vector(self, vector: torch.Tensor, link_bytes_per_s: float) -> Encoded:
-        """Encode one flat vector into frames, and an Assembler of its own raw payloads (the
-        node averages the decoded wire form of its own contribution too, so lossy codecs leave
-        every replica with the same result)."""
-        digest = ContributionDigest()
-        level = self.cfg.zstd_level
-        if level < 0:
-            level = auto_zstd_level(link_bytes_per_s, self.compress_rate,
-                                    capped=self.cfg.max_upload_mbps > 0)
-        # Byte planes compress better for float codecs (measured: fp32 1.11x -> 1.27x, bf16
-        # 1.29x -> 1.47x with zstd 1); int codecs have one-byte elements, nothing to split.
-        shuffle = self.cfg.byte_shuffle and self.codec.shuffle_width > 1 and level > 0
-        started = time.perf_counter()
-        frames = list(encode_frames(vector, codec=self.codec.name, chunk_bytes=self.cfg.chunk_bytes,
-                                    zstd_level=level, shuffle=shuffle, digest=digest))
-        if level > 0 and vector.numel():
-            raw_bytes = self.codec.payload_bytes(vector.numel())
-            self.compress_rate = raw_bytes / max(time.perf_counter() - started, 1e-9)
-        own = Assembler(n_elems=vector.numel(), codec=self.codec.name, chunk_bytes=self.cfg.chunk_bytes,
-                        shuffle=shuffle)
-        for frame in frames:
-            own.add_frame(frame)
-        block = self.codec.payload_bytes(self.codec.block_elems)
-        chunk_elements = (self.cfg.chunk_bytes // block) * self.codec.block_elems
-        return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
-                       own=own, weight=float(max(self.engine.samples_this_round, 1)),
-                       shuffled=shuffle, zstd_level=level)
+        """Frames for the wire and our own decoded (wire) form, weighted by this round's samples."""
+        return self.encoder.encode(vector, link_bytes_per_s, weight=float(max(self.engine.samples_this_round, 1)))
 
     def encode(self, link_bytes_per_s: float = 0.0) -> Encoded:
         """Our whole contribution (all-to-all averaging)."""

@@ -17,10 +17,10 @@ from procutil import neuronode_cmd
 
 from neuronode.bench import sync as bench_sync_mod
 from neuronode.bench.sync import (
+    BenchEncoder,
     BenchInterrupted,
     SyncBenchConfig,
     Usage,
-    VectorEncoder,
     summarize,
     used_between,
 )
@@ -238,7 +238,7 @@ def test_bench_encodes_as_the_daemon_does(tmp_path: Path, codec: str, n_shards: 
     trainer.train_round(threading.Event())
     delta = trainer.engine.pseudo_gradient()
     feedback = ErrorFeedback(delta.numel()) if trainer.feedback is not None else None
-    encoder = VectorEncoder(codec=codec, chunk_bytes=cfg.chunk_bytes, zstd_level=1,
+    encoder = BenchEncoder(codec=codec, chunk_bytes=cfg.chunk_bytes, zstd_level=1,
                             byte_shuffle=cfg.byte_shuffle)
     ranges = shard_ranges(delta.numel(), n_shards, codec)
     ours = encoder.encode_parts(delta, ranges, 0.0, feedback)

@@ -157,6 +157,45 @@ def test_garbage_of_right_length_never_crashes(name: str, data: st.DataObject) -
     assert y.shape == (n,) and bool(torch.isfinite(y).all())
 
 
+def _refuses(fn: object, *args: object) -> bool:
+    try:
+        fn(*args)  # type: ignore[operator]
+    except CodecError:
+        return True
+    return False
+
+
+# Payloads with values that decode to NaN/Inf or sit at the edges: an Inf/NaN float, a scale
+# whose product with a large code overflows, one whose products stay just finite.
+EDGE_WORDS = [struct.pack("<f", v) for v in (math.inf, -math.nan, 3.0e38, 2.6e36, 2.7e36, 1.0)]
+
+
+@pytest.mark.parametrize("name", CODECS)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_check_payload_refuses_exactly_what_decode_refuses(name: str, data: st.DataObject) -> None:
+    """Receivers vet chunks with check_payload and decode only later: the two must agree on
+    every payload, honest, random or hostile."""
+    codec = get_codec(name)
+    n = data.draw(st.integers(0, 200))
+    size = codec.payload_bytes(n)
+    parts = data.draw(st.lists(st.one_of(st.sampled_from(EDGE_WORDS), st.binary(min_size=1, max_size=8),
+                                         st.just(b"\x80" * 8), st.just(b"\x7f" * 8)), max_size=64))
+    buf = (b"".join(parts) + data.draw(st.binary(min_size=size, max_size=size)))[:size]
+    assert _refuses(codec.check_payload, buf, n) == _refuses(codec.decode, buf, n)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_check_payload_accepts_honest_payloads_and_checks_length(name: str) -> None:
+    codec = get_codec(name)
+    x = torch.randn(300) * 1e-3
+    x[7] = 3.0e38 if name in ("fp32", "bf16", "int8", "int4") else 6.0e4  # near the codec's range end
+    buf = codec.encode(x)
+    codec.check_payload(buf, 300)
+    with pytest.raises(CodecError):
+        codec.check_payload(buf[:-1], 300)
+
+
 @pytest.mark.parametrize("name", CODECS)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_encode_rejects_non_finite(name: str, bad: float) -> None:

@@ -34,7 +34,7 @@ workers and timed rounds, so their ratio means something even when auto zstd var
 level: about (N-1) x payload for all-to-all, 2(N-1)/N x payload for reduce-scatter.
 
 `--zstd-level -1` (auto) chooses the level per encode as the daemon does
-(`neuronode.trainer.auto_zstd_level`, from the node's last push rate and our last zstd rate);
+(`neuronode.codec.auto_zstd_level`, from the node's last push rate and our last zstd rate);
 the first round then runs at level 1 while nothing is measured, so auto adds one untimed
 warm-up round. `zstd_levels_used` lists the levels of the timed rounds.
 
@@ -300,42 +300,19 @@ def summarize_gloo(gloo: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- encoding, as the daemon does -----------------------------------------------------------
 
 
-@dataclass
-class VectorEncoder:
-    """Trainer.encode_vector without a Trainer (which needs a model): the same zstd level choice
-    (auto included), byte-shuffle rule, frames and own Assembler. tests/test_bench.py checks
-    that both give the same frames. One thread at a time (it keeps the last zstd rate)."""
+class BenchEncoder:
+    """The daemon's own encoder (neuronode.codec.VectorEncoder, which the Trainer uses too), plus
+    Trainer.encode / encode_shards / reduce_shard's steps around it without a model.
+    tests/test_bench.py checks that both give the same frames."""
 
-    codec: str
-    chunk_bytes: int
-    zstd_level: int  # -1: auto_zstd_level(link rate, our last zstd rate)
-    byte_shuffle: bool
-    compress_rate: float = 0.0  # bytes/s our last zstd pass managed (0: not measured)
+    def __init__(self, *, codec: str, chunk_bytes: int, zstd_level: int, byte_shuffle: bool) -> None:
+        from neuronode.codec import VectorEncoder
+
+        self.vector = VectorEncoder(codec=codec, chunk_bytes=chunk_bytes, zstd_level=zstd_level,
+                                    byte_shuffle=byte_shuffle)
 
     def encode(self, vector: torch.Tensor, link_bytes_per_s: float, *, weight: float = 1.0) -> Encoded:
-        """Frames for the wire and the decoded (wire) form of `vector` for ourselves."""
-        from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
-        from neuronode.trainer import Encoded, auto_zstd_level
-
-        c = get_codec(self.codec)
-        level = self.zstd_level
-        if level == AUTO_ZSTD:
-            level = auto_zstd_level(link_bytes_per_s, self.compress_rate)
-        shuffle = self.byte_shuffle and c.shuffle_width > 1 and level > 0
-        digest = ContributionDigest()
-        started = time.perf_counter()
-        frames = list(encode_frames(vector, codec=self.codec, chunk_bytes=self.chunk_bytes,
-                                    zstd_level=level, shuffle=shuffle, digest=digest))
-        if level > 0 and vector.numel():
-            elapsed_s = max(time.perf_counter() - started, 1e-9)
-            self.compress_rate = c.payload_bytes(vector.numel()) / elapsed_s
-        own = Assembler(n_elems=vector.numel(), codec=self.codec, chunk_bytes=self.chunk_bytes,
-                        shuffle=shuffle)
-        for frame in frames:
-            own.add_frame(frame)
-        chunk_elements = (self.chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
-        return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
-                       own=own, weight=weight, shuffled=shuffle, zstd_level=level)
+        return self.vector.encode(vector, link_bytes_per_s, weight=weight)
 
     def encode_parts(self, delta: torch.Tensor, ranges: list[tuple[int, int]], link_bytes_per_s: float,
                      feedback: ErrorFeedback | None) -> list[Encoded]:
@@ -442,7 +419,7 @@ class NodeWorker:
         self.members = tuple(sorted(f"bench-{i}" for i in range(cfg.nodes)))  # reduce-scatter
         self.delta = pseudo_gradient(cfg.params, seed=1000 + index)
         self.feedback = ErrorFeedback(cfg.params) if get_codec(cfg.codec).lossy else None
-        self.encoder = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes,
+        self.encoder = BenchEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes,
                                      zstd_level=cfg.zstd_level, byte_shuffle=cfg.byte_shuffle)
         # As in the daemon: one thread for torch work, two for the swarm's chunk decoding.
         self.work_pool = ThreadPoolExecutor(1, thread_name_prefix="work")

@@ -3,6 +3,7 @@
 No network and no asyncio here; callers run these (CPU-bound) functions in a thread.
 """
 
+from neuronode.codec.contribution import AUTO_ZSTD, Encoded, VectorEncoder, auto_zstd_level
 from neuronode.codec.feedback import ErrorFeedback
 from neuronode.codec.framing import (
     Assembler,
@@ -22,6 +23,10 @@ from neuronode.codec.quant import BLOCK_ELEMS, CODECS, Codec, CodecError, check_
 Digest = ContributionDigest
 
 __all__ = [
+    "AUTO_ZSTD",
+    "Encoded",
+    "VectorEncoder",
+    "auto_zstd_level",
     "BLOCK_ELEMS",
     "CODECS",
     "Assembler",

@@ -118,12 +118,14 @@ def encode_frames(
     zstd_level: int,
     shuffle: bool = False,
     digest: ContributionDigest | None = None,
+    own: Assembler | None = None,
 ) -> Iterator[Frame]:
     """Quantize and compress ``x`` one chunk at a time, yielding Frames in index order.
 
     ``zstd_level`` 0 never compresses; otherwise a chunk is sent compressed only if zstd made
     it strictly smaller.  If ``digest`` is given it is fed each raw payload, so the sender has
-    the contribution digest when the generator is exhausted.  Deterministic for a given
+    the contribution digest when the generator is exhausted; if ``own`` is given it stores each
+    raw payload (the sender's decoded form, without decompressing its own frames).  Deterministic for a given
     zstandard build.  Raises CodecError for bad arguments or NaN/Inf in ``x``.
     """
     _check_level(zstd_level)
@@ -140,6 +142,8 @@ def encode_frames(
         raw = c.encode(x[start:stop])
         if digest is not None:
             digest.update(raw)
+        if own is not None:
+            own.add(index, raw)
         data, compressed = raw, False
         if compressor is not None:
             packed = compressor.compress(_shuffle(raw, width))

@@ -87,6 +87,11 @@ class Codec:
         """Decode ``n`` float32 elements; raises CodecError on wrong length or non-finite data."""
         raise NotImplementedError
 
+    def check_payload(self, buf: bytes, n: int) -> None:
+        """Raise CodecError exactly when ``decode(buf, n)`` would, without building the float32
+        output: receivers vet every chunk on arrival, and decode only when they average."""
+        self.decode(buf, n)
+
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
 
@@ -109,6 +114,11 @@ class Fp32Codec(Codec):
         check_finite(out)
         return out
 
+    def check_payload(self, buf: bytes, n: int) -> None:
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        if not bool(np.isfinite(np.frombuffer(buf, dtype="<f4")).all()):
+            raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
+
 
 class _Half16Codec(Codec):
     """Shared code of the 16-bit float codecs: cast, then ship the raw 16-bit patterns."""
@@ -116,6 +126,7 @@ class _Half16Codec(Codec):
     lossy = True
     shuffle_width = 2
     dtype: torch.dtype = torch.float16
+    exponent_mask: int = 0x7C00  # all ones: Inf or NaN
 
     def payload_bytes(self, n: int) -> int:
         return 2 * n
@@ -136,6 +147,12 @@ class _Half16Codec(Codec):
         check_finite(out)
         return out
 
+    def check_payload(self, buf: bytes, n: int) -> None:
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        mask = np.uint16(self.exponent_mask)
+        if bool(((np.frombuffer(buf, dtype="<u2") & mask) == mask).any()):
+            raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
+
 
 class Fp16Codec(_Half16Codec):
     """IEEE half; saturates at +-65504."""
@@ -149,6 +166,7 @@ class Bf16Codec(_Half16Codec):
 
     name = "bf16"
     dtype = torch.bfloat16
+    exponent_mask = 0x7F80
 
 
 class _BlockIntCodec(Codec):
@@ -208,6 +226,16 @@ class _BlockIntCodec(Codec):
         # an out-of-range code) must not reach the average.
         check_finite(out)
         return out
+
+    def check_payload(self, buf: bytes, n: int) -> None:
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        # Codes lie in [-(qmax + 1), qmax]: if every |scale| * (qmax + 1) is finite, so is every
+        # decoded value. Only a scale within 1% of float32's max needs the full decode.
+        scales = np.frombuffer(buf, dtype="<f4", count=self.n_blocks(n))
+        with np.errstate(over="ignore", invalid="ignore"):
+            bound = np.abs(scales) * np.float32(self.qmax + 1)
+        if not bool(np.isfinite(bound).all()):
+            self.decode(buf, n)
 
 
 class Int8Codec(_BlockIntCodec):

@@ -817,14 +817,14 @@ class SwarmNode:
     @staticmethod
     def _decode_chunk(assembler: Assembler, chunk: pb.ContributionChunk,
                       digest: ContributionDigest) -> tuple[bytes, int]:
-        """Bounded decompression, then a full decode that refuses NaN/Inf before anything is
-        stored: bad values never reach an average. Hashing happens here too, off the loop
+        """Bounded decompression, then a payload check that refuses what would decode to NaN/Inf
+        before anything is stored: bad values never reach an average. Hashing happens here too, off the loop
         (chunks of one stream are awaited one at a time, so the digest sees them in order)."""
         expected = assembler.expected_raw_len(chunk.chunk_index)
         codec = get_codec(PB_TO_CODEC[chunk.codec])
         width = codec.shuffle_width if chunk.shuffled else 1
         raw = decode_frame(chunk.payload, chunk.compressed, expected_raw_len=expected, shuffle_width=width)
-        codec.decode(raw, assembler.chunk_elems(chunk.chunk_index))
+        codec.check_payload(raw, assembler.chunk_elems(chunk.chunk_index))
         digest.update(raw)
         return raw, chunk.ByteSize()
 
