@@ -566,7 +566,7 @@ def assemble_shards(averaged: dict[str, Contribution], members: tuple[str, ...],
     contributors: set[str] = set()
     for c in averaged.values():
         start, stop = ranges[c.shard_index]
-        avg[start:stop] = c.data.decode()
+        c.data.decode_into(avg[start:stop])
         contributors.update(c.contributors)
     missing = sorted(set(members) - {c.sender_id for c in averaged.values()})
     if missing:

@@ -237,3 +237,23 @@ def test_unknown_codec_and_check_finite() -> None:
     with pytest.raises(CodecError):
         check_finite(torch.tensor([1.0, math.nan]))
     assert issubclass(CodecError, ValueError)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_decode_into_gives_decode_bit_for_bit(name: str, data: st.DataObject) -> None:
+    """decode_into is the receivers' fast path: same bits as decode, same refusals."""
+    codec = get_codec(name)
+    n = data.draw(st.sampled_from([0, 1, 63, 64, 128, 200, 640]))
+    if data.draw(st.booleans()):
+        scale = data.draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e30]))
+        buf = codec.encode(torch.randn(n, generator=torch.Generator().manual_seed(n)) * scale)
+    else:
+        buf = data.draw(st.binary(min_size=codec.payload_bytes(n), max_size=codec.payload_bytes(n)))
+    out = torch.full((n,), 7.0)
+    if _refuses(codec.decode, buf, n):
+        assert _refuses(codec.decode_into, buf, n, out)
+        return
+    codec.decode_into(buf, n, out)
+    assert torch.equal(out.view(torch.int32), codec.decode(buf, n).view(torch.int32))

@@ -317,11 +317,17 @@ class Assembler:
 
     def decode(self) -> torch.Tensor:
         """The contribution as one float32 vector; raises CodecError if incomplete or non-finite."""
-        self._require_complete()
         out = torch.empty(self._n_elems, dtype=torch.float32)
-        for i, (start, stop) in enumerate(self._ranges):
-            out[start:stop] = self._codec.decode(self._chunks[i], stop - start)
+        self.decode_into(out)
         return out
+
+    def decode_into(self, out: torch.Tensor) -> None:
+        """``out[:] = decode()`` for a contiguous float32 CPU ``out``, without an extra copy."""
+        self._require_complete()
+        if out.shape != (self._n_elems,) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise CodecError(f"decode_into needs a contiguous float32 vector of {self._n_elems} elements")
+        for i, (start, stop) in enumerate(self._ranges):
+            self._codec.decode_into(self._chunks[i], stop - start, out[start:stop])
 
 
 def roundtrip(x: torch.Tensor, codec: str, *, chunk_elems: int = 1 << 20) -> torch.Tensor:
