@@ -343,7 +343,9 @@ class Daemon:
             ranges = shard_ranges(self.trainer.n_params, len(members), self.cfg.codec)
             shards = await self.off_loop(self.train_pool, self.trainer.encode_shards, ranges, self.link_rate())
             return self.reduce_scatter(round_id, members, ranges, shards, base)
-        enc = await self.off_loop(self.train_pool, self.trainer.encode, self.link_rate())
+        # All-to-all sends this encoding to every peer: it leaves at the upload rate / fan-out.
+        fanout = max(1, len(self.swarm.table.alive()))
+        enc = await self.off_loop(self.train_pool, self.trainer.encode, self.link_rate() / fanout)
         out = self.outgoing(round_id, enc, base)
         own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own, base_digest=base)
         return self.all_to_all(out, own)

@@ -337,3 +337,30 @@ def test_shuffle_roundtrip_and_width(codec: str) -> None:
             decode_frame(f.data, f.compressed, expected_raw_len=f.raw_len, shuffle_width=width)
             == raw_payload
         )
+
+
+@pytest.mark.parametrize(("link", "compress", "saved", "capped", "level"), [
+    (0.0, 500e6, 0.2, False, 1),      # nothing measured yet: level 1, to measure
+    (1e9, 500e6, 0.2, False, 0),      # loopback: zstd would cost 2 ns/B to save 0.2 ns/B
+    (50e6, 500e6, 0.2, False, 1),     # 400 Mbit/s: 2 ns/B to save 4 ns/B
+    (50e6, 500e6, 0.05, False, 0),    # saves too little to pay even there
+    (2.5e6, 500e6, 0.2, True, 3),     # a 20 Mbit/s cap: compress harder
+    (2.5e6, 500e6, 0.2, False, 1),    # slow but not capped: the rate may be a busy receiver
+])
+def test_auto_zstd_level_weighs_time_saved_against_time_spent(
+        link: float, compress: float, saved: float, capped: bool, level: int) -> None:
+    from neuronode.codec import auto_zstd_level
+
+    assert auto_zstd_level(link, compress, capped=capped, saved_fraction=saved) == level
+
+
+def test_encoder_learns_what_zstd_saves_and_stops_when_it_does_not_pay() -> None:
+    from neuronode.codec import AUTO_ZSTD, VectorEncoder
+
+    enc = VectorEncoder(codec="fp32", chunk_bytes=1 << 16, zstd_level=AUTO_ZSTD, byte_shuffle=True)
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    first = enc.encode(x, 0.0)
+    assert first.zstd_level == 1 and enc.compress_rate > 0
+    assert 0.0 <= enc.saved_fraction < 0.5  # random floats: the byte planes help a little
+    fast_link = enc.compress_rate * enc.saved_fraction * 2 + 1.0
+    assert enc.encode(x, fast_link).zstd_level == 0

@@ -533,7 +533,7 @@ class NodeWorker:
 
         t0 = time.perf_counter()
         (enc,) = await self.off_loop(self.encoder.encode_parts, self.delta, [(0, self.cfg.params)],
-                                     node.push_rate, self.feedback)
+                                     node.push_rate / (self.cfg.nodes - 1), self.feedback)
         t1 = time.perf_counter()
         own = Contribution(self.node_id, round_id, self.cfg.codec, enc.weight, enc.own)
         got = await self.exchange(node, self.outgoing(round_id, enc), own, deadline=deadline)

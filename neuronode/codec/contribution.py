@@ -18,13 +18,17 @@ AUTO_ZSTD = -1  # --zstd-level -1
 SLOW_LINK_BYTES_PER_S = 10e6  # 80 Mbit/s: below this, every byte saved counts
 
 
-def auto_zstd_level(link_bytes_per_s: float, compress_bytes_per_s: float, *, capped: bool = False) -> int:
-    """--zstd-level auto: skip zstd when the link is faster than we compress (it would be the
-    bottleneck), level 1 otherwise or when unmeasured; level 3 only on a known slow link
-    (an upload cap under 80 Mbit/s), since a measured push rate also reflects a busy receiver."""
+def auto_zstd_level(link_bytes_per_s: float, compress_bytes_per_s: float, *, capped: bool = False,
+                    saved_fraction: float = 1.0) -> int:
+    """--zstd-level auto. zstd costs 1/compress seconds per raw byte and saves saved_fraction/link
+    seconds of sending: skip it unless it saves more than it costs (compress x saved > link); level 1
+    when it pays or nothing is measured yet; level 3 only on a known slow link (an upload cap
+    under 80 Mbit/s), since a measured push rate also reflects a busy receiver.
+    `link_bytes_per_s` is the rate at which this encoding leaves (the upload rate divided by the
+    number of peers it is sent to)."""
     if link_bytes_per_s <= 0 or compress_bytes_per_s <= 0:
         return 1
-    if link_bytes_per_s > compress_bytes_per_s:
+    if compress_bytes_per_s * saved_fraction <= link_bytes_per_s:
         return 0
     return 3 if capped and link_bytes_per_s < SLOW_LINK_BYTES_PER_S else 1
 
@@ -55,12 +59,14 @@ class VectorEncoder:
     byte_shuffle: bool
     capped: bool = False  # an upload cap is set (auto may then compress harder)
     compress_rate: float = 0.0  # bytes/s our last zstd pass managed (0: not measured)
+    saved_fraction: float = 1.0  # share of the raw bytes our last zstd pass saved
 
     def encode(self, vector: torch.Tensor, link_bytes_per_s: float, *, weight: float = 1.0) -> Encoded:
         c = get_codec(self.codec)
         level = self.zstd_level
         if level == AUTO_ZSTD:
-            level = auto_zstd_level(link_bytes_per_s, self.compress_rate, capped=self.capped)
+            level = auto_zstd_level(link_bytes_per_s, self.compress_rate, capped=self.capped,
+                                    saved_fraction=self.saved_fraction)
         # Byte planes compress better for float codecs (measured: fp32 1.11x -> 1.27x, bf16
         # 1.29x -> 1.47x with zstd 1); int codecs have one-byte elements, nothing to split.
         shuffle = self.byte_shuffle and c.shuffle_width > 1 and level > 0
@@ -71,7 +77,9 @@ class VectorEncoder:
                                     zstd_level=level, shuffle=shuffle, digest=digest, own=own))
         if level > 0 and vector.numel():
             elapsed_s = max(time.perf_counter() - started, 1e-9)
-            self.compress_rate = c.payload_bytes(vector.numel()) / elapsed_s
+            raw_bytes = c.payload_bytes(vector.numel())
+            self.compress_rate = raw_bytes / elapsed_s
+            self.saved_fraction = max(0.0, 1.0 - sum(len(f.data) for f in frames) / raw_bytes)
         chunk_elements = (self.chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
         return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
                        own=own, weight=weight, shuffled=shuffle, zstd_level=level)

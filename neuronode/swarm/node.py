@@ -39,7 +39,7 @@ from neuronode.state import GlobalState
 from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import FaultInjected, Faults
 from neuronode.swarm.membership import CatchUp, PeerTable, agreement, plan_catch_up
-from neuronode.swarm.ratelimit import UploadLimiter
+from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
 from neuronode.swarm.rounds import Contribution, RoundBook, RoundRefused
 from neuronode.swarm.security import NODE_SERVICE_PREFIX as NODE_PREFIX
 from neuronode.swarm.security import Security, Undecodable, caller_id
@@ -178,7 +178,7 @@ class SwarmNode:
         self.state_transfers = 0
         self.reachable = "unknown"
         self.upload = UploadLimiter(cfg.max_upload_mbps)
-        self.push_rate = 0.0  # bytes/s of the latest completed push (0: none yet)
+        self.upload_meter = UploadMeter()
         self.bans = Bans()
         # A closed swarm (secret or TLS); only the secret's per-call proofs bind node ids.
         self.authenticated = self.security.enabled
@@ -514,17 +514,17 @@ class SwarmNode:
         """Stream `out` to one peer, retrying transient failures until the deadline."""
         backoff = 0.2
         while (remaining := deadline - time.monotonic()) > 0:
+            sent = 0
             try:
                 await asyncio.sleep(self.faults.before_call(address))
-                started = time.monotonic()
-                await self.stub(address).PushContribution(
-                    self._chunks(peer_id, out), timeout=remaining,
-                    metadata=self.security.metadata("PushContribution"))
-                elapsed = time.monotonic() - started
-                size = sum(len(f.data) for f in out.frames)
-                rate = size / max(elapsed, 1e-6)
-                # Smoothed: one slow push (a busy receiver) should not flip the zstd level.
-                self.push_rate = rate if not self.push_rate else 0.7 * self.push_rate + 0.3 * rate
+                self.upload_meter.begin(time.monotonic())
+                try:
+                    await self.stub(address).PushContribution(
+                        self._chunks(peer_id, out), timeout=remaining,
+                        metadata=self.security.metadata("PushContribution"))
+                    sent = sum(len(f.data) for f in out.frames)
+                finally:
+                    self.upload_meter.end(time.monotonic(), sent)
                 logger.debug("round %d: sent to %s", out.round_id, peer_id)
                 return
             except grpc.aio.AioRpcError as exc:
@@ -535,6 +535,11 @@ class SwarmNode:
                 logger.debug("round %d: push to %s failed (%s); retrying", out.round_id, peer_id, exc.code().name)
             await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, 5.0)
+
+    @property
+    def push_rate(self) -> float:
+        """Bytes/s our pushes reach together (0: not measured yet)."""
+        return self.upload_meter.rate
 
     async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[pb.ContributionChunk]:
         tag = self.security.contribution_tag(

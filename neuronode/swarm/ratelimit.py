@@ -1,4 +1,5 @@
-"""An upload cap shared by everything a node sends (`--max-upload-mbps`)."""
+"""An upload cap shared by everything a node sends (`--max-upload-mbps`), and a meter of the
+upload rate pushes actually reach (for the auto zstd level)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,28 @@ class UploadLimiter:
         self._next = start + nbytes / self.bytes_per_s
         if self._next > now:
             await asyncio.sleep(self._next - now)
+
+
+class UploadMeter:
+    """Upload rate over the time at least one push is in flight: concurrent pushes share one
+    link, so a single push's own rate would understate it. One sample per busy spell, smoothed
+    (one slow spell, e.g. a busy receiver, should not flip the zstd level)."""
+
+    def __init__(self) -> None:
+        self.rate = 0.0  # bytes/s; 0: nothing measured yet
+        self._active = 0
+        self._since = 0.0
+        self._bytes = 0
+
+    def begin(self, now: float) -> None:
+        if self._active == 0:
+            self._since, self._bytes = now, 0
+        self._active += 1
+
+    def end(self, now: float, sent_bytes: int) -> None:
+        """A push finished (`sent_bytes` 0 if it failed)."""
+        self._active -= 1
+        self._bytes += sent_bytes
+        if self._active == 0 and self._bytes and now > self._since:
+            sample = self._bytes / (now - self._since)
+            self.rate = sample if not self.rate else 0.7 * self.rate + 0.3 * sample
