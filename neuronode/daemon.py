@@ -27,6 +27,7 @@ from neuronode import checkpoint
 from neuronode.codec import shard_ranges
 from neuronode.config import NodeConfig, check_data_dir
 from neuronode.errors import CheckpointError, ConfigError
+from neuronode.memory import keep_freed_buffers
 from neuronode.metrics import Metrics, Snapshot
 from neuronode.security.auth import load_secret, permissions_warning
 from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
@@ -44,6 +45,7 @@ def run_daemon(cfg: NodeConfig) -> int:
     cfg.check_exposure()
     data_dir = check_data_dir(cfg.data_dir)
     setup_logging(cfg.log_format, cfg.log_level)
+    keep_freed_buffers()
     node_id = cfg.node_id or load_or_create_node_id(data_dir)
     trainer = Trainer(cfg, node_id=node_id)
     if not cfg.authenticated:

@@ -257,3 +257,18 @@ def test_decode_into_gives_decode_bit_for_bit(name: str, data: st.DataObject) ->
         return
     codec.decode_into(buf, n, out)
     assert torch.equal(out.view(torch.int32), codec.decode(buf, n).view(torch.int32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=300))
+def test_all_finite_agrees_with_isfinite(values: list[float]) -> None:
+    """The sum shortcut never hides a NaN or Inf, and an overflowing sum of finite values is
+    still finite element-wise."""
+    import numpy as np
+
+    from neuronode.codec.quant import all_finite
+
+    a = np.array(values, dtype=np.float32)
+    assert all_finite(a) == bool(np.isfinite(a).all())
+    big = np.full(8, 3.0e38, dtype=np.float32)  # sums to Inf, every element finite
+    assert all_finite(big)

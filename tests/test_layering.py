@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parent.parent / "neuronode"
 
 PURE = ("diloco", "codec", "training")
@@ -48,3 +50,14 @@ def test_scan_catches_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import grpc\nfrom neuronode.swarm.node import SwarmNode\n")
     assert {"grpc", "neuronode.swarm.node", "neuronode.swarm.node.SwarmNode"} <= imports_of(bad)
+
+
+def test_keep_freed_buffers_is_accepted_by_this_machines_malloc() -> None:
+    """On Linux with glibc (this machine, the image) the allocator setting takes."""
+    import sys
+
+    from neuronode.memory import keep_freed_buffers
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc only")
+    assert keep_freed_buffers() is True

