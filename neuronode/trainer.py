@@ -172,7 +172,7 @@ class Trainer:
         delta = self.compensated_delta()
         enc = self.encode_vector(delta, link_bytes_per_s)
         if self.feedback is not None:
-            self.feedback.update(delta, enc.own.decode())
+            self.feedback.update_parts(delta, [(0, enc.own)])
         return enc
 
     def encode_shards(self, ranges: list[tuple[int, int]], link_bytes_per_s: float = 0.0) -> list[Encoded]:
@@ -180,7 +180,7 @@ class Trainer:
         delta = self.compensated_delta()
         shards = [self.encode_vector(delta[a:b], link_bytes_per_s) for a, b in ranges]
         if self.feedback is not None:
-            self.feedback.update(delta, torch.cat([e.own.decode() for e in shards]))
+            self.feedback.update_parts(delta, [(a, e.own) for (a, _), e in zip(ranges, shards, strict=True)])
         return shards
 
     def reduce_shard(self, pieces: dict[str, tuple[Assembler, float]], link_bytes_per_s: float = 0.0) -> Encoded:

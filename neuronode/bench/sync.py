@@ -318,13 +318,12 @@ class BenchEncoder:
                      feedback: ErrorFeedback | None) -> list[Encoded]:
         """Trainer.encode (one range) and Trainer.encode_shards: error feedback compensates the
         whole vector, each range is encoded on its own, feedback learns from the wire form."""
-        import torch
 
         if feedback is not None:
             delta = feedback.compensate(delta)
         parts = [self.encode(delta[a:b], link_bytes_per_s) for a, b in ranges]
         if feedback is not None:
-            feedback.update(delta, torch.cat([p.own.decode() for p in parts]))
+            feedback.update_parts(delta, [(a, p.own) for (a, _), p in zip(ranges, parts, strict=True)])
         return parts
 
     def reduce(self, pieces: dict[str, tuple[Assembler, float]], link_bytes_per_s: float) -> Encoded:

@@ -7,8 +7,11 @@ true pseudo-gradients to within one round's quantization error.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
+from neuronode.codec.framing import Assembler
 from neuronode.codec.quant import CodecError
 
 __all__ = ["ErrorFeedback"]
@@ -42,6 +45,19 @@ class ErrorFeedback:
         self._check(compensated, "compensated")
         self._check(decoded, "decoded")
         torch.sub(compensated.detach().cpu(), decoded.detach().cpu(), out=self.residual)
+
+    def update_parts(self, compensated: torch.Tensor, parts: Iterable[tuple[int, Assembler]]) -> None:
+        """``update(compensated, decoded)`` where ``decoded`` is the concatenation of the parts'
+        decoded forms (each Assembler starting at its offset): decoded straight into the
+        residual, no contribution-sized temporaries. Same bits as ``update``."""
+        self._check(compensated, "compensated")
+        parts = list(parts)
+        covered = sum(own.n_elems for _, own in parts)
+        if covered != self.residual.numel():
+            raise CodecError(f"parts cover {covered} of {self.residual.numel()} elements")
+        for start, own in parts:
+            own.decode_into(self.residual[start:start + own.n_elems])
+        torch.sub(compensated.detach().cpu(), self.residual, out=self.residual)
 
     def reset(self) -> None:
         """Forget the residual, e.g. after the node resynchronizes its model from a peer."""

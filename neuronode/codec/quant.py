@@ -209,9 +209,12 @@ class _BlockIntCodec(Codec):
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (scales (nb,), codes (n,) int8 in [-qmax, qmax])."""
         n, nb = x.numel(), self.n_blocks(x.numel())
-        padded = torch.zeros(nb * self.block_elems, dtype=torch.float32)
-        padded[:n] = x
-        blocks = padded.view(nb, self.block_elems)  # (nb, B)
+        if n % self.block_elems == 0:  # every chunk but a vector's last: no padded copy
+            blocks = x.view(nb, self.block_elems)  # (nb, B)
+        else:
+            padded = torch.zeros(nb * self.block_elems, dtype=torch.float32)
+            padded[:n] = x
+            blocks = padded.view(nb, self.block_elems)
         scales = blocks.abs().amax(dim=1) / self.qmax  # (nb,)
         # Near float32 max, absmax/qmax may round up so that qmax * scale overflows to Inf on
         # decode; step such scales down one ulp (codes then clamp, error stays ~1 ulp).
@@ -222,7 +225,7 @@ class _BlockIntCodec(Codec):
             )
         # An all-zero block has scale 0; divide by 1 instead so its codes are 0, not NaN.
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(blocks / safe[:, None]).clamp_(-self.qmax, self.qmax)
+        codes = torch.div(blocks, safe[:, None]).round_().clamp_(-self.qmax, self.qmax)
         return scales, codes.to(torch.int8).view(-1)[:n]
 
     def _pack(self, codes: torch.Tensor) -> bytes:
