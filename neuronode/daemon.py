@@ -325,6 +325,8 @@ class Daemon:
                 return False
             if previous is None:  # nothing to apply yet: round r+1 starts from the global params
                 await self.off_loop(self.train_pool, self.trainer.restart_from_global)
+            # ... shifted to where they will be if round r+1's average equals our contribution.
+            await self.off_loop(self.train_pool, self.trainer.look_ahead)
             self.pending = (round_id, self.start_sync(round_id, sync))
         self.utilization = train_s / max(time.monotonic() - started, 1e-9)
         return True

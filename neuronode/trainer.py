@@ -117,6 +117,7 @@ class Trainer:
         # state change them; a donor snapshots them from another thread while we train.
         self.global_lock = threading.Lock()
         self.lie: tuple[float, float] = (1.0, 0.0)  # fault drills only: (scale, noise) of a Byzantine node
+        self.sent_delta: torch.Tensor | None = None  # --overlap: the pseudo-gradient in flight
         self.encoder = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
                                      byte_shuffle=cfg.byte_shuffle, capped=cfg.max_upload_mbps > 0)
         self.param_digest = self.engine.param_digest()
@@ -161,7 +162,17 @@ class Trainer:
             delta = delta * scale + noise * torch.randn_like(delta)
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
+        if self.cfg.overlap:
+            self.sent_delta = delta  # for look_ahead, once this round's sync is in flight
         return delta
+
+    def look_ahead(self) -> None:
+        """--overlap: the next round starts where the global parameters will be if the average
+        in flight equals our own contribution (DiLoCo.look_ahead)."""
+        if self.sent_delta is not None:
+            with self.global_lock:
+                self.engine.look_ahead(self.sent_delta)
+            self.sent_delta = None
 
     def encode_vector(self, vector: torch.Tensor, link_bytes_per_s: float) -> Encoded:
         """Frames for the wire and our own decoded (wire) form, weighted by this round's samples."""

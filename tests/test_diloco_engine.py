@@ -102,6 +102,39 @@ def test_outer_step_starts_from_round_start_not_local_weights() -> None:
     assert not torch.allclose(expected, local - 0.7 * 1.9 * avg)  # what "from local" would give
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_look_ahead_starts_where_the_outer_step_would_land(momentum: float) -> None:
+    """--overlap's lookahead: working weights go where torch's SGD would move θ_g for this Δ;
+    θ_g and the momentum stay; Δ is measured from the shifted start; outer_step clears it."""
+    engine = make_engine(outer=OuterConfig(momentum=momentum))
+    data = batches(3)
+    run_inner(engine, data)
+    engine.outer_step(engine.pseudo_gradient())  # a momentum buffer to take into account
+    run_inner(engine, data)
+    delta = engine.pseudo_gradient()
+    global_before, momentum_before = engine.flat_global(), engine.flat_momentum()
+    twin = make_engine(outer=OuterConfig(momentum=momentum))
+    twin.load_flat_global(global_before)
+    twin.load_flat_momentum(momentum_before)
+    twin.outer_step(delta)  # what the step would do if the average equalled our Δ
+    engine.look_ahead(delta)
+    assert torch.equal(engine.flat_global(), global_before)
+    assert momentum_before is None or torch.equal(engine.flat_momentum(), momentum_before)
+    assert torch.allclose(flat_model(engine.model), twin.flat_global(), rtol=0, atol=1e-6)
+    assert not torch.allclose(flat_model(engine.model), global_before)
+    assert engine.pseudo_gradient().abs().max() < 1e-6  # no inner step yet: nothing learned
+    start = flat_model(engine.model)
+    run_inner(engine, data)
+    assert torch.allclose(engine.pseudo_gradient(), start - flat_model(engine.model), atol=1e-6)
+    state = engine.state_dict()  # a restart mid-round keeps the shifted start
+    restored = make_engine(outer=OuterConfig(momentum=momentum))
+    restored.load_state_dict(state)
+    assert torch.equal(restored.pseudo_gradient(), engine.pseudo_gradient())
+    engine.outer_step(engine.pseudo_gradient())
+    assert engine.start_offset is None
+    assert torch.equal(flat_model(engine.model), engine.flat_global())
+
+
 def test_outer_step_does_not_modify_caller_vector_and_checks_length() -> None:
     engine = make_engine()
     run_inner(engine, batches(3), steps=1)

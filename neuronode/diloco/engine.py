@@ -150,6 +150,8 @@ class DiLoCo:
         ]
         self._numels = [p.numel() for p in self._params]
         self.num_elements = sum(self._numels)
+        # --overlap lookahead: this round started at θ_g − start_offset (None: at θ_g).
+        self.start_offset: Tensor | None = None
         self.inner_optimizer = torch.optim.AdamW(
             self._params, lr=inner.lr, betas=inner.betas, weight_decay=inner.weight_decay
         )
@@ -219,7 +221,35 @@ class DiLoCo:
                 (g - p.detach().to(self.outer_device, torch.float32)).reshape(-1)
                 for g, p in zip(self.global_params, self._params, strict=True)
             ]
-            return torch.cat(parts).cpu()
+            delta = torch.cat(parts).cpu()
+            if self.start_offset is not None:  # the round started at θ_g − offset, not θ_g
+                delta.sub_(self.start_offset)
+            return delta
+
+    def outer_step_preview(self, delta: Tensor) -> Tensor:
+        """The step ``outer_step(delta)`` would subtract from ``θ_g`` (flat, CPU), computed as
+        torch.optim.SGD does (momentum buffer, Nesterov) without changing ``θ_g`` or the buffer."""
+        self._check_flat(delta, "delta")
+        cfg = self.outer_config
+        step = delta.clone()
+        if cfg.momentum > 0:
+            buf = self.flat_momentum()
+            buf = step.clone() if buf is None else buf.mul_(cfg.momentum).add_(step)
+            step = step.add_(buf, alpha=cfg.momentum) if cfg.effective_nesterov else buf
+        return step.mul_(cfg.lr)
+
+    def look_ahead(self, delta: Tensor) -> None:
+        """--overlap: start the next round where ``θ_g`` will be if the average still in flight
+        equals ``delta`` (our own pseudo-gradient of that round): working weights = ``θ_g`` minus
+        :meth:`outer_step_preview`. ``θ_g`` and the momentum stay as they are (replicas share
+        them); :meth:`pseudo_gradient` measures from the shifted start. This compensates the
+        one-round delay of the overlapped outer step, which alone diverges at momentum 0.9."""
+        offset = self.outer_step_preview(delta)
+        with torch.no_grad():
+            for p, g, o in zip(self._params, self.global_params, self._split(offset.to(self.outer_device)),
+                               strict=True):
+                p.copy_(g - o.reshape(g.shape))
+        self.start_offset = offset
 
     def outer_step(self, avg_delta: Tensor) -> None:
         """Apply the averaged pseudo-gradient to ``θ_g`` and restart the model from it.
@@ -237,6 +267,7 @@ class DiLoCo:
         for g in self.global_params:
             g.grad = None  # drop the references to the caller's vector
         self._copy_global_into_model()
+        self.start_offset = None
         self.round += 1
         self.steps_this_round = 0
         self.samples_this_round = 0
@@ -258,6 +289,7 @@ class DiLoCo:
             for g, view in zip(self.global_params, self._split(source), strict=True):
                 g.copy_(view.reshape(g.shape))
         self._copy_global_into_model()
+        self.start_offset = None
 
     def flat_momentum(self) -> Tensor | None:
         """The outer momentum buffer as a flat float32 CPU vector, or ``None`` if unset.
@@ -331,6 +363,7 @@ class DiLoCo:
                 "samples_this_round": self.samples_this_round,
             },
             "rng": _capture_rng(),
+            "start_offset": None if self.start_offset is None else self.start_offset.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,6 +395,8 @@ class DiLoCo:
         self.steps_this_round = int(counters["steps_this_round"])
         self.samples_this_round = int(counters["samples_this_round"])
         _restore_rng(state["rng"])
+        offset = state.get("start_offset")
+        self.start_offset = None if offset is None else offset.clone()
 
     # ------------------------------------------------------------------- helpers
 
