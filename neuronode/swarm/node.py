@@ -114,6 +114,9 @@ class Outgoing:
     shard_index: int = 0
     members: tuple[str, ...] = ()
     contributors: tuple[str, ...] = ()
+    # Serialized ContributionChunk messages by chunk index, made once and sent to every peer
+    # (they are the same bytes for all): no per-peer protobuf building and copying.
+    wire: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass
@@ -250,10 +253,19 @@ class SwarmNode:
         return task
 
     def stub(self, address: str) -> pb_grpc.NodeStub:
+        return pb_grpc.NodeStub(self.channel(address))
+
+    def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = self.security.channel(address)
-        return pb_grpc.NodeStub(channel)
+        return channel
+
+    def push_call(self, address: str) -> Any:
+        """PushContribution taking already serialized ContributionChunk messages."""
+        return self.channel(address).stream_unary(
+            f"{NODE_PREFIX}PushContribution", request_serializer=None,
+            response_deserializer=pb.PushAck.FromString)
 
     # ---- membership ------------------------------------------------------------------------
 
@@ -519,7 +531,7 @@ class SwarmNode:
                 await asyncio.sleep(self.faults.before_call(address))
                 self.upload_meter.begin(time.monotonic())
                 try:
-                    await self.stub(address).PushContribution(
+                    await self.push_call(address)(
                         self._chunks(peer_id, out), timeout=remaining,
                         metadata=self.security.metadata("PushContribution"))
                     sent = sum(len(f.data) for f in out.frames)
@@ -541,34 +553,36 @@ class SwarmNode:
         """Bytes/s our pushes reach together (0: not measured yet)."""
         return self.upload_meter.rate
 
-    async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[pb.ContributionChunk]:
-        tag = self.security.contribution_tag(
-            round_id=out.round_id, sender_id=self.cfg.node_id,
-            contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
-                                             out.members, out.contributors),
-            codec=out.codec, weight=out.weight, total_elements=out.n_elements)
+    async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[bytes]:
         for frame in out.frames:
             if not self.faults.chunk_allowed(frame.index):
                 raise FaultInjected(f"stream to {peer_id} cut after {frame.index} chunks")
             if self.faults.plan.delay_s:
                 await asyncio.sleep(self.faults.plan.delay_s)
-            msg = pb.ContributionChunk(
-                round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
-                chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
-                compressed=frame.compressed, contribution_digest=out.digest,
-                weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
-                auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
-                phase=out.phase, shard_index=out.shard_index, shard_count=len(out.members),
-                members=out.members, contributors=out.contributors,
-            )
-            # Size the small header before the payload goes in: ByteSize() on a full chunk
-            # costs a payload copy on the event loop.
-            size = msg.ByteSize() + payload_field_size(len(frame.data))
-            msg.payload = frame.data
-            await self.upload.acquire(size)
-            self.counters.bytes_sent += size
-            self.counters.per_peer_sent[peer_id] = self.counters.per_peer_sent.get(peer_id, 0) + size
-            yield msg
+            data = out.wire.get(frame.index)
+            if data is None:
+                data = out.wire[frame.index] = self._serialize_chunk(out, frame)
+            await self.upload.acquire(len(data))
+            self.counters.bytes_sent += len(data)
+            self.counters.per_peer_sent[peer_id] = self.counters.per_peer_sent.get(peer_id, 0) + len(data)
+            yield data
+
+    def _serialize_chunk(self, out: Outgoing, frame: Frame) -> bytes:
+        """One chunk of `out` as a serialized ContributionChunk (the same for every peer)."""
+        tag = self.security.contribution_tag(
+            round_id=out.round_id, sender_id=self.cfg.node_id,
+            contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
+                                             out.members, out.contributors),
+            codec=out.codec, weight=out.weight, total_elements=out.n_elements)
+        return pb.ContributionChunk(
+            round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
+            chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
+            compressed=frame.compressed, contribution_digest=out.digest,
+            weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
+            auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
+            phase=out.phase, shard_index=out.shard_index, shard_count=len(out.members),
+            members=out.members, contributors=out.contributors, payload=frame.data,
+        ).SerializeToString()
 
     def record_round(self, round_id: int, param_digest: str) -> None:
         """After our outer step of `round_id`: remember the digest peers compare against."""
@@ -860,20 +874,6 @@ def bound_digest(digest: str, base_digest: str, phase: int, shard_index: int,
     """Everything a contribution's tag must bind besides round, sender, codec, weight and size:
     its payload digest, the parameters it started from and its reduce-scatter role."""
     return json.dumps([digest, base_digest, int(phase), int(shard_index), list(members), list(contributors)])
-
-
-def payload_field_size(n: int) -> int:
-    """Bytes a payload of n bytes takes in a serialized chunk: tag, length prefix, data."""
-    return n + 1 + len(varint(n)) if n else 0
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def is_loopback(host: str) -> bool:
