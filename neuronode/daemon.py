@@ -568,13 +568,17 @@ def assemble_shards(averaged: dict[str, Contribution], members: tuple[str, ...],
     """Concatenate the averaged shards. A shard whose reducer is gone gets no update this round
     (zeros): every member that missed it does the same; one that got it differs, and the
     lineage rule repairs it next round."""
-    avg = torch.zeros(n_params, dtype=torch.float32)
+    avg = torch.empty(n_params, dtype=torch.float32)
     contributors: set[str] = set()
     for c in averaged.values():
         start, stop = ranges[c.shard_index]
         c.data.decode_into(avg[start:stop])
         contributors.update(c.contributors)
     missing = sorted(set(members) - {c.sender_id for c in averaged.values()})
+    for index, member in enumerate(members):
+        if member in missing:
+            start, stop = ranges[index]
+            avg[start:stop].zero_()
     if missing:
         logger.warning("round %d: no averaged shard from %s; those parameters get no update this round",
                        round_id, ", ".join(missing))

@@ -143,7 +143,7 @@ def encode_frames(
         if digest is not None:
             digest.update(raw)
         if own is not None:
-            own.add(index, raw)
+            own.add(index, raw, vetted=True)  # encode refuses NaN/Inf input
         data, compressed = raw, False
         if compressor is not None:
             packed = compressor.compress(_shuffle(raw, width))
@@ -233,6 +233,7 @@ class Assembler:
         self._n_elems = n_elems
         self._chunks: dict[int, bytes] = {}
         self._held_bytes = 0
+        self._unvetted = 0  # chunks added without a finiteness check (decode checks them)
 
     @property
     def count(self) -> int:
@@ -272,8 +273,10 @@ class Assembler:
         if not 0 <= index < self.count:
             raise CodecError(f"chunk index {index} out of range for {self.count} chunks")
 
-    def add(self, index: int, raw_payload: bytes) -> None:
-        """Store chunk ``index``; rejects out-of-range, duplicate and wrong-length chunks."""
+    def add(self, index: int, raw_payload: bytes, *, vetted: bool = False) -> None:
+        """Store chunk ``index``; rejects out-of-range, duplicate and wrong-length chunks.
+        ``vetted``: the caller checked the payload (``Codec.check_payload``, or encoded it from
+        finite values), so decoding may skip the finiteness check."""
         self._check_index(index)
         if index in self._chunks:
             raise CodecError(f"duplicate chunk {index} of {self.count}")
@@ -283,6 +286,7 @@ class Assembler:
             )
         self._chunks[index] = bytes(raw_payload)
         self._held_bytes += len(raw_payload)
+        self._unvetted += not vetted
 
     def add_frame(self, frame: Frame) -> None:
         """Check a received Frame against this contribution, decompress (bounded) and add it."""
@@ -326,8 +330,9 @@ class Assembler:
         self._require_complete()
         if out.shape != (self._n_elems,) or out.dtype != torch.float32 or not out.is_contiguous():
             raise CodecError(f"decode_into needs a contiguous float32 vector of {self._n_elems} elements")
+        vetted = self._unvetted == 0
         for i, (start, stop) in enumerate(self._ranges):
-            self._codec.decode_into(self._chunks[i], stop - start, out[start:stop])
+            self._codec.decode_into(self._chunks[i], stop - start, out[start:stop], vetted=vetted)
 
 
 def roundtrip(x: torch.Tensor, codec: str, *, chunk_elems: int = 1 << 20) -> torch.Tensor:

@@ -103,10 +103,11 @@ class Codec:
         output: receivers vet every chunk on arrival, and decode only when they average."""
         self.decode(buf, n)
 
-    def decode_into(self, buf: bytes, n: int, out: torch.Tensor) -> None:
+    def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
         """``out[:] = decode(buf, n)`` (same values, same errors) for a contiguous float32 CPU
-        ``out`` of ``n`` elements, with fewer copies where the codec allows. After an error the
-        content of ``out`` is undefined."""
+        ``out`` of ``n`` elements, with fewer copies where the codec allows. ``vetted``: the
+        payload already passed ``check_payload``, so codecs may skip the finiteness check. After
+        an error the content of ``out`` is undefined."""
         out.copy_(self.decode(buf, n))
 
     def __repr__(self) -> str:
@@ -136,8 +137,11 @@ class Fp32Codec(Codec):
         if not all_finite(np.frombuffer(buf, dtype="<f4")):
             raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
 
-    def decode_into(self, buf: bytes, n: int, out: torch.Tensor) -> None:
-        self.check_payload(buf, n)
+    def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
+        if vetted:
+            _check_length(buf, n, self.payload_bytes(n), self.name)
+        else:
+            self.check_payload(buf, n)
         np.copyto(out.numpy(), np.frombuffer(buf, dtype="<f4"))
 
 
@@ -277,7 +281,7 @@ class Int8Codec(_BlockIntCodec):
     def _unpack(self, buf: bytes, n: int) -> torch.Tensor:
         return _ints_from(buf, "i1", np.int8)
 
-    def decode_into(self, buf: bytes, n: int, out: torch.Tensor) -> None:
+    def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
         if n % self.block_elems:  # a short last block: the generic path
             super().decode_into(buf, n, out)
             return
@@ -289,7 +293,8 @@ class Int8Codec(_BlockIntCodec):
         # float32(code) * scale, rounded once: the same bits as decode()'s torch product.
         with np.errstate(over="ignore", invalid="ignore"):
             np.multiply(codes, scales[:, None], out=target, dtype=np.float32)
-        check_finite(out)
+        if not vetted:
+            check_finite(out)
 
 
 class Int4Codec(_BlockIntCodec):

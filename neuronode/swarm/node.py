@@ -738,7 +738,7 @@ class SwarmNode:
                                   f"{chunk.chunk_index} where chunk {next_index} was due; chunks go in order, once each")
                 next_index += 1
                 raw, size = await loop.run_in_executor(self.executor, self._decode_chunk, assembler, chunk, digest)
-                assembler.add(chunk.chunk_index, raw)
+                assembler.add(chunk.chunk_index, raw, vetted=True)  # _decode_chunk checked it
                 self._count_received(chunk.sender_id, size)
             if first is None or assembler is None:
                 raise Refusal("INVALID_ARGUMENT", "empty contribution stream")

@@ -1,0 +1,37 @@
+"""Pure helpers of the daemon (no processes, no sockets)."""
+
+from __future__ import annotations
+
+import torch
+
+from neuronode.codec import VectorEncoder, shard_ranges
+from neuronode.daemon import assemble_shards
+from neuronode.swarm.rounds import Contribution
+
+
+def test_assemble_shards_concatenates_and_zeroes_a_missing_reducers_shard() -> None:
+    """Every averaged shard lands in its range; a reducer that sent nothing leaves zeros there
+    (the output buffer starts uninitialised, so this must be explicit)."""
+    members = ("a", "b", "c")
+    n = 1000
+    ranges = shard_ranges(n, len(members), "int8")
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    enc = VectorEncoder(codec="int8", chunk_bytes=256, zstd_level=0, byte_shuffle=False)
+    averaged = {}
+    for index, member in enumerate(members):
+        if member == "b":
+            continue  # b died before sending its averaged shard
+        start, stop = ranges[index]
+        own = enc.encode(x[start:stop], 0.0).own
+        averaged[member] = Contribution(member, 4, "int8", 1.0, own, members=members,
+                                        contributors=members, shard_index=index)
+    for _ in range(3):  # reuse of freed buffers must not leak old values into the gap
+        junk = torch.full((n,), 7.0)
+        del junk
+        result = assemble_shards(averaged, members, ranges, n, round_id=4)
+        assert result.average is not None and result.contributors == ["a", "b", "c"]
+        b_start, b_stop = ranges[1]
+        assert torch.equal(result.average[b_start:b_stop], torch.zeros(b_stop - b_start))
+        for index in (0, 2):
+            start, stop = ranges[index]
+            assert torch.equal(result.average[start:stop], averaged[members[index]].data.decode())
