@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 MAX_CHUNK_PAYLOAD = 4 << 20
 MAX_KNOWN_ADDRESSES = 1024
 NODE_SERVICE = "neuronode.v1.Node"
+# grpcio's asyncio client reports a client stream the server ended early (a refusal before it
+# read everything) as this INTERNAL error, hiding the server's status (grpc/grpc#36066).
+EARLY_STATUS_BUG = "Internal error from Core"
 PHASE_NAMES = {pb.PHASE_UNSPECIFIED: "contribution", pb.PHASE_SHARD: "shard slices",
                pb.PHASE_AVERAGED: "averaged shard"}
 # Refusals that retrying cannot fix; anything else (UNAVAILABLE, DEADLINE_EXCEEDED) is retried.
@@ -525,6 +528,7 @@ class SwarmNode:
     async def _push(self, peer_id: str, address: str, out: Outgoing, deadline: float) -> None:
         """Stream `out` to one peer, retrying transient failures until the deadline."""
         backoff = 0.2
+        hidden = 0  # refusals grpcio reported as INTERNAL (see EARLY_STATUS_BUG)
         while (remaining := deadline - time.monotonic()) > 0:
             sent = 0
             try:
@@ -544,6 +548,12 @@ class SwarmNode:
                     logger.warning("round %d: peer %s refused our contribution: %s",
                                    out.round_id, peer_id, exc.details())
                     return
+                if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == EARLY_STATUS_BUG:
+                    hidden += 1
+                    if hidden >= 3:
+                        logger.warning("round %d: peer %s keeps ending our stream early (a refusal "
+                                       "grpcio reports as INTERNAL); giving up", out.round_id, peer_id)
+                        return
                 logger.debug("round %d: push to %s failed (%s); retrying", out.round_id, peer_id, exc.code().name)
             await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, 5.0)
