@@ -33,7 +33,6 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,8 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuronode.bench.common import BenchError, free_port, log_tail, module_main, wait_all
 from neuronode.config import NodeConfig
-from neuronode.errors import ConfigError, NeuronodeError
+from neuronode.errors import ConfigError
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
 AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
@@ -56,7 +56,6 @@ START_BUDGET_S = 180.0
 ROUND_BUDGET_S = 60.0
 STEP_BUDGET_S = 2.0
 STOP_GRACE_S = 10.0
-POLL_S = 0.1
 PR_SET_PDEATHSIG = 1
 
 ROUND_DONE = re.compile(
@@ -65,10 +64,6 @@ ROUND_DONE = re.compile(
 ROUND_ZERO = re.compile(r"round 0: val_loss (\S+) before training")
 PARAMETERS = re.compile(r"node \S+: (\d+) parameters")
 READY = re.compile(r"round (\d+): contribution ready")
-
-
-class BenchError(NeuronodeError):
-    """A node of a benchmark swarm failed or overran its deadline; the message quotes its log."""
 
 
 # ---- the local swarm ------------------------------------------------------------------------
@@ -193,16 +188,11 @@ def run_swarm(spec: SwarmSpec, workdir: Path) -> tuple[list[NodeRun], float]:
             argv = spec.node_argv(index, data_dir=node.data_dir, port=ports[index],
                                   bootstrap=f"127.0.0.1:{ports[0]}")
             procs.append(start_process(argv, node.log_path))
-        wait_all(procs, runs, deadline=started + spec.deadline_s)
+        wait_all(procs, [f"node {r.node_id}" for r in runs], [r.log_path for r in runs],
+                 deadline=started + spec.deadline_s, hint="pass a larger --timeout for big models; ")
     finally:
         stop_all(procs)
     return runs, time.monotonic() - started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def die_with_parent() -> None:
@@ -222,23 +212,6 @@ def start_process(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
                                 env=env, preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
 
-def wait_all(procs: list[subprocess.Popen[bytes]], runs: list[NodeRun], *, deadline: float) -> None:
-    """Return when every process exited 0; raise BenchError at the first failure or the deadline."""
-    while True:
-        codes = [p.poll() for p in procs]
-        for node, code in zip(runs, codes, strict=True):
-            if code not in (None, 0):
-                raise BenchError(f"node {node.node_id} exited with status {code}: {log_tail(node.log_path)}")
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() >= deadline:
-            late = [node for node, code in zip(runs, codes, strict=True) if code is None]
-            raise BenchError(
-                f"{', '.join(n.node_id for n in late)} still running at the deadline; killed "
-                f"(pass a larger --timeout for big models; {late[0].node_id}: {log_tail(late[0].log_path)})")
-        time.sleep(POLL_S)
-
-
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
     """SIGTERM every process still running (a clean stop), SIGKILL it after a grace period."""
     running = [p for p in procs if p.poll() is None]
@@ -251,14 +224,6 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def log_tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
-        return "(no log)"
-    return " | ".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
 def parameter_count(events: list[tuple[float, str]]) -> int:
@@ -383,15 +348,7 @@ def add_parser(subparsers: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m neuronode.bench.quality ...`: the same flags as `neuronode bench quality`."""
-    parser = argparse.ArgumentParser(prog="python -m neuronode.bench.quality")
-    configure(parser)
-    args = parser.parse_args(argv)
-    try:
-        print(json.dumps(run(args), sort_keys=True))
-    except NeuronodeError as exc:
-        print(f"neuronode: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    return module_main("python -m neuronode.bench.quality", configure, run, argv)
 
 
 if __name__ == "__main__":

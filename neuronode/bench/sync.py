@@ -56,7 +56,6 @@ import json
 import logging
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,8 +69,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuronode.bench.common import BenchError, free_port, wait_all
 from neuronode.config import RANGES, NodeConfig
-from neuronode.errors import ConfigError, NeuronodeError
+from neuronode.errors import ConfigError
 
 if TYPE_CHECKING:  # the parent process never imports torch or grpc; workers import them lazily
     import torch
@@ -93,10 +93,6 @@ WARMUP_ROUNDS = 0
 START_TIMEOUT_S = 120.0  # process start (torch import) and peer discovery, on a loaded machine
 AVERAGING = ("all-to-all", "reduce-scatter")
 AUTO_ZSTD = -1
-
-
-class BenchError(NeuronodeError):
-    """A benchmark worker failed or timed out; the message quotes its log."""
 
 
 class BenchInterrupted(BenchError):
@@ -180,12 +176,6 @@ def run_sync_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def worker_argv(cfg: SyncBenchConfig, workdir: Path, kind: str, index: int) -> list[str]:
     return [sys.executable, "-m", "neuronode.bench.sync", kind, "--dir", str(workdir),
             "--index", str(index), "--config", json.dumps(asdict(cfg))]
@@ -206,7 +196,9 @@ def run_workers(
                     [*worker_argv(cfg, workdir, kind, index), *more], env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                     start_new_session=True))
-        wait_all(procs, workdir, kind, timeout_s=cfg.total_timeout_s)
+        wait_all(procs, [f"{kind} worker {i}" for i in range(len(procs))],
+                 [workdir / f"{kind}-{i}.log" for i in range(len(procs))],
+                 deadline=time.monotonic() + cfg.total_timeout_s)
     finally:
         for proc in procs:  # only still-running ones: after an error or Ctrl-C
             if proc.poll() is None:
@@ -214,33 +206,6 @@ def run_workers(
         for proc in procs:
             proc.wait(timeout=30)
     return [json.loads((workdir / f"{kind}-{i}.json").read_text()) for i in range(len(procs))]
-
-
-def wait_all(procs: list[subprocess.Popen[bytes]], workdir: Path, kind: str, *, timeout_s: float) -> None:
-    """Return when every process exited 0; raise BenchError at the first failure or the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        codes = [p.poll() for p in procs]
-        for index, code in enumerate(codes):
-            if code not in (None, 0):
-                raise BenchError(f"{kind} worker {index} exited with status {code}: "
-                                 f"{log_tail(workdir / f'{kind}-{index}.log')}")
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() >= deadline:
-            running = [i for i, code in enumerate(codes) if code is None]
-            raise BenchError(f"{kind} workers {running} still running after {timeout_s:.0f} s; "
-                             f"killed them (worker {running[0]}: "
-                             f"{log_tail(workdir / f'{kind}-{running[0]}.log')})")
-        time.sleep(0.05)
-
-
-def log_tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
-        return "(no log)"
-    return " | ".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
 def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,7 +31,6 @@ line, i.e. waiting plus averaging, outer step, validation and checkpoint).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -39,9 +38,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronode.bench.common import BenchError, module_main
 from neuronode.bench.quality import (
     READY,
-    BenchError,
     ModelFlags,
     NodeRun,
     SwarmSpec,
@@ -51,7 +50,7 @@ from neuronode.bench.quality import (
     rounds_done,
     run_swarm,
 )
-from neuronode.errors import ConfigError, NeuronodeError
+from neuronode.errors import ConfigError
 
 
 def spec_from_args(args: argparse.Namespace) -> SwarmSpec:
@@ -155,15 +154,7 @@ def add_parser(subparsers: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m neuronode.bench.utilization ...`: the flags of `neuronode bench utilization`."""
-    parser = argparse.ArgumentParser(prog="python -m neuronode.bench.utilization")
-    configure(parser)
-    args = parser.parse_args(argv)
-    try:
-        print(json.dumps(run(args), sort_keys=True))
-    except NeuronodeError as exc:
-        print(f"neuronode: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    return module_main("python -m neuronode.bench.utilization", configure, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""What the benchmarks share: their error, worker bookkeeping and the `python -m` entry point.
+Imports neither torch nor grpc (a benchmark's parent process stays light)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from neuronode.errors import NeuronodeError
+
+POLL_S = 0.05
+
+
+class BenchError(NeuronodeError):
+    """A benchmark's worker or node failed or overran its deadline; the message quotes its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def wait_all(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str], logs: Sequence[Path], *,
+             deadline: float, hint: str = "") -> None:
+    """Return when every process exited 0; raise BenchError, quoting the log, at the first
+    failure or at the deadline (`hint` says what to try then)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        for name, log, code in zip(names, logs, codes, strict=True):
+            if code not in (None, 0):
+                raise BenchError(f"{name} exited with status {code}: {log_tail(log)}")
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() >= deadline:
+            late = [i for i, code in enumerate(codes) if code is None]
+            raise BenchError(f"{', '.join(names[i] for i in late)} still running at the deadline; killed "
+                             f"({hint}{names[late[0]]}: {log_tail(logs[late[0]])})")
+        time.sleep(POLL_S)
+
+
+def module_main(prog: str, configure: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], dict[str, Any]], argv: Sequence[str] | None) -> int:
+    """`python -m neuronode.bench.X ...`: the flags of `neuronode bench X`, one JSON object out."""
+    parser = argparse.ArgumentParser(prog=prog)
+    configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        print(json.dumps(run(args), sort_keys=True))
+    except NeuronodeError as exc:
+        print(f"neuronode: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
