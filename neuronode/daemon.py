@@ -46,7 +46,7 @@ def run_daemon(cfg: NodeConfig) -> int:
     data_dir = check_data_dir(cfg.data_dir)
     setup_logging(cfg.log_format, cfg.log_level)
     keep_freed_buffers()
-    node_id = cfg.node_id or load_or_create_node_id(data_dir)
+    node_id = tls_node_id(cfg) or cfg.node_id or load_or_create_node_id(data_dir)
     trainer = Trainer(cfg, node_id=node_id)
     if not cfg.authenticated:
         logger.warning(
@@ -57,6 +57,23 @@ def run_daemon(cfg: NodeConfig) -> int:
     daemon.security = build_security(cfg, node_id)
     daemon.restore()
     return run_async(daemon.run)
+
+
+def tls_node_id(cfg: NodeConfig) -> str:
+    """With mutual TLS the node id is the name its certificate proves, so peers can check every
+    id a caller claims against its certificate; "" without TLS."""
+    if not cfg.tls_cert:
+        return ""
+    from neuronode.security.certs import cert_common_name
+
+    name = cert_common_name(Path(cfg.tls_cert))
+    if not name:
+        raise ConfigError(f"--tls-cert {cfg.tls_cert} names no node (no CN); issue it with "
+                          "`neuronode ca issue --name NODE`")
+    if cfg.node_id and cfg.node_id != name:
+        raise ConfigError(f"--node-id {cfg.node_id} differs from the node named in --tls-cert ({name}); "
+                          "drop --node-id or use that node's certificate")
+    return name
 
 
 def build_security(cfg: NodeConfig, node_id: str) -> Security:

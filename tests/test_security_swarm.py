@@ -451,3 +451,49 @@ async def test_protected_mode_admits_loopback_callers_only() -> None:
     finally:
         await node.stop(grace_s=0.5)
         pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+async def test_tls_callers_speak_only_as_the_node_their_certificate_names(tmp_path: Path) -> None:
+    """Mutual TLS binds ids: a member with b's certificate is refused (PERMISSION_DENIED) when it
+    says Hello, pushes, leaves or asks for state as another node, and admitted as b."""
+    ca = make_ca(tmp_path, "ca", SWARM)
+
+    def files(name: str) -> tuple[str, str, str]:
+        flags = issue(ca, tmp_path / "certs", name)
+        return flags[1], flags[3], flags[5]
+
+    pool = ThreadPoolExecutor(1)
+    node = SwarmNode(swarm_config("a"), executor=pool,
+                     security=Security(node_id="a", swarm_id=SWARM, tls_files=files("a")))
+    await node.start()
+    b = Security(node_id="b", swarm_id=SWARM, tls_files=files("b"))
+    channel = b.channel(node.advertise)
+    try:
+        impostor = Member(channel, "c", "127.0.0.1:1", secret=None)
+        for method in ("Hello", "PushContribution", "Leave", "FetchState", "CheckReachable"):
+            code, details = await impostor.call(method)
+            assert code == Code.PERMISSION_DENIED and "certificate is for node 'b'" in details, (method, details)
+        assert "c" not in node.table.peers
+        honest = Member(channel, "b", "127.0.0.1:1", secret=None)
+        assert await honest.call("Hello") == (Code.OK, "")
+        assert "b" in node.table.peers
+        code, details = await honest.call("PushContribution", chunks=contribution("b", secret=b""))
+        assert code == Code.OK, details
+        assert node.book.contributors(0) == {"b"}
+    finally:
+        await channel.close()
+        await node.stop(grace_s=0.5)
+        pool.shutdown(wait=True)
+
+
+def test_tls_node_id_is_its_certificates_name(tmp_path: Path) -> None:
+    """A node with TLS takes its id from its certificate; a contradicting --node-id stops the
+    start with one line (exit 2)."""
+    ca = make_ca(tmp_path, "ca", "tls")
+    b_tls = issue(ca, tmp_path / "certs", "b")
+    out = run_cli("start", "--data-dir", str(tmp_path / "d"), "--swarm-id", "tls", "--node-id", "a",
+                  *b_tls, *SMALL)
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--node-id a differs from the node named in --tls-cert (b)" in lines[0], lines

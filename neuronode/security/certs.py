@@ -241,6 +241,12 @@ def cert_hosts(cert: Path) -> tuple[str, ...]:
     return (*dns, *ips)
 
 
+def cert_common_name(cert: Path) -> str:
+    """The CN of a node certificate: the node id it proves (`ca issue --name`)."""
+    values = _load_cert(cert, "certificate").subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(values[0].value) if values else ""
+
+
 def peer_common_name(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
     """The verified peer certificate's CN from `context.auth_context()`, or None without TLS."""
     values = auth_context.get("x509_common_name") or ()

@@ -35,6 +35,7 @@ from neuronode.codec import (
 )
 from neuronode.errors import ConfigError
 from neuronode.security.auth import AuthError
+from neuronode.security.certs import peer_common_name
 from neuronode.state import GlobalState
 from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import FaultInjected, Faults
@@ -718,7 +719,7 @@ class SwarmNode:
     # ---- incoming contributions -------------------------------------------------------------
 
     async def receive(self, chunks: AsyncIterator[pb.ContributionChunk], *, sender: list[str] | None = None,
-                      proven_id: str = "") -> int:
+                      proven_id: str = "", certified_id: str = "") -> int:
         """Validate and store one incoming contribution stream; returns chunks received.
         `sender` gets the claimed sender id as soon as the first chunk is read (for blame)."""
         first: pb.ContributionChunk | None = None
@@ -735,6 +736,9 @@ class SwarmNode:
                 if first is None:
                     if sender is not None:
                         sender.append(chunk.sender_id[:MAX_ID_CHARS])
+                    if certified_id and chunk.sender_id != certified_id:
+                        raise Refusal("PERMISSION_DENIED", f"the caller's certificate is for node {certified_id!r}, "
+                                      f"not {chunk.sender_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
                     if proven_id and self.bans.banned_for(f"node:{proven_id}"):
                         raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
                     self._check_proof(chunk, proven_id)
@@ -919,6 +923,18 @@ class NodeService(pb_grpc.NodeServicer):
         host = context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
         return "" if is_loopback(host) else f"ip:{host}"
 
+    async def check_certificate(self, context: grpc.aio.ServicerContext, claimed_id: str) -> None:
+        """With mutual TLS a caller speaks only as the node its certificate names."""
+        if self.node.security.tls_files is None:
+            return
+        name = peer_common_name(context.auth_context())
+        if name is not None and claimed_id != name:
+            self.node.counters.refusals["PERMISSION_DENIED"] = self.node.counters.refusals.get(
+                "PERMISSION_DENIED", 0) + 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"the caller's certificate is for node {name!r}, not "
+                                f"{claimed_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
+
     async def check_ban(self, context: grpc.aio.ServicerContext, node_id: str = "") -> None:
         """Admit a caller: loopback only in protected mode, and never a banned one."""
         if self.node.loopback_only:
@@ -951,6 +967,7 @@ class NodeService(pb_grpc.NodeServicer):
         if self.node.leaving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
         await self.check_ban(context, request.info.node_id)
+        await self.check_certificate(context, request.info.node_id)
         if self.node.faults.path and self.node.faults.cut_off(request.info.advertise):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
         try:
@@ -969,6 +986,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         await self.check_ban(context, request.node_id)
+        await self.check_certificate(context, request.node_id)
         if self.node.security.secret and caller_id(context) != request.node_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
         if request.swarm_id == self.node.cfg.swarm_id and self.node.table.mark_left(request.node_id):
@@ -983,7 +1001,9 @@ class NodeService(pb_grpc.NodeServicer):
         await self.check_ban(context)
         sender: list[str] = []
         try:
-            count = await self.node.receive(request_iterator, sender=sender, proven_id=caller_id(context))
+            certified = peer_common_name(context.auth_context()) if self.node.security.tls_files else None
+            count = await self.node.receive(request_iterator, sender=sender, proven_id=caller_id(context),
+                                            certified_id=certified or "")
         except Refusal as exc:
             await self._abort(context, exc, "contribution", sender[0] if sender else "")
         return pb.PushAck(chunks_received=count)
@@ -992,6 +1012,7 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.StateRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.StateChunk]:
         await self.check_ban(context, request.node_id)
+        await self.check_certificate(context, request.node_id)
         peer = self.node.table.peers.get(request.node_id)
         if request.swarm_id != self.node.cfg.swarm_id or peer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -1008,6 +1029,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
         await self.check_ban(context, request.node_id)
+        await self.check_certificate(context, request.node_id)
         try:
             if request.swarm_id != self.node.cfg.swarm_id:
                 raise Refusal("PERMISSION_DENIED", "another swarm")
