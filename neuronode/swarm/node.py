@@ -312,7 +312,7 @@ class SwarmNode:
 
     def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord]) -> None:
         digests = {d.round: d.param_digest for d in list(info.recent_digests)[-16:]}
-        came = self.table.heard_from(
+        self.table.heard_from(
             info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
             digests=digests, leaving=info.leaving, contributes_from=info.contributes_from,
         )
@@ -321,12 +321,11 @@ class SwarmNode:
                     and len(self.table.addresses) < MAX_KNOWN_ADDRESSES):
                 self.table.add_address(rec.address)
         self._contact.set()
-        # A new peer, or one that moved to another round, may now be owed an open round's push
-        # (or no longer be waited for): cheap to re-check on every message.
+        # A new peer, or one that moved to another round or is leaving, may now be owed an open
+        # round's push, or no longer be waited for: cheap to re-check on every message.
         self._push_outbox_to_new_peers()
-        if came or info.leaving or info.round:
-            self.book.notify()
-            self.gather_book.notify()
+        self.book.notify()
+        self.gather_book.notify()
 
     async def _heartbeat_loop(self) -> None:
         unanswered_since: float | None = None
