@@ -247,6 +247,7 @@ class SwarmNode:
         """Give contributions still streaming to peers up to `timeout_s` to finish."""
         pushes = [t for t in self._tasks if t.get_name().startswith("push-")]
         if pushes:
+            logger.info("waiting up to %.0f s for %d pushes still in flight", timeout_s, len(pushes))
             await asyncio.wait(pushes, timeout=timeout_s)
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
