@@ -177,7 +177,7 @@ def test_config_refuses(field: str, value: Any) -> None:
 def node_result(round_seconds: list[float], sha: str = "s", *, sent: int = 300,
                 contributors: int = 2) -> dict[str, Any]:
     rounds = [{"seconds": s, "encode_s": s / 4, "exchange_s": s / 2, "decode_average_s": s / 4,
-               "contributors": contributors, "sha256": sha, "bytes_sent": sent,
+               "contributors": contributors, "digest": sha, "bytes_sent": sent,
                "payload_bytes": sent, "cpu_s": s, "zstd_levels": [1], "shuffled": True}
               for s in round_seconds]
     return {"rounds": rounds, "peak_rss_bytes": 1000 + len(round_seconds)}
@@ -187,8 +187,8 @@ def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
     cfg = SyncBenchConfig(nodes=2, params=100, codec="fp32", averaging="all-to-all", rounds=3,
                           zstd_level=1)
     nodes = [node_result([1.0, 5.0, 2.0]), node_result([3.0, 1.0, 2.5])]
-    gloo = [{"seconds": [0.1, 0.3, 0.2], "cpu_s": [0.1, 0.3, 0.2], "peak_rss_bytes": 7, "sha256": "g"},
-            {"seconds": [0.2, 0.1, 0.1], "cpu_s": [0.2, 0.1, 0.1], "peak_rss_bytes": 9, "sha256": "g"}]
+    gloo = [{"seconds": [0.1, 0.3, 0.2], "cpu_s": [0.1, 0.3, 0.2], "peak_rss_bytes": 7, "digest": "g"},
+            {"seconds": [0.2, 0.1, 0.1], "cpu_s": [0.2, 0.1, 0.1], "peak_rss_bytes": 9, "digest": "g"}]
     result = summarize(cfg, nodes, gloo)
     assert result["round_seconds"] == [3.0, 5.0, 2.5]
     assert result["seconds"] == 3.0

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -218,7 +217,7 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         return [max(rounds[k][key] for rounds in timed) for k in range(n_rounds)]
 
     round_s = slowest("seconds")
-    digests_agree = all(len({rounds[k]["sha256"] for rounds in timed}) == 1 for k in range(n_rounds))
+    digests_agree = all(len({rounds[k]["digest"] for rounds in timed}) == 1 for k in range(n_rounds))
     contributors = min(r["contributors"] for r in every)
     # Both means over the same worker-rounds: with auto zstd the level, so the size, may vary.
     payload = statistics.fmean(r["payload_bytes"] for r in every)
@@ -240,8 +239,8 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         # All workers' CPU per round: steadier than wall time on a shared machine.
         "cpu_seconds": round(statistics.median(cpu_s), 3),
         "replicas_identical": digests_agree and contributors == cfg.nodes,
-        # The last timed round's average (sha256 of its float32 bytes), when all replicas agree.
-        "result_digest": timed[0][-1]["sha256"] if digests_agree else None,
+        # The last timed round's average (BLAKE3 of its float32 bytes), when all replicas agree.
+        "result_digest": timed[0][-1]["digest"] if digests_agree else None,
         "gloo_seconds": None, "ratio_vs_gloo": None,
     }
     if gloo:
@@ -260,7 +259,7 @@ def summarize_gloo(gloo: list[dict[str, Any]]) -> dict[str, Any]:
         "gloo_round_seconds": [round(s, 4) for s in round_s],
         "gloo_cpu_seconds": round(statistics.median(cpu_s), 3),
         "gloo_peak_rss_bytes": max(w["peak_rss_bytes"] for w in gloo),
-        "gloo_replicas_identical": len({w["sha256"] for w in gloo}) == 1,
+        "gloo_replicas_identical": len({w["digest"] for w in gloo}) == 1,
     }
 
 
@@ -355,8 +354,11 @@ def pseudo_gradient(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=gen) * 1e-3  # (P,) float32, a pseudo-gradient's scale
 
 
-def sha256_of(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+def digest_of(t: torch.Tensor) -> str:
+    """BLAKE3 of a float32 vector's bytes, read in place (no copy)."""
+    import blake3
+
+    return blake3.blake3(memoryview(t.contiguous().numpy()).cast("B")).hexdigest()
 
 
 @dataclass
@@ -436,7 +438,7 @@ class NodeWorker:
             if unhashed is not None:
                 # After the barrier: every worker is done with that round, so hashing steals no
                 # CPU from a slower worker's timed work (and its CPU time is not counted).
-                results[-1]["sha256"] = await self.off_loop(sha256_of, unhashed)
+                results[-1]["digest"] = await self.off_loop(digest_of, unhashed)
                 usage[-1] = Usage(node.counters.bytes_sent, time.process_time())
                 unhashed = None
             if round_id < total:
@@ -472,7 +474,7 @@ class NodeWorker:
         return {"round_id": round_id, "encode_s": done.encode_s, "exchange_s": done.exchange_s,
                 "decode_average_s": done.decode_average_s,
                 "seconds": done.encode_s + done.exchange_s + done.decode_average_s,
-                "contributors": done.contributors, "sha256": "", "payload_bytes": done.payload_bytes,
+                "contributors": done.contributors, "digest": "", "payload_bytes": done.payload_bytes,
                 "zstd_levels": sorted({e.zstd_level for e in done.encoded}),
                 "shuffled": all(e.shuffled for e in done.encoded)}, done.average
 
@@ -589,10 +591,10 @@ def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any
             buf.div_(cfg.nodes)
             seconds.append(time.perf_counter() - t0)
             cpu_s.append(time.process_time() - c0)
-        sha = sha256_of(buf)
+        sha = digest_of(buf)
     finally:
         dist.destroy_process_group()
-    return {"index": index, "seconds": seconds[1:], "cpu_s": cpu_s[1:], "sha256": sha,
+    return {"index": index, "seconds": seconds[1:], "cpu_s": cpu_s[1:], "digest": sha,
             "peak_rss_bytes": peak_rss_bytes()}
 
 

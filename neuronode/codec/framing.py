@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import blake3
 import numpy as np
 import torch
 import zstandard as zstd
@@ -195,17 +197,19 @@ def decode_frame(
 
 
 class ContributionDigest:
-    """sha256 over a contribution's raw payloads, fed in chunk index order."""
+    """BLAKE3 over a contribution's raw payloads, fed in chunk index order. A node hashes every
+    byte it sends and receives; BLAKE3 does that about 4x faster than sha256 (docs/protocol.md)."""
 
-    def __init__(self) -> None:
-        self._h = hashlib.sha256()
+    def __init__(self, *, sha256: bool = False) -> None:
+        # sha256 for state transfer, whose parameters must match the published param_digest
+        self._h: Any = hashlib.sha256() if sha256 else blake3.blake3()
 
     def update(self, raw_payload: bytes) -> None:
         """Feed the next chunk's raw (uncompressed, still quantized) payload."""
-        self._h.update(raw_payload)
+        self._h.update(raw_payload if isinstance(raw_payload, bytes) else memoryview(raw_payload).cast("B"))
 
     def hexdigest(self) -> str:
-        """Hex sha256 of everything fed so far (the object stays usable)."""
+        """Hex digest (32 bytes) of everything fed so far (the object stays usable)."""
         return self._h.hexdigest()
 
 

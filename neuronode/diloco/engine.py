@@ -319,7 +319,7 @@ class DiLoCo:
         hasher = hashlib.sha256()
         for g in self.global_params:
             array = g.detach().cpu().contiguous().numpy()
-            hasher.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
+            hasher.update(np.ascontiguousarray(array, dtype="<f4").data)
         return hasher.hexdigest()
 
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:

@@ -41,7 +41,7 @@ StateProvider = Callable[[], GlobalState]
 
 
 def part_frames(vector: torch.Tensor, *, zstd_level: int) -> tuple[list[Frame], str]:
-    digest = ContributionDigest()
+    digest = ContributionDigest(sha256=True)
     frames = list(encode_frames(vector, codec="fp32", chunk_bytes=TRANSFER_CHUNK_BYTES,
                                 zstd_level=zstd_level, digest=digest))
     return frames, digest.hexdigest()
@@ -89,7 +89,7 @@ class StateReceiver:
         if header.has_momentum:
             self.parts[pb.STATE_PART_MOMENTUM] = Assembler(n_elems=n_elements, codec="fp32",
                                                            chunk_bytes=TRANSFER_CHUNK_BYTES)
-        self.digests = {part: ContributionDigest() for part in self.parts}
+        self.digests = {part: ContributionDigest(sha256=True) for part in self.parts}
         self.next_index = {part: 0 for part in self.parts}
 
     def add(self, msg: pb.StateChunk) -> None:
