@@ -27,7 +27,7 @@ from neuronode import checkpoint
 from neuronode.codec import shard_ranges
 from neuronode.config import NodeConfig, check_data_dir
 from neuronode.errors import CheckpointError, ConfigError
-from neuronode.memory import keep_freed_buffers
+from neuronode.memory import empty_floats, keep_freed_buffers
 from neuronode.metrics import Metrics, Snapshot
 from neuronode.security.auth import load_secret, permissions_warning
 from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
@@ -585,7 +585,7 @@ def assemble_shards(averaged: dict[str, Contribution], members: tuple[str, ...],
     """Concatenate the averaged shards. A shard whose reducer is gone gets no update this round
     (zeros): every member that missed it does the same; one that got it differs, and the
     lineage rule repairs it next round."""
-    avg = torch.empty(n_params, dtype=torch.float32)
+    avg = empty_floats(n_params)
     contributors: set[str] = set()
     for c in averaged.values():
         start, stop = ranges[c.shard_index]

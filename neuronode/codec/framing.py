@@ -24,6 +24,7 @@ import torch
 import zstandard as zstd
 
 from neuronode.codec.quant import CodecError, get_codec
+from neuronode.memory import empty_floats
 
 __all__ = [
     "Assembler",
@@ -325,7 +326,7 @@ class Assembler:
 
     def decode(self) -> torch.Tensor:
         """The contribution as one float32 vector; raises CodecError if incomplete or non-finite."""
-        out = torch.empty(self._n_elems, dtype=torch.float32)
+        out = empty_floats(self._n_elems)
         self.decode_into(out)
         return out
 
@@ -350,7 +351,7 @@ def roundtrip(x: torch.Tensor, codec: str, *, chunk_elems: int = 1 << 20) -> tor
     if x.dim() != 1:
         raise CodecError(f"expected a 1-D tensor, got shape {tuple(x.shape)}")
     step = max(c.block_elems, chunk_elems - chunk_elems % c.block_elems)
-    out = torch.empty(x.numel(), dtype=torch.float32)
+    out = empty_floats(x.numel())
     for start in range(0, x.numel(), step):
         stop = min(start + step, x.numel())
         out[start:stop] = c.decode(c.encode(x[start:stop]), stop - start)

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from neuronode.diloco import robust
+from neuronode.memory import empty_floats
 
 __all__ = [
     "Aggregator",
@@ -97,7 +98,8 @@ def average(contributions: Mapping[str, Contribution]) -> Tensor:
         source, weight = contributions[peer_id]
         vector = _resolve(peer_id, source)
         if acc is None:
-            acc = torch.zeros_like(vector)
+            acc = (empty_floats(vector.numel()).zero_() if vector.device.type == "cpu"
+                   else torch.zeros_like(vector))
         elif vector.numel() != acc.numel():
             raise ValueError(
                 f"contribution from {peer_id!r} has {vector.numel()} elements, "
