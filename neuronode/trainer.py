@@ -197,8 +197,7 @@ class Trainer:
     def reduce_shard(self, pieces: dict[str, tuple[Assembler, float]], link_bytes_per_s: float = 0.0) -> Encoded:
         """The reducer's job: aggregate every member's slice of our shard (sorted by node id),
         then encode the result for the all-gather. Its weight is the total of the pieces'."""
-        lazy = {node: (data.decode, weight) for node, (data, weight) in pieces.items()}
-        avg = self.aggregate(lazy)
+        avg = self.aggregate(dict(pieces))  # Assemblers: decoded lazily, or added chunk by chunk
         if not torch.isfinite(avg).all():
             logger.error("averaged shard is not finite; sending a zero update for it")
             avg = torch.zeros_like(avg)
@@ -209,8 +208,7 @@ class Trainer:
     def apply(self, contributions: dict[str, tuple[Assembler, float]]) -> str:
         """Average the round's contributions (decoded one at a time, sorted by node id), take the
         outer step, evaluate; returns the new param_digest."""
-        lazy = {node: (data.decode, weight) for node, (data, weight) in contributions.items()}
-        return self.apply_average(self.aggregate(lazy))
+        return self.apply_average(self.aggregate(dict(contributions)))
 
     def apply_average(self, avg: torch.Tensor) -> str:
         """Outer step with an averaged pseudo-gradient; returns the new param_digest."""

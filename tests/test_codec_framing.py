@@ -27,6 +27,7 @@ from neuronode.codec import (
     roundtrip,
     shuffle_width,
 )
+from neuronode.diloco import get_aggregator
 
 torch.set_num_threads(1)
 
@@ -98,6 +99,43 @@ def test_assembled_equals_roundtrip_for_any_chunking(
     expected = get_codec(codec).decode(get_codec(codec).encode(x), n)
     assert torch.equal(asm.decode(), expected)
     assert torch.equal(roundtrip(x, codec, chunk_elems=100), expected)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 3000), chunk_bytes=st.integers(200, 3000), seed=st.integers(0, 2**16),
+       alpha=st.floats(0.01, 1.0))
+def test_add_into_equals_adding_the_decoded_vector(
+    codec: str, n: int, chunk_bytes: int, seed: int, alpha: float
+) -> None:
+    """The reducer adds received chunks straight into the accumulator: bit for bit what adding
+    the whole decoded vector gives, so replicas that average either way agree."""
+    frames = list(encode_frames(pseudo_grad(n, seed), codec=codec, chunk_bytes=chunk_bytes, zstd_level=1))
+    asm = assemble(frames, n=n, codec=codec, chunk_bytes=chunk_bytes)
+    start = pseudo_grad(n, seed + 1)
+    streamed, whole = start.clone(), start.clone()
+    asm.add_into(streamed, alpha)
+    whole.add_(asm.decode(), alpha=alpha)
+    assert torch.equal(streamed, whole)
+
+
+def test_average_of_assemblers_matches_average_of_vectors() -> None:
+    """diloco.average takes Assemblers (added chunk by chunk, the mean) and the robust rules
+    call them for whole vectors; both give what the decoded vectors give."""
+    n, senders = 5000, ["c", "a", "b"]
+    parts = {s: assemble(list(encode_frames(pseudo_grad(n, i), codec="int8", chunk_bytes=700, zstd_level=0)),
+                         n=n, codec="int8", chunk_bytes=700) for i, s in enumerate(senders)}
+    weights = {"a": 1.0, "b": 3.0, "c": 2.0}
+    for name in ("mean", "median"):
+        aggregate = get_aggregator(name)
+        streamed = aggregate({s: (parts[s], weights[s]) for s in senders})
+        decoded = aggregate({s: (parts[s].decode(), weights[s]) for s in senders})
+        assert torch.equal(streamed, decoded), name
+    with pytest.raises(CodecError, match="add_into needs"):
+        parts["a"].add_into(torch.zeros(n + 1), 1.0)
+    short = Assembler(n_elems=n, codec="int8", chunk_bytes=700)
+    with pytest.raises(CodecError, match="incomplete"):
+        short.add_into(torch.zeros(n), 1.0)
 
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -300,10 +300,10 @@ class BenchEncoder:
 
 
 def average_of(pieces: dict[str, tuple[Assembler, float]]) -> torch.Tensor:
-    """Average as the daemon does: decoded one at a time, in sorted sender order."""
+    """Average as the daemon does: in sorted sender order, each added chunk by chunk."""
     from neuronode.diloco import average
 
-    return average({sender: (data.decode, weight) for sender, (data, weight) in pieces.items()})
+    return average(dict(pieces))
 
 
 def pieces_of(got: dict[str, Contribution]) -> dict[str, tuple[Assembler, float]]:

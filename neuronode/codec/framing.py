@@ -330,6 +330,20 @@ class Assembler:
         self.decode_into(out)
         return out
 
+    def __call__(self) -> torch.Tensor:
+        """``decode()``: an Assembler is a lazy contribution for ``neuronode.diloco.aggregate``."""
+        return self.decode()
+
+    def add_into(self, acc: torch.Tensor, alpha: float) -> None:
+        """``acc.add_(decode(), alpha=alpha)`` chunk by chunk, without building the decoded
+        vector (element-wise, so bit-identical to the whole-vector add)."""
+        self._require_complete()
+        if acc.shape != (self._n_elems,) or acc.dtype != torch.float32:
+            raise CodecError(f"add_into needs a float32 vector of {self._n_elems} elements")
+        vetted = self._unvetted == 0
+        for i, (start, stop) in enumerate(self._ranges):
+            self._codec.add_into(self._chunks[i], stop - start, acc[start:stop], alpha, vetted=vetted)
+
     def decode_into(self, out: torch.Tensor) -> None:
         """``out[:] = decode()`` for a contiguous float32 CPU ``out``, without an extra copy."""
         self._require_complete()

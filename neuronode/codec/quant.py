@@ -13,8 +13,14 @@ on how the vector was chunked.
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import numpy as np
 import torch
+
+# Fp32Codec.add_into reads received bytes in place through a read-only tensor it never writes.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 __all__ = [
     "BLOCK_ELEMS",
@@ -110,6 +116,11 @@ class Codec:
         an error the content of ``out`` is undefined."""
         out.copy_(self.decode(buf, n))
 
+    def add_into(self, buf: bytes, n: int, acc: torch.Tensor, alpha: float, *, vetted: bool = False) -> None:
+        """``acc.add_(decode(buf, n), alpha=alpha)`` (same values, same errors) for a float32
+        CPU ``acc`` of ``n`` elements, without a decoded copy where the codec allows."""
+        acc.add_(self.decode(buf, n), alpha=alpha)
+
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
 
@@ -143,6 +154,16 @@ class Fp32Codec(Codec):
         else:
             self.check_payload(buf, n)
         np.copyto(out.numpy(), np.frombuffer(buf, dtype="<f4"))
+
+    def add_into(self, buf: bytes, n: int, acc: torch.Tensor, alpha: float, *, vetted: bool = False) -> None:
+        if sys.byteorder != "little":
+            super().add_into(buf, n, acc, alpha, vetted=vetted)
+            return
+        if vetted:
+            _check_length(buf, n, self.payload_bytes(n), self.name)
+        else:
+            self.check_payload(buf, n)
+        acc.add_(torch.from_numpy(np.frombuffer(buf, dtype=np.float32)), alpha=alpha)
 
 
 class _Half16Codec(Codec):

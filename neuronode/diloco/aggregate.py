@@ -55,7 +55,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -81,6 +81,19 @@ logger = logging.getLogger(__name__)
 Contribution: TypeAlias = tuple[Tensor | Callable[[], Tensor], float]
 """``(flat float32 vector, or a callable returning it, weight > 0)``."""
 
+
+@runtime_checkable
+class Streamed(Protocol):
+    """A lazy contribution that ``average`` can add chunk by chunk, never building the whole
+    decoded vector (``neuronode.codec.Assembler``); the robust rules call it for the vector."""
+
+    @property
+    def n_elems(self) -> int: ...
+
+    def __call__(self) -> Tensor: ...
+
+    def add_into(self, acc: Tensor, alpha: float) -> None: ...
+
 Aggregator: TypeAlias = Callable[[Mapping[str, Contribution]], Tensor]
 
 
@@ -88,27 +101,35 @@ def average(contributions: Mapping[str, Contribution]) -> Tensor:
     """Weighted mean of flat float32 vectors, deterministic regardless of mapping order.
 
     Weights are normalised by their sum ``W`` (a Python float summed in sorted key order);
-    each vector is added as ``acc.add_(t, alpha=w / W)``. A single contributor therefore
-    comes back exactly (``alpha == 1.0``). Raises ``ValueError`` for an empty mapping, a
+    each vector is added as ``acc.add_(t, alpha=w / W)`` (a ``Streamed`` source adds itself the
+    same way, chunk by chunk). A single contributor therefore comes back exactly (``alpha ==
+    1.0``). Raises ``ValueError`` for an empty mapping, a
     non-positive or non-finite weight, or vectors that are not 1-D float32 of equal length.
     """
     peer_ids, total_weight = _sorted_ids_and_total(contributions)
     acc: Tensor | None = None
     for peer_id in peer_ids:
         source, weight = contributions[peer_id]
+        if isinstance(source, Streamed):
+            if acc is None:
+                acc = empty_floats(source.n_elems).zero_()
+            _check_size(peer_id, source.n_elems, acc)
+            source.add_into(acc, weight / total_weight)
+            continue
         vector = _resolve(peer_id, source)
         if acc is None:
             acc = (empty_floats(vector.numel()).zero_() if vector.device.type == "cpu"
                    else torch.zeros_like(vector))
-        elif vector.numel() != acc.numel():
-            raise ValueError(
-                f"contribution from {peer_id!r} has {vector.numel()} elements, "
-                f"expected {acc.numel()}"
-            )
+        _check_size(peer_id, vector.numel(), acc)
         acc.add_(vector, alpha=weight / total_weight)
         del vector  # let a lazily decoded vector be freed before the next one is built
     assert acc is not None  # _sorted_ids_and_total rejects an empty mapping
     return acc
+
+
+def _check_size(peer_id: str, n: int, acc: Tensor) -> None:
+    if n != acc.numel():
+        raise ValueError(f"contribution from {peer_id!r} has {n} elements, expected {acc.numel()}")
 
 
 def _sorted_ids_and_total(contributions: Mapping[str, Contribution]) -> tuple[list[str], float]:
