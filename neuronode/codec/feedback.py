@@ -13,6 +13,7 @@ import torch
 
 from neuronode.codec.framing import Assembler
 from neuronode.codec.quant import CodecError
+from neuronode.memory import empty_floats
 
 __all__ = ["ErrorFeedback"]
 
@@ -38,7 +39,9 @@ class ErrorFeedback:
     def compensate(self, delta: torch.Tensor) -> torch.Tensor:
         """``delta + residual`` as a new tensor (delta is left untouched)."""
         self._check(delta, "delta")
-        return delta + self.residual.to(delta.device)
+        if delta.device.type != "cpu":
+            return delta + self.residual.to(delta.device)
+        return torch.add(delta, self.residual, out=empty_floats(delta.numel()))
 
     def update(self, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Set residual = compensated - decoded (what the wire lost this round)."""

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from neuronode.diloco.schedule import lr_at
 from neuronode.errors import NeuronodeError
+from neuronode.memory import empty_floats
 
 __all__ = ["DiLoCo", "InnerConfig", "OuterConfig", "StateMismatchError"]
 
@@ -221,7 +222,8 @@ class DiLoCo:
                 (g - p.detach().to(self.outer_device, torch.float32)).reshape(-1)
                 for g, p in zip(self.global_params, self._params, strict=True)
             ]
-            delta = torch.cat(parts).cpu()
+            on_cpu = self.outer_device.type == "cpu"
+            delta = torch.cat(parts, out=empty_floats(self.num_elements)) if on_cpu else torch.cat(parts).cpu()
             if self.start_offset is not None:  # the round started at θ_g − offset, not θ_g
                 delta.sub_(self.start_offset)
             return delta
