@@ -3,10 +3,10 @@
 # real volunteer machines): bench sync at N=4, P=25M against gloo, JSON into $OUT.
 set -u
 pip install -q --no-index --find-links .gpuwheels --target /tmp/site grpcio grpcio-health-checking \
-    protobuf zstandard cryptography cffi prometheus-client uvloop 2>&1 | tail -2
+    protobuf zstandard cryptography cffi prometheus-client uvloop blake3 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
 nproc
-for spec in "fp32 reduce-scatter" "int8 reduce-scatter" "fp32 all-to-all" "int8 all-to-all" "int4 reduce-scatter"; do
+for spec in "fp32 reduce-scatter" "int8 reduce-scatter" "bf16 reduce-scatter" "fp32 all-to-all"; do
     set -- $spec
     timeout 150 python3 -m neuronode.cli bench sync --nodes 4 --params 25e6 --codec "$1" \
         --averaging "$2" --rounds 5 --json > "${OUT:-/tmp}/sync-$1-$2.json" 2> "${OUT:-/tmp}/sync-$1-$2.err"
