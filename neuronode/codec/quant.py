@@ -256,6 +256,11 @@ class _BlockIntCodec(Codec):
     def _pack(self, codes: torch.Tensor) -> bytes:
         raise NotImplementedError
 
+    def add_into(self, buf: bytes, n: int, acc: torch.Tensor, alpha: float, *, vetted: bool = False) -> None:
+        decoded = torch.from_numpy(np.empty(n, dtype=np.float32))
+        self.decode_into(buf, n, decoded, vetted=vetted)  # the codecs' fast path, not decode()
+        acc.add_(decoded, alpha=alpha)
+
     def _unpack(self, buf: bytes, n: int) -> torch.Tensor:
         raise NotImplementedError
 
@@ -328,17 +333,38 @@ class Int4Codec(_BlockIntCodec):
         return -(-n // 2)
 
     def _pack(self, codes: torch.Tensor) -> bytes:
-        nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
-        if nibbles.numel() % 2:
-            nibbles = torch.cat([nibbles, torch.full((1,), 8, dtype=torch.uint8)])
-        pairs = nibbles.view(-1, 2)  # (n/2, 2)
-        return (pairs[:, 0] | (pairs[:, 1] << 4)).numpy().tobytes()
+        nibbles = codes.numpy().view(np.uint8) + np.uint8(8)  # codes in [-7, 7]: nibbles 1..15
+        if nibbles.size % 2:
+            nibbles = np.append(nibbles, np.uint8(8))
+        return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
 
     def _unpack(self, buf: bytes, n: int) -> torch.Tensor:
         packed = _ints_from(buf, "u1", np.uint8)
         # A hostile peer may send nibble 0 (code -8); it decodes to a finite -8 * scale.
         nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:n]
         return nibbles.to(torch.int8) - 8
+
+    def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
+        if n % self.block_elems:  # a short last block: the generic path
+            super().decode_into(buf, n, out)
+            return
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        nb = self.n_blocks(n)
+        scales = np.frombuffer(buf, dtype="<f4", count=nb).astype(np.float32)
+        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * nb)
+        target = out.numpy()
+        # Both codes of every byte from one table lookup, then float32(code) * scale rounded
+        # once: the same bits as decode(), about 10x faster than unpacking nibble by nibble.
+        np.take(_INT4_PAIRS, packed, axis=0, out=target.reshape(-1, 2))
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(target.reshape(nb, self.block_elems), scales[:, None],
+                        out=target.reshape(nb, self.block_elems))
+        if not vetted:
+            check_finite(out)
+
+
+# Byte b of an int4 payload holds the codes (b & 15) - 8 and (b >> 4) - 8, low nibble first.
+_INT4_PAIRS = np.array([[(b & 0x0F) - 8, (b >> 4) - 8] for b in range(256)], dtype=np.float32)
 
 
 _REGISTRY: dict[str, Codec] = {
