@@ -264,6 +264,40 @@ async def test_three_nodes_discover_each_other_and_average_bit_identically(nodes
         assert trio[name].book.closed_below == 1
 
 
+async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(nodes: Nodes) -> None:
+    """The join race: e adopted round 0 just as a and b closed it without e. e sees them at
+    round 1 from its own round-0 parameters, stands aside, listens, and averages exactly their
+    two contributions, as they did (docs/fault-tolerance.md)."""
+    a = await nodes.start("a")
+    b = await nodes.start("b", peers=[a.advertise])
+    for node in (a, b):
+        node.adopt(0, "d0")
+    await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
+    got = await asyncio.gather(a.exchange(*encode("a", make_vector(1))), b.exchange(*encode("b", make_vector(2))))
+    expected = average({n: (c.data.decode, c.weight) for n, c in got[0].items()})
+    for node in (a, b):
+        node.record_round(0, "d1")
+
+    e = await nodes.start("e", peers=[a.advertise])
+    e.adopt(0, "d0")
+    await wait_until(lambda: {p.node_id: p.round for p in e.table.alive()} == {"a": 1, "b": 1},
+                     what="e to see a and b at round 1")
+    assert e.closed_without_us(1) == []  # they have not closed round 1
+    assert e.closed_without_us(0) == ["a", "b"]
+    e.stand_aside(0)
+    heard = await asyncio.wait_for(e.listen(0), timeout=20)
+    assert sorted(heard) == ["a", "b"]
+    assert torch.equal(average({n: (c.data.decode, c.weight) for n, c in heard.items()}), expected)
+    await wait_until(lambda: all(p.contributes_from == 1 for p in a.table.alive() if p.node_id == "e"),
+                     what="a to learn that e contributes from round 1 on")
+
+    # Peers of another lineage at round 0 never count as having closed our round.
+    other = await nodes.start("o", peers=[a.advertise])
+    other.adopt(0, "elsewhere")
+    await wait_until(lambda: {"a", "b"} <= alive_ids(other), what="o to meet a and b")
+    assert other.closed_without_us(0) == []
+
+
 # ---- crafted contribution streams from a raw client ------------------------------------------
 
 

@@ -705,6 +705,19 @@ class SwarmNode:
             return state
         return None
 
+    def closed_without_us(self, round_id: int) -> list[str]:
+        """Peers of our lineage (same parameters at the start of `round_id`) that already closed
+        `round_id`, so averaged it without us: we joined, or trained, too late for it."""
+        ours = self.own_digests.get(round_id)
+        return sorted(p.node_id for p in self.table.alive()
+                      if ours is not None and p.round == round_id + 1 and p.digests.get(round_id) == ours)
+
+    def stand_aside(self, round_id: int) -> None:
+        """Only listen to `round_id` (see closed_without_us): peers still in it stop waiting for
+        us, and reducers send us their averaged shards."""
+        self.contributes_from = max(self.contributes_from, round_id + 1)
+        self._announce()
+
     def adopt(self, round_id: int, param_digest: str, *, contributes_from: int = 0) -> None:
         """After loading a downloaded state: forget our old lineage and rounds."""
         self.round = round_id
