@@ -46,3 +46,47 @@ async def test_fetch_state_verified(zstd_level: int) -> None:
     assert got is not None
     assert got.round == 7 and got.inner_steps_total == 350 and got.param_digest == digest
     assert torch.equal(got.params, params) and got.momentum is not None and torch.equal(got.momentum, momentum)
+
+
+@pytest.mark.timeout(60)
+async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    """A donor publishes the swarm's round-7 param_digest but serves other parameters (with a
+    header that vouches for them). The joiner compares with what the rest of the lineage
+    published for round 7, refuses that state and downloads the honest donor's."""
+    import hashlib
+
+    n = 50_000
+    honest = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    forged = honest + 0.5
+
+    def state_of(params: torch.Tensor) -> GlobalState:
+        digest = hashlib.sha256(params.numpy().astype("<f4").tobytes()).hexdigest()
+        return GlobalState(round=7, param_digest=digest, params=params, momentum=None, inner_steps_total=70)
+
+    good, bad = state_of(honest), state_of(forged)
+
+    def cfg(node_id: str, peers: tuple[str, ...] = ()) -> SwarmConfig:
+        return SwarmConfig(node_id=node_id, swarm_id="t", manifest_hash="m", n_elements=n,
+                           listen="127.0.0.1:0", advertise="", peers=peers, heartbeat_s=0.2)
+
+    with ThreadPoolExecutor(2) as pool:
+        liar = SwarmNode(cfg("a-liar"), executor=pool, state_provider=lambda: bad)
+        address = await liar.start()
+        donor = SwarmNode(cfg("b-honest", (address,)), executor=pool, state_provider=lambda: good)
+        joiner = SwarmNode(cfg("joiner", (address,)), executor=pool)
+        await donor.start()
+        await joiner.start()
+        for node in (liar, donor):
+            node.adopt(7, good.param_digest)  # both publish the swarm's digest for round 7
+        try:
+            for _ in range(100):
+                if all(7 in p.digests for p in joiner.table.alive()) and len(joiner.table.alive()) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            got = await joiner.fetch_state(["a-liar", "b-honest"])
+        finally:
+            for node in (joiner, donor, liar):
+                await node.stop()
+    assert got is not None and got.param_digest == good.param_digest
+    assert torch.equal(got.params, honest)
+    assert "state from a-liar is not the swarm's" in caplog.text

@@ -701,9 +701,26 @@ class SwarmNode:
                 logger.warning("state from %s refused: %s; trying another donor", donor_id, exc)
                 continue
             self.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
+            expected = self._published_digest(state.round, donor_id, donors)
+            if expected is not None and state.param_digest != expected:
+                logger.warning("state from %s is not the swarm's: its round-%d parameters hash to %s, but "
+                               "that round's published param_digest is %s; trying another donor",
+                               donor_id, state.round, state.param_digest[:12], expected[:12])
+                continue
             self.state_transfers += 1
             return state
         return None
+
+    def _published_digest(self, round_id: int, donor_id: str, lineage: list[str]) -> str | None:
+        """The param_digest a downloaded state of `round_id` must have: what most other members
+        of the donor's lineage published for that round, else what the donor itself published.
+        A donor's own header is never enough: a lying donor would vouch for its own state."""
+        others = Counter(p.digests[round_id] for p in self.table.alive()
+                         if p.node_id in lineage and p.node_id != donor_id and round_id in p.digests)
+        if others:
+            return min(others, key=lambda d: (-others[d], d))
+        donor = self.table.peers.get(donor_id)
+        return donor.digests.get(round_id) if donor is not None else None
 
     def closed_without_us(self, round_id: int) -> list[str]:
         """Peers of our lineage (same parameters at the start of `round_id`) that already closed
