@@ -53,7 +53,7 @@ from neuronode.codec import get_codec
 from neuronode.security import auth
 from neuronode.status import from_data_dir as status_of
 from neuronode.swarm.node import bound_digest
-from neuronode.swarm.security import AUTH_KEY, Security
+from neuronode.swarm.security import AUTH_KEY, Security, hello_body
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -119,11 +119,11 @@ class Pacer(pb_grpc.NodeServicer):
         self.node_info, self.heard_at = request.info, time.monotonic()
         self.first_heard_at = self.first_heard_at or self.heard_at
         held = request.info.round >= self.hold_at()
-        tag, ts = self.security.hello_proof(self.address)
         info = pb.NodeInfo(node_id=PACER, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
                            manifest_hash=request.info.manifest_hash, advertise=self.address,
                            round=request.info.round + (0 if held else 2),
                            leaving=self.leaving.is_set())
+        tag, ts = self.security.hello_proof(self.address, hello_body(info, []))
         return pb.HelloResponse(info=info, auth_tag=tag, timestamp_s=ts)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
@@ -182,7 +182,10 @@ class Target:
                            manifest_hash=self.manifest, advertise=self.fakes[0])
         for name, value in fields.items():
             setattr(info, name, value)
-        return pb.HelloRequest(info=info)
+        req = pb.HelloRequest(info=info)
+        member = Security(node_id=node_id, swarm_id=SWARM, secret=self.secret)
+        req.auth_tag, req.timestamp_s = member.hello_proof(info.advertise, hello_body(info, []))
+        return req
 
     def hello_as(self, node_id: str) -> None:
         """Say a well-formed Hello as `node_id` (with a proof on the closed node), from a round so

@@ -27,7 +27,7 @@ from procutil import Node, free_port, hides_refusal, neuronode_cmd, poll
 from neuronode import cli
 from neuronode.codec import ContributionDigest, encode_frames, get_codec
 from neuronode.swarm.node import SwarmConfig, SwarmNode, bound_digest
-from neuronode.swarm.security import Security
+from neuronode.swarm.security import Security, hello_body
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -248,6 +248,12 @@ class Member:
                            protocol_version=PROTOCOL_VERSION, manifest_hash=MANIFEST,
                            advertise=self.advertise)
 
+    def hello(self, node_id: str = "") -> pb.HelloRequest:
+        """A Hello as a member sends it: its content bound by the proof."""
+        request = pb.HelloRequest(info=self.info(node_id))
+        request.auth_tag, request.timestamp_s = self.security.hello_proof(self.advertise, hello_body(request.info, []))
+        return request
+
     async def call(self, method: str, *, as_id: str = "",
                    chunks: list[pb.ContributionChunk] | None = None) -> tuple[Code, str]:
         """Call `method` speaking as `as_id` (default: ourselves); (status code, details)."""
@@ -263,7 +269,7 @@ class Member:
         kw: dict[str, Any] = {"timeout": RPC_TIMEOUT_S, "metadata": self.security.metadata(method)}
         try:
             if method == "Hello":
-                await self.stub.Hello(pb.HelloRequest(info=self.info(as_id)), **kw)
+                await self.stub.Hello(self.hello(as_id), **kw)
             elif method == "PushContribution":
                 await self.stub.PushContribution(stream(chunks or contribution(as_id)), **kw)
             elif method == "Leave":
@@ -339,13 +345,22 @@ async def test_calls_without_a_valid_proof_are_unauthenticated(
     assert refused.value.code() == Code.UNAUTHENTICATED
     other_swarm = Security(node_id="rogue", swarm_id="other", secret=SECRET).metadata("Hello")
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await member.stub.Hello(pb.HelloRequest(info=member.info()), metadata=other_swarm,
-                                timeout=RPC_TIMEOUT_S)
+        await member.stub.Hello(member.hello(), metadata=other_swarm, timeout=RPC_TIMEOUT_S)
     assert refused.value.code() == Code.UNAUTHENTICATED
 
     assert closed_node.table.peers == {}  # nobody got in
     assert closed_node.book.contributors(0) == set()
     assert closed_node.counters.bytes_received == 0
+    # A member's Hello rewritten on the way (another round, here) no longer matches its proof.
+    member_proof = member.security.metadata("Hello")
+    await member.stub.Hello(member.hello(), metadata=member_proof, timeout=RPC_TIMEOUT_S)  # as sent: fine
+    rewritten = member.hello()
+    rewritten.info.round = 99
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await member.stub.Hello(rewritten, metadata=member_proof, timeout=RPC_TIMEOUT_S)
+    assert refused.value.code() == Code.UNAUTHENTICATED
+    assert "does not match its proof" in (refused.value.details() or "")
+    assert all(p.round != 99 for p in closed_node.table.peers.values())
     # Status from loopback needs no proof: local health checks keep working.
     status = await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)
     assert status.node_id == "target"

@@ -85,17 +85,19 @@ def permissions_warning(path: str | os.PathLike[str]) -> str | None:
 
 
 def hello_tag(secret: bytes, *, swarm_id: str, node_id: str, advertise: str,
-              timestamp_s: int) -> str:
-    """Proof of membership for a Hello (either direction), valid near `timestamp_s`."""
-    return _tag(secret, "hello", swarm_id, node_id, advertise, _int(timestamp_s))
+              timestamp_s: int, body: str = "") -> str:
+    """Proof of membership for a Hello (either direction), valid near `timestamp_s`. `body`
+    is a digest of the rest of the message (rounds, digests, peer lists), so that an on-path
+    attacker cannot rewrite it (neuronode.swarm.security.hello_body)."""
+    return _tag(secret, "hello", swarm_id, node_id, advertise, _int(timestamp_s), body)
 
 
 def check_hello_tag(secret: bytes, tag: str, *, swarm_id: str, node_id: str, advertise: str,
-                    timestamp_s: int, now_s: float,
+                    timestamp_s: int, now_s: float, body: str = "",
                     max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
     """Raise AuthError unless `tag` is `hello_tag(...)` and `timestamp_s` is within the skew."""
     expected = hello_tag(secret, swarm_id=swarm_id, node_id=node_id, advertise=advertise,
-                         timestamp_s=timestamp_s)
+                         timestamp_s=timestamp_s, body=body)
     _compare(tag, expected, f"hello from node {node_id!r}")
     _check_fresh(timestamp_s, now_s, max_skew_s, f"hello from node {node_id!r}")
 

@@ -13,9 +13,11 @@ Both can be combined. The pure HMAC and certificate code lives in neuronode/secu
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import grpc
 from neuronode.security import auth
 from neuronode.security.auth import AuthError
 from neuronode.swarm.wire import CHANNEL_OPTIONS
+from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +102,18 @@ class Security:
         if self.secret:
             auth.check_contribution_tag(self.secret, tag, swarm_id=self.swarm_id, **fields)
 
-    def hello_proof(self, advertise: str) -> tuple[str, int]:
+    def hello_proof(self, advertise: str, body: str) -> tuple[str, int]:
+        """Tag and timestamp for a Hello we send; `body` = hello_body(its info, its peers)."""
         if not self.secret:
             return "", 0
         ts = int(time.time())
         return auth.hello_tag(self.secret, swarm_id=self.swarm_id, node_id=self.node_id,
-                              advertise=advertise, timestamp_s=ts), ts
+                              advertise=advertise, timestamp_s=ts, body=body), ts
 
-    def check_hello_proof(self, tag: str, *, node_id: str, advertise: str, timestamp_s: int) -> None:
+    def check_hello_proof(self, tag: str, *, node_id: str, advertise: str, timestamp_s: int, body: str) -> None:
         if self.secret:
-            auth.check_hello_tag(self.secret, tag, swarm_id=self.swarm_id, node_id=node_id,
-                                 advertise=advertise, timestamp_s=timestamp_s, now_s=time.time())
+            auth.check_hello_tag(self.secret, tag, swarm_id=self.swarm_id, node_id=node_id, advertise=advertise,
+                                 timestamp_s=timestamp_s, now_s=time.time(), body=body)
 
     def state_tag(self, **fields: Any) -> str:
         return auth.state_tag(self.secret, swarm_id=self.swarm_id, **fields) if self.secret else ""
@@ -227,3 +231,12 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
         return handler
+
+
+def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
+    """Digest of everything a Hello says besides what its tag binds directly, in a canonical
+    form: a field added to NodeInfo or PeerRecord must be added here too."""
+    fields = [info.node_id, info.swarm_id, info.protocol_version, info.manifest_hash, info.advertise,
+              info.round, info.param_digest, [[d.round, d.param_digest] for d in info.recent_digests],
+              info.leaving, info.contributes_from, [[p.node_id, p.address] for p in known]]
+    return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

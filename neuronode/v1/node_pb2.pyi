@@ -83,12 +83,16 @@ class PeerRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("info", "known_peers")
+    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s")
     INFO_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     info: NodeInfo
     known_peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
-    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ...) -> None: ...
+    auth_tag: str
+    timestamp_s: int
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
     __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s")
