@@ -53,7 +53,7 @@ from neuronode.codec import get_codec
 from neuronode.security import auth
 from neuronode.status import from_data_dir as status_of
 from neuronode.swarm.node import bound_digest
-from neuronode.swarm.security import AUTH_KEY, Security, hello_body
+from neuronode.swarm.security import AUTH_KEY, Security
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -123,7 +123,7 @@ class Pacer(pb_grpc.NodeServicer):
                            manifest_hash=request.info.manifest_hash, advertise=self.address,
                            round=request.info.round + (0 if held else 2),
                            leaving=self.leaving.is_set())
-        tag, ts = self.security.hello_proof(self.address, hello_body(info, []))
+        tag, ts = self.security.hello_proof(info, [])
         return pb.HelloResponse(info=info, auth_tag=tag, timestamp_s=ts)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
@@ -184,7 +184,7 @@ class Target:
             setattr(info, name, value)
         req = pb.HelloRequest(info=info)
         member = Security(node_id=node_id, swarm_id=SWARM, secret=self.secret)
-        req.auth_tag, req.timestamp_s = member.hello_proof(info.advertise, hello_body(info, []))
+        req.auth_tag, req.timestamp_s = member.hello_proof(info, [])
         return req
 
     def hello_as(self, node_id: str) -> None:

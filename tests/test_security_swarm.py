@@ -27,7 +27,7 @@ from procutil import Node, free_port, hides_refusal, neuronode_cmd, poll
 from neuronode import cli
 from neuronode.codec import ContributionDigest, encode_frames, get_codec
 from neuronode.swarm.node import SwarmConfig, SwarmNode, bound_digest
-from neuronode.swarm.security import Security, hello_body
+from neuronode.swarm.security import Security
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -251,7 +251,7 @@ class Member:
     def hello(self, node_id: str = "") -> pb.HelloRequest:
         """A Hello as a member sends it: its content bound by the proof."""
         request = pb.HelloRequest(info=self.info(node_id))
-        request.auth_tag, request.timestamp_s = self.security.hello_proof(self.advertise, hello_body(request.info, []))
+        request.auth_tag, request.timestamp_s = self.security.hello_proof(request.info, [])
         return request
 
     async def call(self, method: str, *, as_id: str = "",

@@ -43,7 +43,7 @@ from neuronode.swarm.membership import CatchUp, PeerTable, agreement, plan_catch
 from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
 from neuronode.swarm.rounds import Contribution, RoundBook, RoundRefused
 from neuronode.swarm.security import NODE_SERVICE_PREFIX as NODE_PREFIX
-from neuronode.swarm.security import Security, Undecodable, caller_id, hello_body
+from neuronode.swarm.security import Security, Undecodable, caller_id
 from neuronode.swarm.statesync import Donor, StateProvider, download
 from neuronode.swarm.wire import (
     CODEC_TO_PB,
@@ -385,7 +385,7 @@ class SwarmNode:
 
     async def _hello(self, address: str) -> bool:
         req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
-        req.auth_tag, req.timestamp_s = self.security.hello_proof(self.advertise, hello_body(req.info, req.known_peers))
+        req.auth_tag, req.timestamp_s = self.security.hello_proof(req.info, req.known_peers)
         try:
             await asyncio.sleep(self.faults.before_call(address))
             resp = await self.stub(address).Hello(req, timeout=max(1.0, self.cfg.heartbeat_s),
@@ -405,8 +405,7 @@ class SwarmNode:
             return True
         try:
             self.check_info(resp.info)
-            self.security.check_hello_proof(resp.auth_tag, node_id=resp.info.node_id, advertise=resp.info.advertise,
-                                            timestamp_s=resp.timestamp_s, body=hello_body(resp.info, resp.known_peers))
+            self.security.check_hello_proof(resp.auth_tag, resp.timestamp_s, resp.info, resp.known_peers)
         except (Refusal, AuthError) as exc:
             self._dial_failed(address, refused=True)
             self.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc)
@@ -1010,17 +1009,15 @@ class NodeService(pb_grpc.NodeServicer):
             await self._abort(context, Refusal("PERMISSION_DENIED", f"caller {proven!r} may not say hello as "
                                                f"{request.info.node_id[:MAX_ID_CHARS]!r}"), "hello")
         try:
-            self.node.security.check_hello_proof(
-                request.auth_tag, node_id=request.info.node_id, advertise=request.info.advertise,
-                timestamp_s=request.timestamp_s, body=hello_body(request.info, request.known_peers))
+            self.node.security.check_hello_proof(request.auth_tag, request.timestamp_s, request.info,
+                                                 request.known_peers)
         except AuthError as exc:
             await self._abort(context, Refusal("UNAUTHENTICATED", f"{exc}; the Hello's content does not match "
                                                "its proof (rewritten on the way, or another secret)"), "hello")
         if request.info.node_id != self.node.cfg.node_id:
             self.node.learn(request.info, list(request.known_peers))
         resp = pb.HelloResponse(info=self.node.node_info(), known_peers=self.node.known_peers())
-        resp.auth_tag, resp.timestamp_s = self.node.security.hello_proof(
-            self.node.advertise, hello_body(resp.info, resp.known_peers))
+        resp.auth_tag, resp.timestamp_s = self.node.security.hello_proof(resp.info, resp.known_peers)
         return resp
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:

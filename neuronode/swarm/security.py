@@ -26,7 +26,7 @@ import grpc
 
 from neuronode.security import auth
 from neuronode.security.auth import AuthError
-from neuronode.swarm.wire import CHANNEL_OPTIONS
+from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_PEERS_LISTED
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -102,18 +102,20 @@ class Security:
         if self.secret:
             auth.check_contribution_tag(self.secret, tag, swarm_id=self.swarm_id, **fields)
 
-    def hello_proof(self, advertise: str, body: str) -> tuple[str, int]:
-        """Tag and timestamp for a Hello we send; `body` = hello_body(its info, its peers)."""
+    def hello_proof(self, info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> tuple[str, int]:
+        """Tag and timestamp for a Hello we send (our `info`, the peers we list)."""
         if not self.secret:
             return "", 0
         ts = int(time.time())
-        return auth.hello_tag(self.secret, swarm_id=self.swarm_id, node_id=self.node_id,
-                              advertise=advertise, timestamp_s=ts, body=body), ts
+        return auth.hello_tag(self.secret, swarm_id=self.swarm_id, node_id=self.node_id, advertise=info.advertise,
+                              timestamp_s=ts, body=hello_body(info, known)), ts
 
-    def check_hello_proof(self, tag: str, *, node_id: str, advertise: str, timestamp_s: int, body: str) -> None:
+    def check_hello_proof(self, tag: str, timestamp_s: int, info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> None:
+        """Raise AuthError unless a received Hello's tag binds its sender, time and content."""
         if self.secret:
-            auth.check_hello_tag(self.secret, tag, swarm_id=self.swarm_id, node_id=node_id, advertise=advertise,
-                                 timestamp_s=timestamp_s, now_s=time.time(), body=body)
+            auth.check_hello_tag(self.secret, tag, swarm_id=self.swarm_id, node_id=info.node_id,
+                                 advertise=info.advertise, timestamp_s=timestamp_s, now_s=time.time(),
+                                 body=hello_body(info, known))
 
     def state_tag(self, **fields: Any) -> str:
         return auth.state_tag(self.secret, swarm_id=self.swarm_id, **fields) if self.secret else ""
@@ -235,8 +237,9 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
 def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
     """Digest of everything a Hello says besides what its tag binds directly, in a canonical
-    form: a field added to NodeInfo or PeerRecord must be added here too."""
+    form: a field added to NodeInfo or PeerRecord must be added here too. Only the peer records
+    a node reads (the first MAX_PEERS_LISTED) count, so a flood costs no hashing."""
     fields = [info.node_id, info.swarm_id, info.protocol_version, info.manifest_hash, info.advertise,
               info.round, info.param_digest, [[d.round, d.param_digest] for d in info.recent_digests],
-              info.leaving, info.contributes_from, [[p.node_id, p.address] for p in known]]
+              info.leaving, info.contributes_from, [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()
