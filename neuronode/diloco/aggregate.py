@@ -103,8 +103,8 @@ def average(contributions: Mapping[str, Contribution]) -> Tensor:
     Weights are normalised by their sum ``W`` (a Python float summed in sorted key order);
     each vector is added as ``acc.add_(t, alpha=w / W)`` (a ``Streamed`` source adds itself the
     same way, chunk by chunk). A single contributor therefore comes back exactly (``alpha ==
-    1.0``). Raises ``ValueError`` for an empty mapping, a
-    non-positive or non-finite weight, or vectors that are not 1-D float32 of equal length.
+    1.0``). Raises ``ValueError`` for an empty mapping, a non-positive or non-finite weight,
+    or vectors that are not 1-D float32 of equal length.
     """
     peer_ids, total_weight = _sorted_ids_and_total(contributions)
     acc: Tensor | None = None
