@@ -332,16 +332,16 @@ class Daemon:
         if self.swarm.faults.path:
             plan = self.swarm.faults.refresh()
             self.trainer.lie = (plan.byzantine_scale, plan.byzantine_noise)
-        if not self.cfg.overlap and (closed := self.swarm.closed_without_us(round_id)):
-            # Contributing now would leave us, or the members still in the round, outside the
-            # average those peers applied. Listening gives us exactly theirs (docs/fault-tolerance.md).
-            logger.warning("round %d: %s closed it before we could contribute (we joined or trained "
-                           "late); listening to it instead", round_id, ", ".join(closed))
-            self.swarm.stand_aside(round_id)
-            if not await self.finish_sync(round_id, self.start_sync(round_id, self.listened(round_id)), stopped):
-                return False
-        elif not self.cfg.overlap:
-            sync = await self.prepare_sync(round_id)
+        if not self.cfg.overlap:
+            if closed := self.swarm.closed_without_us(round_id):
+                # Contributing now would leave us, or the members still in the round, outside the
+                # average those peers applied. Listening gives us exactly theirs (docs/fault-tolerance.md).
+                logger.warning("round %d: %s closed it before we could contribute (we joined or trained "
+                               "late); listening to it instead", round_id, ", ".join(closed))
+                self.swarm.stand_aside(round_id)
+                sync = self.listened(round_id)
+            else:
+                sync = await self.prepare_sync(round_id)
             if not await self.finish_sync(round_id, self.start_sync(round_id, sync), stopped):
                 return False
         else:

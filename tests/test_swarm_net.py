@@ -288,7 +288,7 @@ async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(
     heard = await asyncio.wait_for(e.listen(0), timeout=20)
     assert sorted(heard) == ["a", "b"]
     assert torch.equal(average({n: (c.data.decode, c.weight) for n, c in heard.items()}), expected)
-    await wait_until(lambda: all(p.contributes_from == 1 for p in a.table.alive() if p.node_id == "e"),
+    await wait_until(lambda: any(p.node_id == "e" and p.contributes_from == 1 for p in a.table.alive()),
                      what="a to learn that e contributes from round 1 on")
 
     # Peers of another lineage at round 0 never count as having closed our round.

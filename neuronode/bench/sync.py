@@ -591,10 +591,10 @@ def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any
             buf.div_(cfg.nodes)
             seconds.append(time.perf_counter() - t0)
             cpu_s.append(time.process_time() - c0)
-        sha = digest_of(buf)
+        digest = digest_of(buf)
     finally:
         dist.destroy_process_group()
-    return {"index": index, "seconds": seconds[1:], "cpu_s": cpu_s[1:], "digest": sha,
+    return {"index": index, "seconds": seconds[1:], "cpu_s": cpu_s[1:], "digest": digest,
             "peak_rss_bytes": peak_rss_bytes()}
 
 
