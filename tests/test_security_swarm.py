@@ -512,3 +512,33 @@ def test_tls_node_id_is_its_certificates_name(tmp_path: Path) -> None:
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "--node-id a differs from the node named in --tls-cert (b)" in lines[0], lines
+
+
+def test_hello_body_covers_every_field_a_hello_carries() -> None:
+    """Changing any field of NodeInfo, of a RoundDigest in it, or of a listed peer changes the
+    digest a Hello's tag binds. Walks the message descriptors, so a field added to the proto
+    but forgotten in hello_body fails here."""
+    from neuronode.swarm.security import hello_body
+
+    def changed(field: Any, value: Any) -> Any:
+        if field.type == field.TYPE_STRING:
+            return value + "x"
+        if field.type == field.TYPE_BOOL:
+            return not value
+        return value + 1
+
+    info = pb.NodeInfo(node_id="a", swarm_id=SWARM, protocol_version=1, manifest_hash="m",
+                       advertise="127.0.0.1:1", round=3, param_digest="p", contributes_from=2)
+    info.recent_digests.add(round=2, param_digest="q", contributors=4)
+    known = [pb.PeerRecord(node_id="b", address="127.0.0.1:2")]
+    base = hello_body(info, known)
+    targets = [(info, f) for f in info.DESCRIPTOR.fields if not f.is_repeated]
+    targets += [(info.recent_digests[0], f) for f in pb.RoundDigest.DESCRIPTOR.fields]
+    targets += [(known[0], f) for f in pb.PeerRecord.DESCRIPTOR.fields]
+    assert {f.name for _, f in targets} >= {"node_id", "round", "leaving", "contributes_from", "contributors"}
+    for message, field in targets:
+        old = getattr(message, field.name)
+        setattr(message, field.name, changed(field, old))
+        assert hello_body(info, known) != base, f"hello_body ignores {message.DESCRIPTOR.name}.{field.name}"
+        setattr(message, field.name, old)
+    assert hello_body(info, known) == base
