@@ -68,8 +68,10 @@ class Node:
         return dict(json.loads(out.stdout))
 
 
-def poll(what: str, predicate: Callable[[], Any], *, timeout_s: float, every_s: float = 0.2) -> Any:
-    """Wait for `predicate()` to return something truthy; fail with `what` at the deadline."""
+def poll(what: str, predicate: Callable[[], Any], *, timeout_s: float, every_s: float = 0.2,
+         context: Callable[[], str] | None = None) -> Any:
+    """Wait for `predicate()` to return something truthy; fail with `what` (and `context()`,
+    e.g. a log tail) at the deadline."""
     deadline = time.monotonic() + timeout_s
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
@@ -80,7 +82,8 @@ def poll(what: str, predicate: Callable[[], Any], *, timeout_s: float, every_s: 
         except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
             last_exc = exc
         time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last error: {last_exc})")
+    where = f"\n{context()}" if context is not None else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last error: {last_exc}){where}")
 
 
 # grpcio's asyncio client may report a client stream the server refused before reading all of
