@@ -42,10 +42,10 @@ T = TypeVar("T")
 
 def run_daemon(cfg: NodeConfig) -> int:
     """Validate what needs the file system, build the trainer, run until done or stopped."""
+    keep_freed_buffers()  # before any thread allocates (neuronode/memory.py)
     cfg.check_exposure()
     data_dir = check_data_dir(cfg.data_dir)
     setup_logging(cfg.log_format, cfg.log_level)
-    keep_freed_buffers()
     node_id = tls_node_id(cfg) or cfg.node_id or load_or_create_node_id(data_dir)
     trainer = Trainer(cfg, node_id=node_id)
     if not cfg.authenticated:

@@ -33,7 +33,7 @@ KEYS = {
     "seconds", "gloo_seconds", "ratio_vs_gloo", "payload_bytes_per_param", "wire_bytes_per_param",
     "peak_rss_bytes", "nodes", "params", "codec", "averaging", "rounds", "replicas_identical",
     "encode_seconds", "exchange_seconds", "decode_average_seconds", "result_digest",
-    "zstd_level", "zstd_levels_used", "chunk_bytes", "byte_shuffle",
+    "zstd_level", "zstd_levels_used", "chunk_bytes", "byte_shuffle", "page_faults",
 }
 TINY = ("--nodes", "3", "--params", "300000", "--rounds", "2")
 
@@ -178,7 +178,8 @@ def node_result(round_seconds: list[float], sha: str = "s", *, sent: int = 300,
                 contributors: int = 2) -> dict[str, Any]:
     rounds = [{"seconds": s, "encode_s": s / 4, "exchange_s": s / 2, "decode_average_s": s / 4,
                "contributors": contributors, "digest": sha, "bytes_sent": sent,
-               "payload_bytes": sent, "cpu_s": s, "zstd_levels": [1], "shuffled": True}
+               "payload_bytes": sent, "cpu_s": s, "page_faults": int(s * 10), "zstd_levels": [1],
+               "shuffled": True}
               for s in round_seconds]
     return {"rounds": rounds, "peak_rss_bytes": 1000 + len(round_seconds)}
 
@@ -193,6 +194,7 @@ def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
     assert result["round_seconds"] == [3.0, 5.0, 2.5]
     assert result["seconds"] == 3.0
     assert result["cpu_seconds"] == 4.5 and result["gloo_cpu_seconds"] == 0.3
+    assert result["page_faults"] == 45  # per round summed over workers (40, 60, 45), median
     assert result["gloo_seconds"] == 0.2 and result["ratio_vs_gloo"] == 15.0
     assert result["payload_bytes_per_param"] == 3.0 and result["wire_bytes_per_param"] == 3.0
     assert result["replicas_identical"] is True and result["result_digest"] == "s"
@@ -223,7 +225,7 @@ def test_summary_flags_differing_replicas_and_missing_contributors() -> None:
 
 
 def test_used_between_counts_bytes_and_cpu() -> None:
-    assert used_between(Usage(100, 1.0), Usage(400, 3.5)) == {"bytes_sent": 300, "cpu_s": 2.5}
+    assert used_between(Usage(100, 1.0, 7), Usage(400, 3.5, 19)) == {"bytes_sent": 300, "cpu_s": 2.5, "page_faults": 12}
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])

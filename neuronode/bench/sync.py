@@ -26,7 +26,8 @@ together: before round r each worker waits until its peer table shows every peer
 all workers' barrier files. Byte counters are read at those barriers, when every push of the
 previous round has finished. Hashing the result (to compare replicas) happens after the
 next barrier, when every worker is done with the round: it is not timed and takes no CPU from a
-slower worker's round.
+slower worker's round. `cpu_seconds` and `page_faults` are all workers' CPU time and minor
+page faults (fresh memory the kernel had to map and zero) per round, medians over rounds.
 
 Bytes, per parameter: `payload_bytes_per_param` is one encoded full contribution: the frame
 bytes (zstd output or raw codec payload, without gRPC/protobuf framing) of all of one node's
@@ -223,6 +224,7 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
     payload = statistics.fmean(r["payload_bytes"] for r in every)
     sent = statistics.fmean(r["bytes_sent"] for r in every)
     cpu_s = [sum(rounds[k]["cpu_s"] for rounds in timed) for k in range(n_rounds)]
+    faults = [sum(rounds[k]["page_faults"] for rounds in timed) for k in range(n_rounds)]
     seconds = statistics.median(round_s)
     result: dict[str, Any] = {
         "nodes": cfg.nodes, "params": cfg.params, "codec": cfg.codec, "averaging": cfg.averaging,
@@ -238,6 +240,8 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         "peak_rss_bytes": max(w["peak_rss_bytes"] for w in nodes),
         # All workers' CPU per round: steadier than wall time on a shared machine.
         "cpu_seconds": round(statistics.median(cpu_s), 3),
+        # All workers' minor page faults per round (fresh memory the kernel had to zero).
+        "page_faults": int(statistics.median(faults)),
         "replicas_identical": digests_agree and contributors == cfg.nodes,
         # The last timed round's average (BLAKE3 of its float32 bytes), when all replicas agree.
         "result_digest": timed[0][-1]["digest"] if digests_agree else None,
@@ -434,12 +438,12 @@ class NodeWorker:
         unhashed: torch.Tensor | None = None  # the last round's average
         for round_id in range(total + 1):
             await self.barrier(node, round_id, deadline=deadline)
-            usage.append(Usage(node.counters.bytes_sent, time.process_time()))
+            usage.append(Usage.now(node.counters.bytes_sent))
             if unhashed is not None:
                 # After the barrier: every worker is done with that round, so hashing steals no
                 # CPU from a slower worker's timed work (and its CPU time is not counted).
                 results[-1]["digest"] = await self.off_loop(digest_of, unhashed)
-                usage[-1] = Usage(node.counters.bytes_sent, time.process_time())
+                usage[-1] = Usage.now(node.counters.bytes_sent)
                 unhashed = None
             if round_id < total:
                 deadline = time.monotonic() + self.cfg.round_timeout_s
@@ -567,11 +571,17 @@ class Usage:
 
     bytes_sent: int
     cpu_s: float
+    page_faults: int
+
+    @classmethod
+    def now(cls, bytes_sent: int) -> Usage:
+        return cls(bytes_sent, time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def used_between(before: Usage, after: Usage) -> dict[str, Any]:
-    """Bytes sent (message framing included) and CPU seconds between two barriers."""
-    return {"bytes_sent": after.bytes_sent - before.bytes_sent, "cpu_s": after.cpu_s - before.cpu_s}
+    """Bytes sent (message framing included), CPU seconds and minor page faults between two barriers."""
+    return {"bytes_sent": after.bytes_sent - before.bytes_sent, "cpu_s": after.cpu_s - before.cpu_s,
+            "page_faults": after.page_faults - before.page_faults}
 
 
 def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any]:
@@ -607,15 +617,15 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="SyncBenchConfig as JSON")
     parser.add_argument("--port", type=int, default=0, help="gloo rendezvous port")
     opts = parser.parse_args(argv)
+    from neuronode.memory import keep_freed_buffers
+
+    keep_freed_buffers()  # as the daemon does (node and gloo workers alike), before any thread
     exit_with_parent()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
-    from neuronode.memory import keep_freed_buffers
-
     torch.set_num_threads(1)
-    keep_freed_buffers()  # as the daemon does (node and gloo workers alike)
     cfg = SyncBenchConfig(**json.loads(opts.config))
     if opts.kind == "node":
         from neuronode.daemon import run_async
