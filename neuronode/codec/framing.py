@@ -157,6 +157,15 @@ def encode_frames(
         )
 
 
+def immutable(buf: bytes | memoryview) -> bytes | memoryview:
+    """``buf`` itself when nobody can change it later (bytes, or a read-only view of bytes, such
+    as a payload sliced out of a received message without copying), else a bytes copy."""
+    if type(buf) is bytes or (isinstance(buf, memoryview) and type(buf.obj) is bytes
+                              and buf.c_contiguous and buf.format == "B"):
+        return buf
+    return bytes(buf)
+
+
 def decode_frame(
     frame_data: bytes, compressed: bool, *, expected_raw_len: int, shuffle_width: int = 1
 ) -> bytes:
@@ -170,7 +179,7 @@ def decode_frame(
     if not compressed:
         if len(frame_data) != expected_raw_len:
             raise CodecError(f"raw frame is {len(frame_data)} bytes, expected {expected_raw_len}")
-        return bytes(frame_data)
+        return immutable(frame_data)
     if len(frame_data) >= expected_raw_len:
         raise CodecError(
             f"compressed frame of {len(frame_data)} bytes is not smaller than its "
@@ -289,7 +298,7 @@ class Assembler:
             raise CodecError(
                 f"chunk {index} has {len(raw_payload)} bytes, expected {self._raw_lens[index]}"
             )
-        self._chunks[index] = bytes(raw_payload)
+        self._chunks[index] = immutable(raw_payload)
         self._held_bytes += len(raw_payload)
         self._unvetted += not vetted
 

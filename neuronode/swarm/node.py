@@ -54,13 +54,17 @@ from neuronode.swarm.wire import (
     PROTOCOL_VERSION,
     SERVER_OPTIONS,
     STATUS_CODES,
+    ChunkView,
     Refusal,
     dict_to_status,
+    serialize_chunk,
 )
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+# A chunk we receive: a ChunkView off the wire (payload not copied), or a message in-process.
+Chunk = pb.ContributionChunk | ChunkView
 
 MAX_CHUNK_PAYLOAD = 4 << 20
 MAX_KNOWN_ADDRESSES = 1024
@@ -585,15 +589,15 @@ class SwarmNode:
             contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
                                              out.members, out.contributors),
             codec=out.codec, weight=out.weight, total_elements=out.n_elements)
-        return pb.ContributionChunk(
+        return serialize_chunk(pb.ContributionChunk(
             round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
             chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
             compressed=frame.compressed, contribution_digest=out.digest,
             weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
             auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
             phase=out.phase, shard_index=out.shard_index, shard_count=len(out.members),
-            members=out.members, contributors=out.contributors, payload=frame.data,
-        ).SerializeToString()
+            members=out.members, contributors=out.contributors,
+        ), frame.data)
 
     def record_round(self, round_id: int, param_digest: str) -> None:
         """After our outer step of `round_id`: remember the digest peers compare against."""
@@ -748,11 +752,11 @@ class SwarmNode:
 
     # ---- incoming contributions -------------------------------------------------------------
 
-    async def receive(self, chunks: AsyncIterator[pb.ContributionChunk], *, sender: list[str] | None = None,
+    async def receive(self, chunks: AsyncIterator[Chunk], *, sender: list[str] | None = None,
                       proven_id: str = "", certified_id: str = "") -> int:
         """Validate and store one incoming contribution stream; returns chunks received.
         `sender` gets the claimed sender id as soon as the first chunk is read (for blame)."""
-        first: pb.ContributionChunk | None = None
+        first: Chunk | None = None
         assembler: Assembler | None = None
         digest = ContributionDigest()
         loop = asyncio.get_running_loop()
@@ -805,7 +809,7 @@ class SwarmNode:
             if first is not None:
                 self.book_for(first.phase).abort(first.round_id, first.sender_id)
 
-    def _check_proof(self, chunk: pb.ContributionChunk, proven_id: str) -> None:
+    def _check_proof(self, chunk: Chunk, proven_id: str) -> None:
         """In a closed swarm: the sender is the caller that proved itself, and the contribution's
         tag binds it to its round and digest (no forgery, no replay into another round)."""
         if not self.security.secret:
@@ -822,7 +826,7 @@ class SwarmNode:
         except AuthError as exc:
             raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
 
-    def _open_stream(self, chunk: pb.ContributionChunk) -> Assembler:
+    def _open_stream(self, chunk: Chunk) -> Assembler:
         """Check the header of a new stream and open its slot in the round book."""
         if chunk.swarm_id != self.cfg.swarm_id:
             raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{self.cfg.swarm_id}'")
@@ -855,7 +859,7 @@ class SwarmNode:
     def book_for(self, phase: int) -> RoundBook:
         return self.gather_book if phase == pb.PHASE_AVERAGED else self.book
 
-    def _payload_elements(self, chunk: pb.ContributionChunk, codec: str) -> int:
+    def _payload_elements(self, chunk: Chunk, codec: str) -> int:
         """Elements this stream carries: the model, or one reduce-scatter shard of it."""
         if chunk.phase == pb.PHASE_UNSPECIFIED:
             if chunk.members or chunk.shard_count:
@@ -878,7 +882,7 @@ class SwarmNode:
         return stop - start
 
     @staticmethod
-    def _decode_chunk(assembler: Assembler, chunk: pb.ContributionChunk,
+    def _decode_chunk(assembler: Assembler, chunk: Chunk,
                       digest: ContributionDigest) -> tuple[bytes, int]:
         """Bounded decompression, then a payload check that refuses what would decode to NaN/Inf
         before anything is stored: bad values never reach an average. Hashing happens here too, off the loop
@@ -929,7 +933,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_same_stream(first: pb.ContributionChunk, chunk: pb.ContributionChunk) -> None:
+def check_same_stream(first: Chunk, chunk: Chunk) -> None:
     """Header fields may not change within one stream, and chunks come in order exactly once."""
     for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
                  "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest", "phase", "shard_index",
@@ -1030,7 +1034,7 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.LeaveResponse()
 
     async def PushContribution(
-        self, request_iterator: AsyncIterator[pb.ContributionChunk], context: grpc.aio.ServicerContext,
+        self, request_iterator: AsyncIterator[Chunk], context: grpc.aio.ServicerContext,
     ) -> pb.PushAck:
         if self.node.leaving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")

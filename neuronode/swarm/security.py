@@ -26,7 +26,7 @@ import grpc
 
 from neuronode.security import auth
 from neuronode.security.auth import AuthError
-from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_PEERS_LISTED
+from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_PEERS_LISTED, ChunkView
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -179,6 +179,10 @@ class Undecodable:
     error: str
 
 
+# Requests parsed by neuronode rather than protobuf (neuronode.swarm.wire.ChunkView: no payload copies).
+FAST_PARSERS: dict[str, Callable[[bytes], Any]] = {"PushContribution": ChunkView.parse}
+
+
 class DecodeGuard(grpc.aio.ServerInterceptor):
     """Answers INVALID_ARGUMENT, with a message, to a neuronode request that is not valid protobuf."""
 
@@ -192,7 +196,7 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(NODE_SERVICE_PREFIX):
             return handler
         name = details.method.rsplit("/", 1)[-1]
-        parse = handler.request_deserializer
+        parse = FAST_PARSERS.get(name, handler.request_deserializer)
 
         def deserialize(data: bytes) -> Any:
             try:

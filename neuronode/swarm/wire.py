@@ -93,3 +93,101 @@ def dict_to_status(d: dict[str, Any]) -> pb.StatusResponse:
     for p in d.get("peers", []):
         resp.peers.add(**p)
     return resp
+
+
+# ---- ContributionChunk without protobuf copying the payload ----------------------------------
+# protobuf's Python runtime (upb) copies a bytes field when it builds a message, again when it
+# serializes it, when it parses one and on every read of the field, and ByteSize() serializes
+# the whole message. For a 1 MiB payload that was ~0.6 ms to send a chunk and ~0.8 ms to take
+# one in, on the 2-core machine: a quarter of a reduce-scatter round's CPU. Chunks are therefore
+# framed here: the header (every field but the payload) through protobuf, the payload appended
+# as field 7 on the wire (fields may come in any order), and read back as a view into the
+# received message. The bytes are exactly a ContributionChunk's: any protobuf parser reads them.
+
+PAYLOAD_FIELD = pb.ContributionChunk.DESCRIPTOR.fields_by_name["payload"].number
+_PAYLOAD_KEY = bytes([PAYLOAD_FIELD << 3 | 2])  # field 7, wire type 2 (length-delimited)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def serialize_chunk(header: pb.ContributionChunk, payload: bytes) -> bytes:
+    """`header` (its payload unset) with `payload` as one serialized ContributionChunk."""
+    return b"".join((header.SerializeToString(), _PAYLOAD_KEY, _varint(len(payload)), payload))
+
+
+def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+class ChunkView:
+    """A received ContributionChunk: header fields parsed by protobuf (read them as attributes,
+    as on the message), `payload` a read-only view into the received bytes (no copy), and
+    ByteSize() the size received."""
+
+    __slots__ = ("header", "payload", "wire_size")
+
+    def __init__(self, header: pb.ContributionChunk, payload: memoryview | bytes, wire_size: int) -> None:
+        self.header = header
+        self.payload = payload
+        self.wire_size = wire_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.header, name)
+
+    def ByteSize(self) -> int:  # noqa: N802 - the message's method name
+        return self.wire_size
+
+    @classmethod
+    def parse(cls, data: bytes) -> ChunkView:
+        """Split `data` at its payload field(s) (the last one counts, as protobuf has it) and
+        parse the rest; ValueError or protobuf's DecodeError when it is not a valid message."""
+        view = memoryview(data)
+        pos, end = 0, len(data)
+        spans: list[tuple[int, int, int]] = []  # (field start, payload start, payload end)
+        while pos < end:
+            start = pos
+            key, pos = _read_varint(view, pos)
+            field, wire_type = key >> 3, key & 7
+            if field == 0:
+                raise ValueError("field number 0")
+            if wire_type == 0:
+                _, pos = _read_varint(view, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            elif wire_type == 2:
+                length, pos = _read_varint(view, pos)
+                if field == PAYLOAD_FIELD:
+                    spans.append((start, pos, pos + length))
+                pos += length
+            else:
+                raise ValueError(f"unsupported wire type {wire_type}")
+            if pos > end:
+                raise ValueError("truncated message")
+        if not spans:
+            return cls(pb.ContributionChunk.FromString(data), b"", end)
+        pieces, at = [], 0
+        for start, _, stop in spans:
+            pieces.append(view[at:start])
+            at = stop
+        pieces.append(view[at:])
+        header = pb.ContributionChunk.FromString(b"".join(pieces))
+        _, first, last = spans[-1]
+        return cls(header, view[first:last], end)
