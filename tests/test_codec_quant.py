@@ -225,8 +225,34 @@ def test_zero_blocks_and_odd_int4_lengths() -> None:
     x = torch.zeros(2 * BLOCK_ELEMS + 1)
     x[-1] = 3.5
     for name in ("int8", "int4"):
-        y = get_codec(name).decode(get_codec(name).encode(x), x.numel())
+        buf = get_codec(name).encode(x)
+        assert buf[:4] == bytes(4)  # a zero block's scale is +0.0, never -0.0
+        y = get_codec(name).decode(buf, x.numel())
         assert torch.equal(y, x)  # zero blocks stay exactly zero; absmax is exact
+        assert not bool(torch.signbit(y).any())
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 130, 4 * BLOCK_ELEMS - 1])
+def test_encode_rejects_non_finite_anywhere_in_whole_blocks(name: str, bad: float, where: int) -> None:
+    """Whole blocks (no padding) and values beyond the 16-bit formats' range next to the bad one:
+    the encoders check finiteness in the passes they make anyway, so every path must see it."""
+    x = torch.linspace(-1.0, 1.0, 4 * BLOCK_ELEMS)
+    x[1] = 1e38  # out of fp16/bf16 range: those encoders take the clamping path
+    x[where] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        get_codec(name).encode(x)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_half_encoders_saturate_out_of_range_values(name: str) -> None:
+    codec = get_codec(name)
+    limit = torch.finfo(codec.dtype).max
+    x = torch.tensor([3.0e38, -3.0e38, 1.0, -2.5])
+    y = codec.decode(codec.encode(x), 4)
+    expected = torch.tensor([min(3.0e38, limit), max(-3.0e38, -limit), 1.0, -2.5]).to(codec.dtype).float()
+    assert torch.equal(y, expected)
 
 
 def test_unknown_codec_and_check_finite() -> None:

@@ -13,6 +13,7 @@ on how the vector was chunked.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
@@ -40,6 +41,9 @@ class CodecError(ValueError):
     """Malformed, truncated or non-finite data, or a bad codec argument."""
 
 
+NOT_FINITE = "tensor contains NaN or Inf; refusing to encode or accept it"
+
+
 def all_finite(a: np.ndarray) -> bool:
     """True if no element of the float array ``a`` is NaN or Inf."""
     # A finite sum means every element is finite (Inf and NaN propagate through additions): one
@@ -55,18 +59,20 @@ def check_finite(t: torch.Tensor) -> None:
     """Raise CodecError if ``t`` holds any NaN or Inf."""
     # numpy is ~20x faster than torch's isfinite on CPU float32 (measured on 1 MiB chunks).
     if t.numel() and not all_finite(t.detach().cpu().numpy()):
-        raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
+        raise CodecError(NOT_FINITE)
 
 
-def _check_input(x: torch.Tensor) -> torch.Tensor:
-    """Validate an encoder input and return it as a contiguous CPU tensor without grad."""
+def _check_input(x: torch.Tensor, *, finite: bool = True) -> torch.Tensor:
+    """Validate an encoder input and return it as a contiguous CPU tensor without grad.
+    ``finite=False``: the caller checks for NaN/Inf itself, in a pass it makes anyway."""
     if x.dim() != 1 or x.dtype != torch.float32:
         raise CodecError(
             f"expected a 1-D float32 tensor, got {x.dtype} with shape {tuple(x.shape)}"
         )
     x = x.detach().to("cpu").contiguous()
     # NaN/Inf would poison every peer's average (and int scales); stop it at the sender.
-    check_finite(x)
+    if finite:
+        check_finite(x)
     return x
 
 
@@ -146,7 +152,7 @@ class Fp32Codec(Codec):
     def check_payload(self, buf: bytes, n: int) -> None:
         _check_length(buf, n, self.payload_bytes(n), self.name)
         if not all_finite(np.frombuffer(buf, dtype="<f4")):
-            raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
+            raise CodecError(NOT_FINITE)
 
     def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
         if vetted:
@@ -179,12 +185,20 @@ class _Half16Codec(Codec):
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
         # Saturate: finite input must not become Inf on the wire (receivers reject Inf).  Within
-        # range this is exactly torch's round-to-nearest-even cast.
+        # range this is exactly torch's round-to-nearest-even cast.  One min/max pass both
+        # checks the input (NaN propagates, Inf is an extreme) and tells whether to clamp.
         limit = float(torch.finfo(self.dtype).max)
-        return x.clamp(-limit, limit).to(self.dtype)
+        if not x.numel():
+            return x.to(self.dtype)
+        lo, hi = (float(v) for v in torch.aminmax(x))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise CodecError(NOT_FINITE)
+        if lo < -limit or hi > limit:
+            x = x.clamp(-limit, limit)
+        return x.to(self.dtype)
 
     def encode(self, x: torch.Tensor) -> bytes:
-        bits = self._cast(_check_input(x)).view(torch.int16).numpy()
+        bits = self._cast(_check_input(x, finite=False)).view(torch.int16).numpy()
         return bits.astype("<i2", copy=False).tobytes()
 
     def decode(self, buf: bytes, n: int) -> torch.Tensor:
@@ -197,7 +211,7 @@ class _Half16Codec(Codec):
         _check_length(buf, n, self.payload_bytes(n), self.name)
         mask = np.uint16(self.exponent_mask)
         if bool(((np.frombuffer(buf, dtype="<u2") & mask) == mask).any()):
-            raise CodecError("tensor contains NaN or Inf; refusing to encode or accept it")
+            raise CodecError(NOT_FINITE)
 
 
 class Fp16Codec(_Half16Codec):
@@ -240,7 +254,12 @@ class _BlockIntCodec(Codec):
             padded = torch.zeros(nb * self.block_elems, dtype=torch.float32)
             padded[:n] = x
             blocks = padded.view(nb, self.block_elems)
-        scales = blocks.abs().amax(dim=1) / self.qmax  # (nb,)
+        # max(|x|) per block from the block maxima and minima: no |x| copy, and NaN/Inf show in
+        # them, so this also checks the input. (amax + amin beat abs().amax() and aminmax here.)
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()  # abs_: -0 -> 0
+        if not bool(torch.isfinite(absmax).all()):
+            raise CodecError(NOT_FINITE)
+        scales = absmax / self.qmax  # (nb,)
         # Near float32 max, absmax/qmax may round up so that qmax * scale overflows to Inf on
         # decode; step such scales down one ulp (codes then clamp, error stays ~1 ulp).
         overflow = torch.isinf(scales * self.qmax)
@@ -281,7 +300,8 @@ class _BlockIntCodec(Codec):
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> bytes:
-        scales, codes = self._quantize(_check_input(x))
+        # _quantize refuses NaN/Inf from the block extremes it computes anyway.
+        scales, codes = self._quantize(_check_input(x, finite=False))
         return scales.numpy().astype("<f4", copy=False).tobytes() + self._pack(codes)
 
     def decode(self, buf: bytes, n: int) -> torch.Tensor:
