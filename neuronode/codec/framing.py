@@ -157,9 +157,10 @@ def encode_frames(
         )
 
 
-def immutable(buf: bytes | memoryview) -> bytes | memoryview:
+def immutable(buf: bytes) -> bytes:
     """``buf`` itself when nobody can change it later (bytes, or a read-only view of bytes, such
-    as a payload sliced out of a received message without copying), else a bytes copy."""
+    as a payload sliced out of a received message without copying), else a bytes copy. (Typed
+    ``bytes`` as the payloads around it: type checkers accept a memoryview for bytes.)"""
     if type(buf) is bytes or (isinstance(buf, memoryview) and type(buf.obj) is bytes
                               and buf.c_contiguous and buf.format == "B"):
         return buf
