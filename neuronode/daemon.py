@@ -333,7 +333,9 @@ class Daemon:
             plan = self.swarm.faults.refresh()
             self.trainer.lie = (plan.byzantine_scale, plan.byzantine_noise)
         if not self.cfg.overlap:
-            if closed := self.swarm.closed_without_us(round_id):
+            if self.swarm.contributes_from > round_id:  # we adopted this round (maybe_catch_up)
+                sync = self.listened(round_id)
+            elif closed := self.swarm.closed_without_us(round_id):
                 # Contributing now would leave us, or the members still in the round, outside the
                 # average those peers applied. Listening gives us exactly theirs (docs/fault-tolerance.md).
                 logger.warning("round %d: %s closed it before we could contribute (we joined or trained "
@@ -482,10 +484,14 @@ class Daemon:
         self.param_digest = await self.off_loop(self.train_pool, self.trainer.adopt, state)
         # Under --overlap the swarm made its round-R contributions from the parameters before
         # the ones we adopted at round R: we listen to round R (apply its average at the end of
-        # our first round, like everyone) and contribute from round R + 1 on.
-        listen = self.cfg.overlap
+        # our first round, like everyone) and contribute from round R + 1 on. Under
+        # reduce-scatter each member fixes round R's membership when its inner steps end, and
+        # whether our announcement reached it by then is a race: members that disagree drop
+        # each other's slices and all wait out the deadline. Listening to round R keeps every
+        # member's view of it the same; we are a member from R + 1 on (docs/protocol.md).
+        listen = self.cfg.overlap or self.cfg.averaging == "reduce-scatter"
         self.swarm.adopt(state.round, self.param_digest, contributes_from=state.round + 1 if listen else 0)
-        if listen:
+        if self.cfg.overlap:
             self.pending = (state.round, self.start_sync(state.round, self.listened(state.round)))
         if plan.reason == "diverged":  # only repairs count toward the cooldown, not catch-ups
             self.last_repair_round = self.engine.round

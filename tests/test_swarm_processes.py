@@ -130,3 +130,45 @@ def test_overlap_late_joiner_listens_to_its_join_round_then_matches(tmp_path: Pa
     repairs = [line for log in (a_log, b_log) for line in log.splitlines()
                if "diverged from the swarm (round" in line]
     assert len(repairs) <= 1, repairs
+
+
+ROUND_LINE = re.compile(r"round (\d+) done: .* contributors (\d+) .* digest (\w+) from (\S*)")
+
+
+def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_path: Path) -> None:
+    """Under reduce-scatter each member fixes a round's members when its inner steps end. a
+    trains 4 steps a round, b 30: a fixes long before b, so a joiner's announcement usually lands
+    between the two. Were c a member of its join round for b but not for a, they would drop each
+    other's slices and wait out the deadline, and their replicas would part. c listens to the
+    round it adopted instead, is a member from the next one, and every round agrees."""
+    common = ("--rounds", "10", "--batch-size", "8", "--averaging", "reduce-scatter", "--sync-timeout", "30")
+    a = Node(tmp_path, "a", *common, "--inner-steps", "4", "--node-id", "a")
+    b = Node(tmp_path, "b", *common, "--inner-steps", "30", "--node-id", "b", "--peers", a.address)
+    c = Node(tmp_path, "c", *common, "--inner-steps", "10", "--node-id", "c", "--peers", a.address)
+    nodes = (a, b, c)
+    try:
+        a.start()
+        b.start()
+        poll("a and b to finish two rounds", lambda: a.status(live=True)["round"] >= 2, timeout_s=180)
+        c.start()
+        for node in nodes:
+            assert node.wait(360) == 0, f"{node.name}:\n{node.log()[-4000:]}"
+    finally:
+        for node in nodes:
+            node.kill()
+    logs = {n.name: n.log() for n in nodes}
+    joined = re.search(r"adopted the swarm's state at round (\d+)", logs["c"])
+    assert joined, logs["c"]
+    k = int(joined.group(1))
+    assert f"round {k}: listening to the swarm's averaged shard" in logs["c"], logs["c"]
+    per_node = {name: {int(r): (int(n), d, ids) for r, n, d, ids in ROUND_LINE.findall(log)}
+                for name, log in logs.items()}
+    for name, log in logs.items():
+        assert "diverged from the swarm" not in log, (name, log[-3000:])
+    # The round c listened to (done as round k + 1) and every later one: one result everywhere;
+    # from c's first round as a member (k + 1, done as k + 2) on, all three contributed.
+    for r in range(k + 1, 11):
+        results = {name: per_node[name][r] for name in per_node}
+        assert len({res[1] for res in results.values()}) == 1, (r, results)
+        assert results["a"][2] == ("a,b" if r == k + 1 else "a,b,c"), (r, results)
+    assert len({n.status()["param_digest"] for n in nodes}) == 1
