@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,12 @@ class Node:
         if out.returncode != 0:
             raise RuntimeError(f"status of {self.name} failed: {out.stderr.strip()}")
         return dict(json.loads(out.stdout))
+
+
+def finish(nodes: Sequence[Node], timeout_s: float = 400) -> None:
+    """Every node exits 0 within `timeout_s` (each); a failure shows that node's log tail."""
+    for node in nodes:
+        assert node.wait(timeout_s) == 0, f"{node.name}:\n{node.log()[-4000:]}"
 
 
 def poll(what: str, predicate: Callable[[], Any], *, timeout_s: float, every_s: float = 0.2,

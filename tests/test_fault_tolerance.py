@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procutil import Node, poll
+from procutil import Node, finish, poll
 
 from neuronode import checkpoint
 
@@ -37,11 +37,6 @@ def start_swarm(tmp: Path, names: list[str], *extra: str) -> list[Node]:
     for node in nodes:
         node.start()
     return nodes
-
-
-def finish(nodes: list[Node], timeout_s: float = 400) -> None:
-    for node in nodes:
-        assert node.wait(timeout_s) == 0, f"{node.name}:\n{node.log()[-4000:]}"
 
 
 def test_crash_restart_and_late_joiner(tmp_path: Path) -> None:

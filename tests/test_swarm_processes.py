@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from procutil import Node, poll
+from procutil import Node, finish, poll
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -31,8 +31,7 @@ def test_three_nodes_chain_bootstrap_identical_replicas(tmp_path: Path) -> None:
             node.start()
         poll("node a to serve", lambda: a.status(live=True), timeout_s=60)
         d.start()
-        for node in nodes:
-            assert node.wait(300) == 0, f"{node.name}:\n{node.log()}"
+        finish(nodes, 300)
     finally:
         for node in nodes:
             node.kill()
@@ -62,8 +61,7 @@ def run_swarm(tmp: Path, names: list[str], *args: str) -> list[Node]:
     try:
         for node in nodes:
             node.start()
-        for node in nodes:
-            assert node.wait(300) == 0, f"{node.name}:\n{node.log()}"
+        finish(nodes, 300)
     finally:
         for node in nodes:
             node.kill()
@@ -114,8 +112,7 @@ def test_overlap_late_joiner_listens_to_its_join_round_then_matches(tmp_path: Pa
         a.start()
         poll("node a to finish two rounds", lambda: a.status(live=True)["round"] >= 2, timeout_s=120)
         b.start()
-        for node in (a, b):
-            assert node.wait(300) == 0, f"{node.name}:\n{node.log()}"
+        finish([a, b], 300)
     finally:
         for node in (a, b):
             node.kill()
@@ -151,8 +148,7 @@ def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_pa
         b.start()
         poll("a and b to finish two rounds", lambda: a.status(live=True)["round"] >= 2, timeout_s=180)
         c.start()
-        for node in nodes:
-            assert node.wait(360) == 0, f"{node.name}:\n{node.log()[-4000:]}"
+        finish(nodes, 360)
     finally:
         for node in nodes:
             node.kill()
