@@ -105,6 +105,10 @@ def dict_to_status(d: dict[str, Any]) -> pb.StatusResponse:
 # received message. The bytes are exactly a ContributionChunk's: any protobuf parser reads them.
 
 PAYLOAD_FIELD = pb.ContributionChunk.DESCRIPTOR.fields_by_name["payload"].number
+# A valid chunk has 20 fields, two of them repeated with at most MAX_PEERS_LISTED entries each.
+# Walking more fields than this in Python is left to protobuf's C parser (a hostile message of
+# millions of one-byte fields must not hold the event loop for seconds).
+MAX_FIELDS_WALKED = 4 * MAX_PEERS_LISTED
 _PAYLOAD_KEY = bytes([PAYLOAD_FIELD << 3 | 2])  # field 7, wire type 2 (length-delimited)
 
 
@@ -160,7 +164,14 @@ class ChunkView:
         view = memoryview(data)
         pos, end = 0, len(data)
         spans: list[tuple[int, int, int]] = []  # (field start, payload start, payload end)
+        walked = 0
         while pos < end:
+            walked += 1
+            if walked > MAX_FIELDS_WALKED:  # not a chunk we sent: protobuf parses (and copies) it
+                message = pb.ContributionChunk.FromString(data)
+                payload = message.payload
+                message.ClearField("payload")
+                return cls(message, payload, end)
             start = pos
             key, pos = _read_varint(view, pos)
             field, wire_type = key >> 3, key & 7
