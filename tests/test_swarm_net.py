@@ -264,6 +264,46 @@ async def test_three_nodes_discover_each_other_and_average_bit_identically(nodes
         assert trio[name].book.closed_below == 1
 
 
+async def start_trio(nodes: Nodes, **overrides: Any) -> tuple[SwarmNode, SwarmNode, SwarmNode]:
+    a = await nodes.start("a", **overrides)
+    b = await nodes.start("b", peers=[a.advertise], **overrides)
+    c = await nodes.start("c", peers=[a.advertise], **overrides)
+    for node, others in ((a, {"b", "c"}), (b, {"a", "c"}), (c, {"a", "b"})):
+        await wait_until(lambda n=node, o=others: alive_ids(n) == o, what=f"{node.cfg.node_id} to know {others}")
+    return a, b, c
+
+
+async def test_members_apply_only_the_shards_every_member_received(nodes: Nodes) -> None:
+    """Reducer c's averaged shard (index 2) reached a but not b: with their receipts exchanged
+    over Hello, a, b and c all apply shards 0 and 1 only, and a listener reads the same."""
+    a, b, c = await start_trio(nodes)
+    members = ("a", "b", "c")
+    agreed = await asyncio.gather(a.agree_shards(5, members, {0, 1, 2}), b.agree_shards(5, members, {0, 1}),
+                                  c.agree_shards(5, members, {0, 1, 2}))
+    assert agreed == [{0, 1}] * 3
+    listener = await nodes.start("d", peers=[a.advertise])
+    await wait_until(lambda: alive_ids(listener) >= set(members), what="d to know the members")
+    assert await listener.agree_shards(5, members, {0, 1, 2}, publish=False) == {0, 1}
+    assert 5 not in listener.receipts  # a listener publishes nothing
+
+
+async def test_shard_agreement_skips_a_member_that_died_and_waits_no_longer_than_the_deadline(
+    nodes: Nodes,
+) -> None:
+    a, b, c = await start_trio(nodes, sync_timeout_s=2.0)
+    members = ("a", "b", "c")
+    await nodes.stop(c)  # says Leave: a and b stop expecting its receipt at once
+    await wait_until(lambda: "c" not in alive_ids(a) and "c" not in alive_ids(b), what="c to be gone")
+    started = time.monotonic()
+    agreed = await asyncio.gather(a.agree_shards(1, members, {0, 1}), b.agree_shards(1, members, {0, 1, 2}))
+    assert agreed == [{0, 1}, {0, 1}]
+    assert time.monotonic() - started < 1.5  # no deadline waited out for the dead member
+    # A member that is alive but never publishes: the others wait for it until the deadline only.
+    started = time.monotonic()
+    assert await a.agree_shards(2, ("a", "b"), {0, 1}) == {0, 1}
+    assert 1.5 <= time.monotonic() - started < 10
+
+
 async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(nodes: Nodes) -> None:
     """The join race: e adopted round 0 just as a and b closed it without e. e sees them at
     round 1 from its own round-0 parameters, stands aside, listens, and averages exactly their
@@ -502,6 +542,10 @@ async def test_undecodable_request_is_invalid_argument(client: Client, method: s
                  "protocol version", id="protocol"),
     pytest.param({"node_id": "target"}, Code.ALREADY_EXISTS, "already used", id="node-id-taken"),
     pytest.param({"node_id": ""}, Code.INVALID_ARGUMENT, "node id", id="no-node-id"),
+    pytest.param({"shards_received": [pb.ShardReceipt(round=r) for r in range(5)]}, Code.INVALID_ARGUMENT,
+                 "shard receipts", id="too-many-receipts"),
+    pytest.param({"shards_received": [pb.ShardReceipt(round=1, shards=[256])]}, Code.INVALID_ARGUMENT,
+                 "shard receipts", id="shard-index-too-big"),
 ])
 async def test_mismatched_hello_is_refused(
     client: Client, override: dict[str, Any], code: Code, keyword: str,

@@ -24,6 +24,7 @@ class Peer:
     round: int = 0
     param_digest: str = ""
     contributes_from: int = 0  # first round it contributes to (see NodeInfo.contributes_from)
+    receipts: dict[int, frozenset[int]] = field(default_factory=dict)  # round -> averaged shards received
     digests: dict[int, str] = field(default_factory=dict)  # round -> param_digest
     last_seen: float = 0.0  # time.monotonic(); 0 = never heard from
     left: bool = False
@@ -45,6 +46,7 @@ class PeerTable:
     def heard_from(
         self, node_id: str, address: str, *, round: int, param_digest: str,
         digests: dict[int, str], leaving: bool, contributes_from: int = 0,
+        receipts: dict[int, frozenset[int]] | None = None,
     ) -> bool:
         """Record a message from a peer; True when the peer is new or came back."""
         if node_id == self.self_id:
@@ -61,6 +63,7 @@ class PeerTable:
             self.addresses.add(address)
         peer.round, peer.param_digest = round, param_digest
         peer.contributes_from = contributes_from
+        peer.receipts = receipts or {}
         peer.digests.update(digests)
         for old in sorted(peer.digests)[:-RECENT_DIGESTS]:
             del peer.digests[old]

@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 Chunk = pb.ContributionChunk | ChunkView
 
 MAX_CHUNK_PAYLOAD = 4 << 20
+MAX_RECEIPTS = 4  # NodeInfo.shards_received: rounds a node keeps its receipts for
+RECEIPT_POLL_S = 0.005  # how often agree_shards looks at the receipts peers announced
 MAX_KNOWN_ADDRESSES = 1024
 NODE_SERVICE = "neuronode.v1.Node"
 # grpcio's asyncio client reports a client stream the server ended early (a refusal before it
@@ -172,6 +174,7 @@ class SwarmNode:
         self.advertise = cfg.advertise
         self.round = cfg.first_round
         self.contributes_from = 0  # NodeInfo.contributes_from: set when we only listen to a round
+        self.receipts: dict[int, frozenset[int]] = {}  # NodeInfo.shards_received
         self.param_digest = ""
         self.own_digests: dict[int, str] = {}
         self.agreement = "unknown"
@@ -280,12 +283,15 @@ class SwarmNode:
 
     def node_info(self) -> pb.NodeInfo:
         recent = [pb.RoundDigest(round=r, param_digest=d) for r, d in sorted(self.own_digests.items())]
-        return pb.NodeInfo(
+        info = pb.NodeInfo(
             node_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,
             manifest_hash=self.cfg.manifest_hash, advertise=self.advertise, round=self.round,
             contributes_from=self.contributes_from,
             param_digest=self.param_digest, recent_digests=recent, leaving=self.leaving,
         )
+        for r, shards in sorted(self.receipts.items()):
+            info.shards_received.add(round=r, shards=sorted(shards))
+        return info
 
     def known_peers(self) -> list[pb.PeerRecord]:
         return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in self.table.alive()][:MAX_PEERS_LISTED]
@@ -294,9 +300,13 @@ class SwarmNode:
         """Refuse a peer of another swarm, protocol or model, with the fix in the message."""
         if (not info.node_id or len(info.node_id) > MAX_ID_CHARS or len(info.swarm_id) > MAX_ID_CHARS
                 or len(info.advertise) > MAX_ADDRESS_CHARS or len(info.manifest_hash) > MAX_ID_CHARS
-                or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64):
+                or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64
+                or len(info.shards_received) > MAX_RECEIPTS
+                or any(len(r.shards) > MAX_PEERS_LISTED or any(i >= MAX_PEERS_LISTED for i in r.shards)
+                       for r in info.shards_received)):
             raise Refusal("INVALID_ARGUMENT", "hello needs a node id and swarm id of at most 128 characters, "
-                          "an address of at most 256, and at most 64 recent digests")
+                          f"an address of at most 256, at most 64 recent digests and at most {MAX_RECEIPTS} "
+                          f"shard receipts of shard indexes below {MAX_PEERS_LISTED}")
         if info.swarm_id != self.cfg.swarm_id:
             raise Refusal("FAILED_PRECONDITION",
                           f"swarm id mismatch: {info.node_id} is in swarm '{info.swarm_id}', this node "
@@ -320,6 +330,7 @@ class SwarmNode:
         self.table.heard_from(
             info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
             digests=digests, leaving=info.leaving, contributes_from=info.contributes_from,
+            receipts={r.round: frozenset(r.shards) for r in info.shards_received},
         )
         for rec in known[:MAX_PEERS_LISTED]:
             if (rec.node_id != self.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
@@ -498,6 +509,42 @@ class SwarmNode:
         lineages = Counter((c.base_digest, c.members) for c in got.values())
         best = min(lineages, key=lambda k: (-lineages[k], k)) if lineages else ("", ())
         return self._same_lineage(got, best, phase)
+
+    async def agree_shards(self, round_id: int, members: tuple[str, ...], have: set[int], *,
+                           publish: bool = True) -> set[int]:
+        """Reduce-scatter: the averaged shards of `round_id` that every member received. We
+        publish our receipt (`have`, shard indexes) and wait, up to --sync-timeout, for the
+        receipt of every member still alive; a shard missing anywhere then gets no update
+        anywhere, so a reducer that died while sending leaves no replica apart. A listener
+        (`publish=False`) only reads the members' receipts (docs/protocol.md)."""
+        if publish:
+            self.receipts[round_id] = frozenset(have)
+            for old in sorted(self.receipts)[:-MAX_RECEIPTS]:
+                del self.receipts[old]
+            self._announce()
+        deadline = time.monotonic() + self.cfg.sync_timeout_s
+        while True:
+            agreed, waiting = set(have), []
+            for member in members:
+                peer = self.table.peers.get(member)
+                if (member == self.cfg.node_id or peer is None or peer.left or not self.table.is_alive(peer)
+                        or peer.contributes_from > round_id):
+                    continue  # ours is `have`; one that is gone, or stood aside to listen, publishes none
+                if round_id in peer.receipts:
+                    agreed &= peer.receipts[round_id]
+                else:
+                    waiting.append(member)
+            if not waiting:
+                break
+            if time.monotonic() >= deadline:
+                logger.warning("round %d: no shard receipt from %s by the deadline; applying the "
+                               "shards the others received", round_id, ", ".join(waiting))
+                break
+            await asyncio.sleep(RECEIPT_POLL_S)
+        if agreed != have:
+            logger.warning("round %d: shards %s did not reach every member; no update for them this "
+                           "round, on every member alike", round_id, sorted(have - agreed))
+        return agreed
 
     @staticmethod
     def _same_lineage(got: dict[str, Contribution], lineage: tuple[str, tuple[str, ...]],

@@ -245,5 +245,7 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
     a node reads (the first MAX_PEERS_LISTED) count, so a flood costs no hashing."""
     fields = [info.node_id, info.swarm_id, info.protocol_version, info.manifest_hash, info.advertise,
               info.round, info.param_digest, [[d.round, d.param_digest, d.contributors] for d in info.recent_digests],
-              info.leaving, info.contributes_from, [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
+              info.leaving, info.contributes_from,
+              [[r.round, list(r.shards)] for r in info.shards_received],
+              [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

@@ -41,7 +41,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "shards_received")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class NodeInfo(_message.Message):
     RECENT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTES_FROM_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -62,7 +63,16 @@ class NodeInfo(_message.Message):
     recent_digests: _containers.RepeatedCompositeFieldContainer[RoundDigest]
     leaving: bool
     contributes_from: int
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ...) -> None: ...
+    shards_received: _containers.RepeatedCompositeFieldContainer[ShardReceipt]
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., shards_received: _Optional[_Iterable[_Union[ShardReceipt, _Mapping]]] = ...) -> None: ...
+
+class ShardReceipt(_message.Message):
+    __slots__ = ("round", "shards")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
     __slots__ = ("round", "param_digest", "contributors")
