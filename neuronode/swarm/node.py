@@ -530,6 +530,8 @@ class SwarmNode:
                 if (member == self.cfg.node_id or peer is None or peer.left or not self.table.is_alive(peer)
                         or peer.contributes_from > round_id):
                     continue  # ours is `have`; one that is gone, or stood aside to listen, publishes none
+                if round_id not in peer.receipts and peer.round > round_id:
+                    continue  # it closed the round without a receipt (listened, or repaired): none will come
                 if round_id in peer.receipts:
                     agreed &= peer.receipts[round_id]
                 else:
