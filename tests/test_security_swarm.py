@@ -530,13 +530,25 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
     info = pb.NodeInfo(node_id="a", swarm_id=SWARM, protocol_version=1, manifest_hash="m",
                        advertise="127.0.0.1:1", round=3, param_digest="p", contributes_from=2)
     info.recent_digests.add(round=2, param_digest="q", contributors=4)
+    info.shards_received.add(round=2, shards=[0, 2])
     known = [pb.PeerRecord(node_id="b", address="127.0.0.1:2")]
     base = hello_body(info, known)
-    targets = [(info, f) for f in info.DESCRIPTOR.fields if not f.is_repeated]
-    targets += [(info.recent_digests[0], f) for f in pb.RoundDigest.DESCRIPTOR.fields]
-    targets += [(known[0], f) for f in pb.PeerRecord.DESCRIPTOR.fields]
-    assert {f.name for _, f in targets} >= {"node_id", "round", "leaving", "contributes_from", "contributors"}
+    # Every field, and every field of every message in a repeated field (each has one element).
+    targets: list[tuple[Any, Any]] = [(known[0], f) for f in pb.PeerRecord.DESCRIPTOR.fields]
+    for field in info.DESCRIPTOR.fields:
+        if field.is_repeated and field.message_type is not None:
+            element = getattr(info, field.name)[0]
+            targets += [(element, f) for f in element.DESCRIPTOR.fields]
+        else:
+            targets.append((info, field))
+    assert {f.name for _, f in targets} >= {"node_id", "round", "leaving", "contributes_from", "contributors",
+                                            "shards"}
     for message, field in targets:
+        if field.is_repeated:  # a repeated scalar: one more element
+            getattr(message, field.name).append(7)
+            assert hello_body(info, known) != base, f"hello_body ignores {message.DESCRIPTOR.name}.{field.name}"
+            del getattr(message, field.name)[-1]
+            continue
         old = getattr(message, field.name)
         setattr(message, field.name, changed(field, old))
         assert hello_body(info, known) != base, f"hello_body ignores {message.DESCRIPTOR.name}.{field.name}"

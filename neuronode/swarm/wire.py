@@ -8,7 +8,7 @@ import grpc
 
 from neuronode.v1 import node_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: reduce-scatter shard receipts (NodeInfo.shards_received)
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
 MAX_MESSAGE_BYTES = 8 << 20
