@@ -410,16 +410,9 @@ class Daemon:
         own_avg = Contribution(self.node_id, round_id, self.cfg.codec, reduced.weight, reduced.own,
                                base_digest=base, members=members, contributors=contributors, shard_index=me)
         averaged = await self.swarm.exchange(out, own_avg, members=members)
-        averaged = await self.agreed_shards(round_id, members, averaged)
+        averaged = await self.swarm.keep_agreed_shards(round_id, members, averaged)
         return await self.off_loop(self.codec_pool, assemble_shards, averaged, members, ranges,
                                    self.trainer.n_params, round_id)
-
-    async def agreed_shards(self, round_id: int, members: tuple[str, ...], averaged: dict[str, Contribution],
-                            *, publish: bool = True) -> dict[str, Contribution]:
-        """The averaged shards every member received (SwarmNode.agree_shards); others are dropped."""
-        agreed = await self.swarm.agree_shards(round_id, members, {c.shard_index for c in averaged.values()},
-                                               publish=publish)
-        return {k: c for k, c in averaged.items() if c.shard_index in agreed}
 
     async def listened(self, round_id: int) -> SyncResult:
         """The average of a round we only listen to (see maybe_catch_up)."""
@@ -432,7 +425,7 @@ class Daemon:
             averaged = await self.swarm.listen(round_id, phase=pb.PHASE_AVERAGED)
             if averaged:
                 members = next(iter(averaged.values())).members
-                averaged = await self.agreed_shards(round_id, members, averaged, publish=False)
+                averaged = await self.swarm.keep_agreed_shards(round_id, members, averaged, publish=False)
                 ranges = shard_ranges(self.trainer.n_params, len(members), self.cfg.codec)
                 return await self.off_loop(self.codec_pool, assemble_shards, averaged, members, ranges,
                                            self.trainer.n_params, round_id)
@@ -607,7 +600,7 @@ class SyncResult:
 def assemble_shards(averaged: dict[str, Contribution], members: tuple[str, ...],
                     ranges: list[tuple[int, int]], n_params: int, round_id: int) -> SyncResult:
     """Concatenate the averaged shards. A shard missing here (its reducer is gone, or not every
-    member received it: Daemon.agreed_shards) gets no update this round (zeros), on every member
+    member received it: SwarmNode.keep_agreed_shards) gets no update this round (zeros), on every member
     alike."""
     avg = empty_floats(n_params)
     contributors: set[str] = set()

@@ -83,6 +83,8 @@ async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCa
                 if all(7 in p.digests for p in joiner.table.alive()) and len(joiner.table.alive()) == 2:
                     break
                 await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the joiner never saw both donors publish round 7")
             got = await joiner.fetch_state(["a-liar", "b-honest"])
         finally:
             for node in (joiner, donor, liar):

@@ -288,27 +288,26 @@ async def test_members_apply_only_the_shards_every_member_received(nodes: Nodes)
 
 
 async def test_shard_agreement_skips_a_member_that_died_and_waits_no_longer_than_the_deadline(
-    nodes: Nodes,
+    nodes: Nodes, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Whom agree_shards waits for, read from its deadline warning (not from timings)."""
     a, b, c = await start_trio(nodes, sync_timeout_s=2.0)
     members = ("a", "b", "c")
+    missing = "no shard receipt from"
     await nodes.stop(c)  # says Leave: a and b stop expecting its receipt at once
     await wait_until(lambda: "c" not in alive_ids(a) and "c" not in alive_ids(b), what="c to be gone")
-    started = time.monotonic()
     agreed = await asyncio.gather(a.agree_shards(1, members, {0, 1}), b.agree_shards(1, members, {0, 1, 2}))
     assert agreed == [{0, 1}, {0, 1}]
-    assert time.monotonic() - started < 1.5  # no deadline waited out for the dead member
+    assert missing not in caplog.text  # nobody waited out the deadline for the member that left
     # A member that is alive but never publishes: the others wait for it until the deadline only.
-    started = time.monotonic()
-    assert await a.agree_shards(2, ("a", "b"), {0, 1}) == {0, 1}
-    assert 1.5 <= time.monotonic() - started < 10
+    assert await asyncio.wait_for(a.agree_shards(2, ("a", "b"), {0, 1}), timeout=30) == {0, 1}
+    assert f"round 2: {missing} b by the deadline" in caplog.text
     # A member that closed the round without a receipt (it listened, or repaired) will never
     # publish one: nobody waits for it.
     b.record_round(4, "d4")
     await wait_until(lambda: a.table.peers["b"].round == 5, what="a to see b past round 4")
-    started = time.monotonic()
     assert await a.agree_shards(4, ("a", "b"), {0}) == {0}
-    assert time.monotonic() - started < 1.5
+    assert f"round 4: {missing}" not in caplog.text
 
 
 async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(nodes: Nodes) -> None:

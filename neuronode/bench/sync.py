@@ -554,9 +554,7 @@ class NodeWorker:
         own_avg = Contribution(self.node_id, round_id, codec, reduced.weight, reduced.own,
                                members=members, contributors=contributors, shard_index=me)
         averaged = await self.exchange(node, out, own_avg, deadline=deadline, members=members)
-        # As Daemon.agreed_shards: apply only the averaged shards every member received.
-        agreed = await node.agree_shards(round_id, members, {c.shard_index for c in averaged.values()})
-        averaged = {k: c for k, c in averaged.items() if c.shard_index in agreed}
+        averaged = await node.keep_agreed_shards(round_id, members, averaged)  # as the daemon
         t4 = time.perf_counter()
         result = await self.off_loop(assemble_shards, averaged, members, ranges, self.cfg.params,
                                      round_id)

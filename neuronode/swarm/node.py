@@ -530,12 +530,11 @@ class SwarmNode:
                 if (member == self.cfg.node_id or peer is None or peer.left or not self.table.is_alive(peer)
                         or peer.contributes_from > round_id):
                     continue  # ours is `have`; one that is gone, or stood aside to listen, publishes none
-                if round_id not in peer.receipts and peer.round > round_id:
-                    continue  # it closed the round without a receipt (listened, or repaired): none will come
-                if round_id in peer.receipts:
-                    agreed &= peer.receipts[round_id]
-                else:
-                    waiting.append(member)
+                receipt = peer.receipts.get(round_id)
+                if receipt is not None:
+                    agreed &= receipt
+                elif peer.round <= round_id:  # still in it (one past it without a receipt listened or
+                    waiting.append(member)    # repaired: none will come)
             if not waiting:
                 break
             if time.monotonic() >= deadline:
@@ -547,6 +546,13 @@ class SwarmNode:
             logger.warning("round %d: shards %s did not reach every member; no update for them this "
                            "round, on every member alike", round_id, sorted(have - agreed))
         return agreed
+
+    async def keep_agreed_shards(self, round_id: int, members: tuple[str, ...],
+                                 averaged: dict[str, Contribution], *, publish: bool = True) -> dict[str, Contribution]:
+        """`averaged` (the gather's contributions) less the shards not every member received."""
+        agreed = await self.agree_shards(round_id, members, {c.shard_index for c in averaged.values()},
+                                         publish=publish)
+        return {k: c for k, c in averaged.items() if c.shard_index in agreed}
 
     @staticmethod
     def _same_lineage(got: dict[str, Contribution], lineage: tuple[str, tuple[str, ...]],
