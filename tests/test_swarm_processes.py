@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -167,4 +168,41 @@ def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_pa
         results = {name: per_node[name][r] for name in per_node}
         assert len({res[1] for res in results.values()}) == 1, (r, results)
         assert results["a"][2] == ("a,b" if r == k + 1 else "a,b,c"), (r, results)
+    assert len({n.status()["param_digest"] for n in nodes}) == 1
+
+
+SKIPPED_SHARDS = re.compile(r"round (\d+): (?:shards \[0\] did not reach every member|no averaged shard from a;)")
+
+
+def test_reduce_scatter_shard_lost_on_one_link_is_skipped_by_every_member(tmp_path: Path) -> None:
+    """a's averaged shard never reaches c (the stream breaks after one chunk, every try), while b
+    gets it. c publishes a receipt without it after its gather deadline; a and b wait for that
+    receipt, so all three apply the same shards: shard 0 (a's) gets no update, on every member
+    alike, and every round ends with one digest everywhere, without a repair."""
+    common = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--averaging", "reduce-scatter",
+              "--sync-timeout", "6", "--chunk-bytes", "65536", "--min-peers", "3")
+    a = Node(tmp_path, "a", *common, "--node-id", "a")
+    b = Node(tmp_path, "b", *common, "--node-id", "b", "--peers", a.address)
+    c = Node(tmp_path, "c", *common, "--node-id", "c", "--peers", a.address)
+    plan = tmp_path / "faults-a.json"
+    plan.write_text(json.dumps({"cut_after_chunks": 1, "cut_to": [c.address], "cut_phase": "averaged"}))
+    nodes = (a, b, c)
+    try:
+        a.start("--fault-file", str(plan))
+        b.start()
+        c.start()
+        finish(nodes, 300)
+    finally:
+        for node in nodes:
+            node.kill()
+    logs = {n.name: n.log() for n in nodes}
+    for name, log in logs.items():
+        assert "diverged from the swarm" not in log, (name, log[-3000:])
+        assert "no shard receipt" not in log, (name, log[-3000:])
+        # Shard 0 (a's, members sorted) was skipped in every round: by a and b, which had it,
+        # after reading c's receipt, and by c, which never got it.
+        assert set(map(int, SKIPPED_SHARDS.findall(log))) == {0, 1, 2}, (name, log[-3000:])
+    per_node = {name: {int(r): d for r, _, d, _ in ROUND_LINE.findall(log)} for name, log in logs.items()}
+    for r in (1, 2, 3):
+        assert len({per_node[name][r] for name in per_node}) == 1, (r, per_node)
     assert len({n.status()["param_digest"] for n in nodes}) == 1

@@ -8,6 +8,8 @@
      "delay_s": 0.5,                  # added before every outgoing call and contribution chunk
      "drop": 0.1,                     # probability that an outgoing call fails at once
      "cut_after_chunks": 2,           # outgoing contribution streams break after k chunks
+     "cut_to": ["127.0.0.1:7503"],    # ... only those to these addresses (default: all)
+     "cut_phase": "averaged",         # ... only this phase: whole, shard or averaged (default: all)
      "byzantine_scale": -100.0,       # this node lies: its pseudo-gradient times this factor
      "byzantine_noise": 10.0}         # ... plus gaussian noise of this standard deviation
 
@@ -37,6 +39,9 @@ class FaultInjected(grpc.aio.AioRpcError):
                          details=f"fault injected: {what}")
 
 
+CUT_PHASES = ("whole", "shard", "averaged")  # by ContributionChunk.phase: 0, 1, 2
+
+
 @dataclass
 class FaultPlan:
     blocked: set[str] = field(default_factory=set)
@@ -44,6 +49,8 @@ class FaultPlan:
     delay_s: float = 0.0
     drop: float = 0.0
     cut_after_chunks: int = 0
+    cut_to: set[str] = field(default_factory=set)  # empty: every peer
+    cut_phase: str = ""  # "": every phase; else one of CUT_PHASES
     byzantine_scale: float = 1.0
     byzantine_noise: float = 0.0
 
@@ -69,14 +76,18 @@ class Faults:
             self._mtime = mtime
             try:
                 raw = json.loads(open(self.path).read() or "{}")
-                self.plan = FaultPlan(
+                plan = FaultPlan(
                     blocked=set(raw.get("blocked", [])),
                     partition=[set(g) for g in raw.get("partition", [])],
                     delay_s=float(raw.get("delay_s", 0.0)), drop=float(raw.get("drop", 0.0)),
                     cut_after_chunks=int(raw.get("cut_after_chunks", 0)),
+                    cut_to=set(raw.get("cut_to", [])), cut_phase=str(raw.get("cut_phase", "")),
                     byzantine_scale=float(raw.get("byzantine_scale", 1.0)),
                     byzantine_noise=float(raw.get("byzantine_noise", 0.0)),
                 )
+                if plan.cut_phase not in ("", *CUT_PHASES):
+                    raise ValueError(f"cut_phase must be one of {', '.join(CUT_PHASES)}")
+                self.plan = plan
                 logger.warning("fault plan from %s: %s", self.path, raw)
             except (ValueError, TypeError, AttributeError) as exc:
                 logger.error("ignoring unreadable fault file %s: %s", self.path, exc)
@@ -101,5 +112,11 @@ class Faults:
             raise FaultInjected(f"call to {address} dropped")
         return self.plan.delay_s
 
-    def chunk_allowed(self, index: int) -> bool:
-        return not (self.path and self.plan.cut_after_chunks and index >= self.plan.cut_after_chunks)
+    def chunk_allowed(self, index: int, *, address: str, phase: int) -> bool:
+        """False when the plan breaks this stream (to `address`, of `phase`) before chunk `index`."""
+        plan = self.plan
+        if not (self.path and plan.cut_after_chunks and index >= plan.cut_after_chunks):
+            return True
+        if plan.cut_to and address not in plan.cut_to:
+            return True
+        return bool(plan.cut_phase) and plan.cut_phase != CUT_PHASES[phase]

@@ -69,6 +69,7 @@ Chunk = pb.ContributionChunk | ChunkView
 MAX_CHUNK_PAYLOAD = 4 << 20
 MAX_RECEIPTS = 4  # NodeInfo.shards_received: rounds a node keeps its receipts for
 RECEIPT_POLL_S = 0.005  # how often agree_shards looks at the receipts peers announced
+RECEIPT_WAIT_TIMEOUTS = 2  # agree_shards waits this many --sync-timeout for a live member's receipt
 MAX_KNOWN_ADDRESSES = 1024
 NODE_SERVICE = "neuronode.v1.Node"
 # grpcio's asyncio client reports a client stream the server ended early (a refusal before it
@@ -522,7 +523,11 @@ class SwarmNode:
             for old in sorted(self.receipts)[:-MAX_RECEIPTS]:
                 del self.receipts[old]
             self._announce()
-        deadline = time.monotonic() + self.cfg.sync_timeout_s
+        # A member that misses a shard publishes when its own gather deadline passes, up to one
+        # --sync-timeout after it started gathering, which was no later than now (we hold its
+        # averaged shard, sent when it started) or its scatter's end. Waiting twice that long
+        # keeps us from giving up on a receipt that is still coming.
+        deadline = time.monotonic() + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s
         while True:
             agreed, waiting = set(have), []
             for member in members:
@@ -596,7 +601,7 @@ class SwarmNode:
                 self.upload_meter.begin(time.monotonic())
                 try:
                     await self.push_call(address)(
-                        self._chunks(peer_id, out), timeout=remaining,
+                        self._chunks(peer_id, address, out), timeout=remaining,
                         metadata=self.security.metadata("PushContribution"))
                     sent = sum(len(f.data) for f in out.frames)
                 finally:
@@ -623,9 +628,9 @@ class SwarmNode:
         """Bytes/s our pushes reach together (0: not measured yet)."""
         return self.upload_meter.rate
 
-    async def _chunks(self, peer_id: str, out: Outgoing) -> AsyncIterator[bytes]:
+    async def _chunks(self, peer_id: str, address: str, out: Outgoing) -> AsyncIterator[bytes]:
         for frame in out.frames:
-            if not self.faults.chunk_allowed(frame.index):
+            if not self.faults.chunk_allowed(frame.index, address=address, phase=out.phase):
                 raise FaultInjected(f"stream to {peer_id} cut after {frame.index} chunks")
             if self.faults.plan.delay_s:
                 await asyncio.sleep(self.faults.plan.delay_s)
