@@ -285,6 +285,26 @@ def test_decode_into_gives_decode_bit_for_bit(name: str, data: st.DataObject) ->
     assert torch.equal(out.view(torch.int32), codec.decode(buf, n).view(torch.int32))
 
 
+@pytest.mark.parametrize("name", CODECS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_add_into_gives_decode_then_add_bit_for_bit(name: str, data: st.DataObject) -> None:
+    """add_into is the reducers' fast path (16-bit codecs add the wire values without a decoded
+    copy): same bits as decode() then add_, same refusals, for any payload bytes."""
+    codec = get_codec(name)
+    n = data.draw(st.sampled_from([0, 1, 63, 64, 128, 200, 640]))
+    buf = data.draw(st.binary(min_size=codec.payload_bytes(n), max_size=codec.payload_bytes(n)))
+    alpha = data.draw(st.sampled_from([1.0, 0.5, 1 / 3, 0.1, 1e-7]))
+    acc = torch.randn(n, generator=torch.Generator().manual_seed(n)) * data.draw(st.sampled_from([1e-30, 1.0, 1e30]))
+    if _refuses(codec.decode, buf, n):
+        assert _refuses(codec.add_into, buf, n, acc.clone(), alpha)
+        return
+    fast, expected = acc.clone(), acc.clone()
+    codec.add_into(buf, n, fast, alpha)
+    expected.add_(codec.decode(buf, n), alpha=alpha)
+    assert torch.equal(fast.view(torch.int32), expected.view(torch.int32))
+
+
 @settings(max_examples=100, deadline=None)
 @given(values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=300))
 def test_all_finite_agrees_with_isfinite(values: list[float]) -> None:

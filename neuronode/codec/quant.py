@@ -209,9 +209,35 @@ class _Half16Codec(Codec):
 
     def check_payload(self, buf: bytes, n: int) -> None:
         _check_length(buf, n, self.payload_bytes(n), self.name)
-        mask = np.uint16(self.exponent_mask)
-        if bool(((np.frombuffer(buf, dtype="<u2") & mask) == mask).any()):
+        # Exponent all ones (Inf or NaN) exactly when the bits below the sign reach the mask.
+        bits = np.frombuffer(buf, dtype="<u2")
+        if bits.size and int((bits & np.uint16(0x7FFF)).max()) >= self.exponent_mask:
             raise CodecError(NOT_FINITE)
+
+    def _wire(self, buf: bytes) -> torch.Tensor:
+        """The received 16-bit values in place, as a read-only tensor (little-endian hosts)."""
+        return torch.from_numpy(np.frombuffer(buf, dtype=np.int16)).view(self.dtype)
+
+    # Widening to float32 is exact, and torch computes a mixed add in float32: both fast paths
+    # give the same bits as decode() followed by copy_ / add_ (tests/test_codec_quant.py).
+    def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
+        if sys.byteorder != "little":
+            super().decode_into(buf, n, out, vetted=vetted)
+            return
+        _check_length(buf, n, self.payload_bytes(n), self.name)
+        out.copy_(self._wire(buf))
+        if not vetted:
+            check_finite(out)
+
+    def add_into(self, buf: bytes, n: int, acc: torch.Tensor, alpha: float, *, vetted: bool = False) -> None:
+        if sys.byteorder != "little":
+            super().add_into(buf, n, acc, alpha, vetted=vetted)
+            return
+        if vetted:
+            _check_length(buf, n, self.payload_bytes(n), self.name)
+        else:
+            self.check_payload(buf, n)
+        acc.add_(self._wire(buf), alpha=alpha)
 
 
 class Fp16Codec(_Half16Codec):
