@@ -97,6 +97,7 @@ class Codec:
     lossy: bool = False
     block_elems: int = 1  # chunk boundaries must be multiples of this
     shuffle_width: int = 1  # bytes per element for the optional byte-shuffle filter
+    wire_dtype: torch.dtype | None = None  # the payload is these values, little-endian: read in place
 
     def payload_bytes(self, n: int) -> int:
         """Exact encoded size in bytes of ``n`` elements."""
@@ -125,7 +126,21 @@ class Codec:
     def add_into(self, buf: bytes, n: int, acc: torch.Tensor, alpha: float, *, vetted: bool = False) -> None:
         """``acc.add_(decode(buf, n), alpha=alpha)`` (same values, same errors) for a float32
         CPU ``acc`` of ``n`` elements, without a decoded copy where the codec allows."""
-        acc.add_(self.decode(buf, n), alpha=alpha)
+        if self.wire_dtype is None or sys.byteorder != "little":
+            acc.add_(self.decode(buf, n), alpha=alpha)
+            return
+        if vetted:
+            _check_length(buf, n, self.payload_bytes(n), self.name)
+        else:
+            self.check_payload(buf, n)
+        # torch widens the wire values exactly and adds in float32: decode()'s bits, no copy.
+        acc.add_(self._wire(buf), alpha=alpha)
+
+    def _wire(self, buf: bytes) -> torch.Tensor:
+        """The received values in place, as a read-only tensor of ``wire_dtype`` (length checked)."""
+        assert self.wire_dtype is not None
+        ints = np.frombuffer(buf, dtype=np.int32 if self.wire_dtype.itemsize == 4 else np.int16)
+        return torch.from_numpy(ints).view(self.wire_dtype)
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
@@ -136,6 +151,7 @@ class Fp32Codec(Codec):
 
     name = "fp32"
     shuffle_width = 4
+    wire_dtype = torch.float32
 
     def payload_bytes(self, n: int) -> int:
         return 4 * n
@@ -160,16 +176,6 @@ class Fp32Codec(Codec):
         else:
             self.check_payload(buf, n)
         np.copyto(out.numpy(), np.frombuffer(buf, dtype="<f4"))
-
-    def add_into(self, buf: bytes, n: int, acc: torch.Tensor, alpha: float, *, vetted: bool = False) -> None:
-        if sys.byteorder != "little":
-            super().add_into(buf, n, acc, alpha, vetted=vetted)
-            return
-        if vetted:
-            _check_length(buf, n, self.payload_bytes(n), self.name)
-        else:
-            self.check_payload(buf, n)
-        acc.add_(torch.from_numpy(np.frombuffer(buf, dtype=np.float32)), alpha=alpha)
 
 
 class _Half16Codec(Codec):
@@ -214,10 +220,6 @@ class _Half16Codec(Codec):
         if bits.size and int((bits & np.uint16(0x7FFF)).max()) >= self.exponent_mask:
             raise CodecError(NOT_FINITE)
 
-    def _wire(self, buf: bytes) -> torch.Tensor:
-        """The received 16-bit values in place, as a read-only tensor (little-endian hosts)."""
-        return torch.from_numpy(np.frombuffer(buf, dtype=np.int16)).view(self.dtype)
-
     # Widening to float32 is exact, and torch computes a mixed add in float32: both fast paths
     # give the same bits as decode() followed by copy_ / add_ (tests/test_codec_quant.py).
     def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
@@ -229,29 +231,19 @@ class _Half16Codec(Codec):
         if not vetted:
             check_finite(out)
 
-    def add_into(self, buf: bytes, n: int, acc: torch.Tensor, alpha: float, *, vetted: bool = False) -> None:
-        if sys.byteorder != "little":
-            super().add_into(buf, n, acc, alpha, vetted=vetted)
-            return
-        if vetted:
-            _check_length(buf, n, self.payload_bytes(n), self.name)
-        else:
-            self.check_payload(buf, n)
-        acc.add_(self._wire(buf), alpha=alpha)
-
 
 class Fp16Codec(_Half16Codec):
     """IEEE half; saturates at +-65504."""
 
     name = "fp16"
-    dtype = torch.float16
+    dtype = wire_dtype = torch.float16
 
 
 class Bf16Codec(_Half16Codec):
     """bfloat16: float32's range, 8 bits of mantissa; saturates at +-3.39e38."""
 
     name = "bf16"
-    dtype = torch.bfloat16
+    dtype = wire_dtype = torch.bfloat16
     exponent_mask = 0x7F80
 
 
