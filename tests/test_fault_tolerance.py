@@ -186,12 +186,15 @@ def test_sigterm_cuts_short_the_final_drain_to_an_unreachable_peer(tmp_path: Pat
     120 s deadline). Without a stop it would wait for that push; SIGTERM ends the wait at once."""
     plan = tmp_path / "faults-a.json"
     plan.write_text("{}")
+    # b serves first and waits for a (--min-peers 2), and a greets b at start: a never trains
+    # its two rounds alone while b is still starting (it did on a loaded CI machine).
+    b = Node(tmp_path, "b", *COMMON, "--node-id", "b", "--min-peers", "2")
     a = Node(tmp_path, "a", *COMMON, "--sync-timeout", "120", "--node-id", "a", "--rounds", "2",
-             "--fault-file", str(plan))
-    b = Node(tmp_path, "b", *COMMON, "--node-id", "b", "--peers", a.address)
+             "--fault-file", str(plan), "--peers", b.address)
     try:
-        a.start()
         b.start()
+        poll("b to serve", lambda: b.status(live=True), timeout_s=120)
+        a.start()
         poll("round 1 on both", lambda: min(done_round(n) for n in (a, b)) >= 1, timeout_s=180)
         plan.write_text(json.dumps({"blocked": [b.address]}))
         poll("a's last round", lambda: done_round(a) >= 2, timeout_s=120)
