@@ -100,6 +100,8 @@ def add_bench_parser(sub: Any) -> None:
     sync.add_argument("--chunk-bytes", type=int, default=NodeConfig.chunk_bytes,
                       help=f"encoded bytes per chunk, as the daemon (default: {NodeConfig.chunk_bytes})")
     sync.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
+    sync.add_argument("--grpc-floor", action="store_true",
+                      help="also time bare grpc.aio moving the same bytes (what gRPC alone costs)")
     sync.add_argument("--secret-file", default="",
                       help="run the nodes as a closed swarm with this secret, to measure the cost of "
                            "authentication (default: none)")

@@ -88,6 +88,21 @@ def test_bf16_without_gloo() -> None:
     check_common(result, nodes=2, params=200_000, codec="bf16")
     assert 1.2 <= result["payload_bytes_per_param"] <= 2.2
     assert result["gloo_seconds"] is None and result["ratio_vs_gloo"] is None
+    assert result["grpc_floor_seconds"] is None and result["ratio_vs_grpc_floor"] is None
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(200)
+def test_grpc_floor_moves_the_node_runs_bytes_again() -> None:
+    """--grpc-floor: bare grpc.aio workers move what the nodes sent, and the ratio is reported."""
+    result = bench_sync("--nodes", "3", "--params", "300000", "--codec", "fp32", "--rounds", "2",
+                        "--averaging", "reduce-scatter", "--no-gloo", "--grpc-floor")
+    check_common(result, nodes=3, params=300_000, codec="fp32", averaging="reduce-scatter")
+    assert result["grpc_floor_seconds"] > 0 and result["grpc_floor_cpu_seconds"] > 0
+    assert len(result["grpc_floor_round_seconds"]) == 2
+    assert result["ratio_vs_grpc_floor"] == pytest.approx(result["seconds"] / result["grpc_floor_seconds"], rel=0.05)
+    # Each floor worker received what each node sent (the run is symmetric), framing included.
+    assert result["grpc_floor_wire_bytes_per_param"] == pytest.approx(result["wire_bytes_per_param"], rel=0.01)
 
 
 @pytest.mark.swarm
@@ -200,6 +215,31 @@ def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
     assert result["replicas_identical"] is True and result["result_digest"] == "s"
     assert result["zstd_levels_used"] == [1] and result["byte_shuffle"] is True
     assert result["gloo_peak_rss_bytes"] == 9 and result["gloo_replicas_identical"] is True
+
+
+def test_summary_of_the_grpc_floor() -> None:
+    cfg = SyncBenchConfig(nodes=2, params=100, codec="fp32", averaging="all-to-all", rounds=3,
+                          zstd_level=1, grpc_floor=True)
+    nodes = [node_result([1.0, 5.0, 2.0]), node_result([3.0, 1.0, 2.5])]
+    floor = [{"seconds": [0.5, 1.0, 0.5], "cpu_s": [0.5, 0.5, 0.5], "bytes_received": [300, 300, 300]},
+             {"seconds": [1.0, 0.5, 0.5], "cpu_s": [0.2, 0.1, 0.1], "bytes_received": [300, 300, 300]}]
+    result = summarize(cfg, nodes, [], floor)
+    assert result["grpc_floor_round_seconds"] == [1.0, 1.0, 0.5] and result["grpc_floor_seconds"] == 1.0
+    assert result["grpc_floor_cpu_seconds"] == 0.6 and result["ratio_vs_grpc_floor"] == 3.0
+    assert result["grpc_floor_wire_bytes_per_param"] == 3.0
+    assert result["gloo_seconds"] is None
+    # The floor workers send each peer what one node sent per round, over its N - 1 peers.
+    args = bench_sync_mod.floor_args(cfg, nodes)
+    assert args[args.index("--bytes-per-peer") + 1] == "300"
+    assert len(args[args.index("--ports") + 1].split(",")) == 2
+
+
+def test_floor_messages_cut_the_bytes_in_chunks() -> None:
+    from neuronode.bench.floor import messages
+
+    sizes = [len(m) for m in messages(2500, 1000)]
+    assert sizes == [1000, 1000, 500]
+    assert messages(0, 1000) == [] and [len(m) for m in messages(2000, 1000)] == [1000, 1000]
 
 
 def test_summary_skips_the_auto_zstd_warm_up_round() -> None:

@@ -44,6 +44,10 @@ warm-up round. `zstd_levels_used` lists the levels of the timed rounds.
 Gloo workers run after the node workers, never beside them: N ranks all_reduce(SUM) the same
 size of float32 and divide, after one untimed warm-up; again the slowest rank per round counts.
 
+`--grpc-floor` then runs N bare grpc.aio workers (neuronode.bench.floor) that move the bytes the
+node workers sent, and nothing else: `grpc_floor_seconds` and `ratio_vs_grpc_floor` separate
+what gRPC costs from what neuronode adds.
+
 Files in the work dir: `address-{i}`, `barrier-{r}-{i}`, `node-{i}.json` / `gloo-{i}.json`
 (results) and `node-{i}.log` / `gloo-{i}.log` (stderr, quoted when a worker fails).
 """
@@ -115,6 +119,7 @@ class SyncBenchConfig:
     chunk_bytes: int = NodeConfig.chunk_bytes
     byte_shuffle: bool = NodeConfig.byte_shuffle
     secret_file: str = ""  # closed swarm: HMAC proofs on every call and contribution
+    grpc_floor: bool = False  # also time bare grpc.aio moving the same bytes (neuronode.bench.floor)
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -137,7 +142,8 @@ class SyncBenchConfig:
                    gloo=not args.no_gloo,
                    chunk_bytes=getattr(args, "chunk_bytes", NodeConfig.chunk_bytes),
                    byte_shuffle=getattr(args, "byte_shuffle", NodeConfig.byte_shuffle),
-                   secret_file=getattr(args, "secret_file", "") or "")
+                   secret_file=getattr(args, "secret_file", "") or "",
+                   grpc_floor=getattr(args, "grpc_floor", False))
 
     @property
     def warmup_rounds(self) -> int:
@@ -169,9 +175,12 @@ def run_sync_bench(args: argparse.Namespace) -> dict[str, Any]:
             if cfg.gloo:
                 port = ["--port", str(free_port())]
                 gloo = run_workers(cfg, workdir, "gloo", [port for _ in range(cfg.nodes)])
+            floor: list[dict[str, Any]] = []
+            if cfg.grpc_floor:
+                floor = run_workers(cfg, workdir, "floor", [floor_args(cfg, nodes)] * cfg.nodes)
     except KeyboardInterrupt:
         raise BenchInterrupted("bench sync interrupted; its workers were stopped") from None
-    result = summarize(cfg, nodes, gloo)
+    result = summarize(cfg, nodes, gloo, floor)
     result["bench_seconds"] = round(time.monotonic() - started, 3)
     return result
 
@@ -208,7 +217,16 @@ def run_workers(
     return [json.loads((workdir / f"{kind}-{i}.json").read_text()) for i in range(len(procs))]
 
 
-def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> dict[str, Any]:
+def floor_args(cfg: SyncBenchConfig, nodes: list[dict[str, Any]]) -> list[str]:
+    """The floor workers' ports, and the bytes each sends each peer a round: what one node sent
+    per round (median over timed worker-rounds, message framing included) over its N-1 peers."""
+    sent = statistics.median(r["bytes_sent"] for w in nodes for r in w["rounds"][cfg.warmup_rounds:])
+    ports = ",".join(str(free_port()) for _ in range(cfg.nodes))
+    return ["--ports", ports, "--bytes-per-peer", str(int(sent) // (cfg.nodes - 1))]
+
+
+def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict[str, Any]],
+              floor: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Fold per-worker results into the benchmark's JSON object (see the module docstring)."""
     timed = [w["rounds"][cfg.warmup_rounds:] for w in nodes]
     n_rounds = len(timed[0])
@@ -246,22 +264,37 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         # The last timed round's average (BLAKE3 of its float32 bytes), when all replicas agree.
         "result_digest": timed[0][-1]["digest"] if digests_agree else None,
         "gloo_seconds": None, "ratio_vs_gloo": None,
+        "grpc_floor_seconds": None, "ratio_vs_grpc_floor": None,
     }
     if gloo:
         result.update(summarize_gloo(gloo))
         result["ratio_vs_gloo"] = round(seconds / max(result["gloo_seconds"], 1e-9), 2)
+    if floor:
+        result.update(summarize_reference(floor, "grpc_floor"))
+        result["ratio_vs_grpc_floor"] = round(seconds / max(result["grpc_floor_seconds"], 1e-9), 2)
+        # What each floor worker took in per round: the node run's traffic, moved again.
+        received = statistics.fmean(b for w in floor for b in w["bytes_received"])
+        result["grpc_floor_wire_bytes_per_param"] = round(received / cfg.params, 4)
     return result
 
 
-def summarize_gloo(gloo: list[dict[str, Any]]) -> dict[str, Any]:
-    """The reference's fields, measured the same way: slowest rank per round, median."""
-    n_rounds = len(gloo[0]["seconds"])
-    round_s = [max(w["seconds"][k] for w in gloo) for k in range(n_rounds)]
-    cpu_s = [sum(w["cpu_s"][k] for w in gloo) for k in range(n_rounds)]
+def summarize_reference(workers: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    """A reference's times, measured as the node run's: slowest worker per round, median; CPU
+    of all workers per round, median."""
+    n_rounds = len(workers[0]["seconds"])
+    round_s = [max(w["seconds"][k] for w in workers) for k in range(n_rounds)]
+    cpu_s = [sum(w["cpu_s"][k] for w in workers) for k in range(n_rounds)]
     return {
-        "gloo_seconds": round(statistics.median(round_s), 4),
-        "gloo_round_seconds": [round(s, 4) for s in round_s],
-        "gloo_cpu_seconds": round(statistics.median(cpu_s), 3),
+        f"{prefix}_seconds": round(statistics.median(round_s), 4),
+        f"{prefix}_round_seconds": [round(s, 4) for s in round_s],
+        f"{prefix}_cpu_seconds": round(statistics.median(cpu_s), 3),
+    }
+
+
+def summarize_gloo(gloo: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gloo reference's fields."""
+    return {
+        **summarize_reference(gloo, "gloo"),
         "gloo_peak_rss_bytes": max(w["peak_rss_bytes"] for w in gloo),
         "gloo_replicas_identical": len({w["digest"] for w in gloo}) == 1,
     }
@@ -612,11 +645,13 @@ def gloo_worker(cfg: SyncBenchConfig, *, index: int, port: int) -> dict[str, Any
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """`python -m neuronode.bench.sync {node,gloo} ...`: one worker; writes {kind}-{index}.json."""
     parser = argparse.ArgumentParser(prog="python -m neuronode.bench.sync")
-    parser.add_argument("kind", choices=("node", "gloo"))
+    parser.add_argument("kind", choices=("node", "gloo", "floor"))
     parser.add_argument("--dir", required=True, type=Path)
     parser.add_argument("--index", required=True, type=int)
     parser.add_argument("--config", required=True, help="SyncBenchConfig as JSON")
     parser.add_argument("--port", type=int, default=0, help="gloo rendezvous port")
+    parser.add_argument("--ports", default="", help="floor workers' ports, comma-separated")
+    parser.add_argument("--bytes-per-peer", type=int, default=0, help="floor: bytes to each peer a round")
     opts = parser.parse_args(argv)
     from neuronode.memory import keep_freed_buffers
 
@@ -633,6 +668,14 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
         worker = NodeWorker(cfg, workdir=opts.dir, index=opts.index)
         result = run_async(worker.run)
+    elif opts.kind == "floor":
+        from neuronode.bench.floor import floor_worker
+        from neuronode.daemon import run_async
+
+        result = run_async(lambda: floor_worker(
+            workdir=opts.dir, index=opts.index, ports=[int(p) for p in opts.ports.split(",")],
+            bytes_per_peer=opts.bytes_per_peer, chunk_bytes=cfg.chunk_bytes, rounds=cfg.rounds,
+            round_timeout_s=cfg.round_timeout_s))
     else:
         result = gloo_worker(cfg, index=opts.index, port=opts.port)
     write_atomic(opts.dir / f"{opts.kind}-{opts.index}.json", json.dumps(result))
