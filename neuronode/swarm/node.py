@@ -108,6 +108,15 @@ class SwarmConfig:
     round_lag: int = 1
 
 
+@dataclass
+class WireCache:
+    """An Outgoing's serialized ContributionChunk messages by chunk index, made once and sent to
+    every peer (the same bytes for all), and their common header (tag included)."""
+
+    header: pb.ContributionChunk | None = None
+    chunks: dict[int, bytes] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """Our encoded contribution for one round."""
@@ -125,9 +134,7 @@ class Outgoing:
     shard_index: int = 0
     members: tuple[str, ...] = ()
     contributors: tuple[str, ...] = ()
-    # Serialized ContributionChunk messages by chunk index, made once and sent to every peer
-    # (they are the same bytes for all): no per-peer protobuf building and copying.
-    wire: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
+    wire: WireCache = field(default_factory=lambda: WireCache(), compare=False, repr=False)
 
 
 @dataclass
@@ -634,9 +641,9 @@ class SwarmNode:
                 raise FaultInjected(f"stream to {peer_id} cut after {frame.index} chunks")
             if self.faults.plan.delay_s:
                 await asyncio.sleep(self.faults.plan.delay_s)
-            data = out.wire.get(frame.index)
+            data = out.wire.chunks.get(frame.index)
             if data is None:
-                data = out.wire[frame.index] = self._serialize_chunk(out, frame)
+                data = out.wire.chunks[frame.index] = self._serialize_chunk(out, frame)
             await self.upload.acquire(len(data))
             self.counters.bytes_sent += len(data)
             self.counters.per_peer_sent[peer_id] = self.counters.per_peer_sent.get(peer_id, 0) + len(data)
@@ -644,20 +651,23 @@ class SwarmNode:
 
     def _serialize_chunk(self, out: Outgoing, frame: Frame) -> bytes:
         """One chunk of `out` as a serialized ContributionChunk (the same for every peer)."""
-        tag = self.security.contribution_tag(
-            round_id=out.round_id, sender_id=self.cfg.node_id,
-            contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
-                                             out.members, out.contributors),
-            codec=out.codec, weight=out.weight, total_elements=out.n_elements)
-        return serialize_chunk(pb.ContributionChunk(
-            round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
-            chunk_index=frame.index, chunk_count=frame.count, codec=CODEC_TO_PB[out.codec],
-            compressed=frame.compressed, contribution_digest=out.digest,
-            weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
-            auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
-            phase=out.phase, shard_index=out.shard_index, shard_count=len(out.members),
-            members=out.members, contributors=out.contributors,
-        ), frame.data)
+        header = out.wire.header
+        if header is None:  # the tag and the header fields are the same for every chunk
+            tag = self.security.contribution_tag(
+                round_id=out.round_id, sender_id=self.cfg.node_id,
+                contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
+                                                 out.members, out.contributors),
+                codec=out.codec, weight=out.weight, total_elements=out.n_elements)
+            header = out.wire.header = pb.ContributionChunk(
+                round_id=out.round_id, sender_id=self.cfg.node_id, swarm_id=self.cfg.swarm_id,
+                chunk_count=frame.count, codec=CODEC_TO_PB[out.codec], contribution_digest=out.digest,
+                weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
+                auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest,
+                phase=out.phase, shard_index=out.shard_index, shard_count=len(out.members),
+                members=out.members, contributors=out.contributors)
+        header.chunk_index = frame.index
+        header.compressed = frame.compressed
+        return serialize_chunk(header, frame.data)
 
     def record_round(self, round_id: int, param_digest: str) -> None:
         """After our outer step of `round_id`: remember the digest peers compare against."""
@@ -817,6 +827,7 @@ class SwarmNode:
         """Validate and store one incoming contribution stream; returns chunks received.
         `sender` gets the claimed sender id as soon as the first chunk is read (for blame)."""
         first: Chunk | None = None
+        first_key: tuple[Any, ...] = ()
         assembler: Assembler | None = None
         digest = ContributionDigest()
         loop = asyncio.get_running_loop()
@@ -837,9 +848,9 @@ class SwarmNode:
                         raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
                     self._check_proof(chunk, proven_id)
                     assembler = self._open_stream(chunk)
-                    first = chunk
+                    first, first_key = chunk, stream_key(chunk)
                 else:
-                    check_same_stream(first, chunk)
+                    check_same_stream(first_key, chunk)
                 assert assembler is not None
                 if chunk.chunk_index != next_index:
                     raise Refusal("INVALID_ARGUMENT", f"round {first.round_id}: {first.sender_id} sent chunk "
@@ -993,13 +1004,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_same_stream(first: Chunk, chunk: Chunk) -> None:
-    """Header fields may not change within one stream, and chunks come in order exactly once."""
-    for name in ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest",
-                 "weight", "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest", "phase", "shard_index",
-                 "shard_count", "members", "contributors"):
-        if getattr(chunk, name) != getattr(first, name):
-            raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
+STREAM_FIELDS = ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest", "weight",
+                 "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest",
+                 "phase", "shard_index", "shard_count", "members", "contributors")
+
+
+def stream_key(chunk: Chunk) -> tuple[Any, ...]:
+    """The header fields every chunk of one stream must repeat unchanged."""
+    header = chunk.header if isinstance(chunk, ChunkView) else chunk
+    return tuple(getattr(header, name) for name in STREAM_FIELDS)
+
+
+def check_same_stream(first: tuple[Any, ...], chunk: Chunk) -> None:
+    """Header fields may not change within one stream (`first`: the first chunk's stream_key)."""
+    key = stream_key(chunk)
+    if key != first:
+        name = next(n for n, a, b in zip(STREAM_FIELDS, first, key, strict=True) if a != b)
+        raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
 
 
 class NodeService(pb_grpc.NodeServicer):
