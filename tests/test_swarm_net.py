@@ -310,6 +310,21 @@ async def test_shard_agreement_skips_a_member_that_died_and_waits_no_longer_than
     assert f"round 4: {missing}" not in caplog.text
 
 
+async def test_a_receipt_later_than_one_sync_timeout_still_counts(nodes: Nodes) -> None:
+    """A member that missed a shard publishes its receipt only when its own gather deadline
+    passes, up to one --sync-timeout after the others finished gathering: they wait for it (up
+    to twice the timeout) instead of applying a shard it lacks."""
+    a, b, _ = await start_trio(nodes, sync_timeout_s=2.0)
+    members = ("a", "b")
+
+    async def late_receipt() -> set[int]:
+        await asyncio.sleep(2.5)  # b's gather ran to its deadline without shard 0
+        return await b.agree_shards(3, members, {1})
+
+    agreed = await asyncio.gather(a.agree_shards(3, members, {0, 1}), late_receipt())
+    assert agreed == [{1}, {1}]
+
+
 async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(nodes: Nodes) -> None:
     """The join race: e adopted round 0 just as a and b closed it without e. e sees them at
     round 1 from its own round-0 parameters, stands aside, listens, and averages exactly their
