@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,41 @@ def test_reduce_scatter_shard_lost_on_one_link_is_skipped_by_every_member(tmp_pa
     for r in (1, 2, 3):
         assert len({per_node[name][r] for name in per_node}) == 1, (r, per_node)
     assert len({n.status()["param_digest"] for n in nodes}) == 1
+
+
+def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tmp_path: Path) -> None:
+    """a sends its averaged shard (shard 0) to b while its stream to c keeps breaking, and is
+    killed in the middle of round 1's gather. Whether b got the shard or not, b and c end round
+    1 with one result: a shard that did not reach every live member gets no update anywhere.
+    (--min-peers 3 keeps all three members from round 0 on; b and c then wait for a third
+    member in round 2, and the test stops them there.)"""
+    common = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--averaging", "reduce-scatter",
+              "--sync-timeout", "6", "--chunk-bytes", "65536", "--min-peers", "3")
+    a = Node(tmp_path, "a", *common, "--node-id", "a")
+    b = Node(tmp_path, "b", *common, "--node-id", "b", "--peers", a.address)
+    c = Node(tmp_path, "c", *common, "--node-id", "c", "--peers", a.address)
+    plan = tmp_path / "faults-a.json"
+    plan.write_text(json.dumps({"cut_after_chunks": 1, "cut_to": [c.address], "cut_phase": "averaged"}))
+
+    def round_1_results() -> dict[str, str]:
+        return {n.name: d for n in (b, c) for r, _, d, _ in ROUND_LINE.findall(n.log()) if int(r) == 2}
+
+    try:
+        a.start("--fault-file", str(plan))
+        b.start()
+        c.start()
+        poll("a sending its round-1 averaged shard", lambda: "round 1: averaged shard ready" in a.log(),
+             timeout_s=180, context=lambda: a.log()[-2000:])
+        time.sleep(0.3)  # b takes a's nine chunks in; a's stream to c broke after the first
+        a.kill()
+        poll("b and c to finish round 1", lambda: len(round_1_results()) == 2, timeout_s=120,
+             context=lambda: b.log()[-1500:] + c.log()[-1500:])
+    finally:
+        for node in (a, b, c):
+            node.kill()
+    logs = {n.name: n.log() for n in (b, c)}
+    for name, log in logs.items():
+        assert "diverged from the swarm" not in log, (name, log[-3000:])
+        assert "round 1: no averaged shard from a" in log, (name, log[-3000:])
+    results = round_1_results()
+    assert results["b"] == results["c"], results
