@@ -175,11 +175,9 @@ def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_pa
 SKIPPED_SHARDS = re.compile(r"round (\d+): (?:shards \[0\] did not reach every member|no averaged shard from a;)")
 
 
-def test_reduce_scatter_shard_lost_on_one_link_is_skipped_by_every_member(tmp_path: Path) -> None:
-    """a's averaged shard never reaches c (the stream breaks after one chunk, every try), while b
-    gets it. c publishes a receipt without it after its gather deadline; a and b wait for that
-    receipt, so all three apply the same shards: shard 0 (a's) gets no update, on every member
-    alike, and every round ends with one digest everywhere, without a repair."""
+def start_cut_trio(tmp_path: Path) -> tuple[Node, Node, Node]:
+    """a, b and c averaging by reduce-scatter (all three members from round 0: --min-peers 3),
+    a's averaged-shard streams to c breaking after one chunk on every try."""
     common = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--averaging", "reduce-scatter",
               "--sync-timeout", "6", "--chunk-bytes", "65536", "--min-peers", "3")
     a = Node(tmp_path, "a", *common, "--node-id", "a")
@@ -187,11 +185,19 @@ def test_reduce_scatter_shard_lost_on_one_link_is_skipped_by_every_member(tmp_pa
     c = Node(tmp_path, "c", *common, "--node-id", "c", "--peers", a.address)
     plan = tmp_path / "faults-a.json"
     plan.write_text(json.dumps({"cut_after_chunks": 1, "cut_to": [c.address], "cut_phase": "averaged"}))
-    nodes = (a, b, c)
+    a.start("--fault-file", str(plan))
+    b.start()
+    c.start()
+    return a, b, c
+
+
+def test_reduce_scatter_shard_lost_on_one_link_is_skipped_by_every_member(tmp_path: Path) -> None:
+    """a's averaged shard never reaches c (the stream breaks after one chunk, every try), while b
+    gets it. c publishes a receipt without it after its gather deadline; a and b wait for that
+    receipt, so all three apply the same shards: shard 0 (a's) gets no update, on every member
+    alike, and every round ends with one digest everywhere, without a repair."""
+    nodes = a, b, c = start_cut_trio(tmp_path)
     try:
-        a.start("--fault-file", str(plan))
-        b.start()
-        c.start()
         finish(nodes, 300)
     finally:
         for node in nodes:
@@ -215,21 +221,12 @@ def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tm
     1 with one result: a shard that did not reach every live member gets no update anywhere.
     (--min-peers 3 keeps all three members from round 0 on; b and c then wait for a third
     member in round 2, and the test stops them there.)"""
-    common = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--averaging", "reduce-scatter",
-              "--sync-timeout", "6", "--chunk-bytes", "65536", "--min-peers", "3")
-    a = Node(tmp_path, "a", *common, "--node-id", "a")
-    b = Node(tmp_path, "b", *common, "--node-id", "b", "--peers", a.address)
-    c = Node(tmp_path, "c", *common, "--node-id", "c", "--peers", a.address)
-    plan = tmp_path / "faults-a.json"
-    plan.write_text(json.dumps({"cut_after_chunks": 1, "cut_to": [c.address], "cut_phase": "averaged"}))
+    a, b, c = start_cut_trio(tmp_path)
 
     def round_1_results() -> dict[str, str]:
         return {n.name: d for n in (b, c) for r, _, d, _ in ROUND_LINE.findall(n.log()) if int(r) == 2}
 
     try:
-        a.start("--fault-file", str(plan))
-        b.start()
-        c.start()
         poll("a sending its round-1 averaged shard", lambda: "round 1: averaged shard ready" in a.log(),
              timeout_s=180, context=lambda: a.log()[-2000:])
         time.sleep(0.3)  # b takes a's nine chunks in; a's stream to c broke after the first
