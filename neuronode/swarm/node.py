@@ -134,7 +134,7 @@ class Outgoing:
     shard_index: int = 0
     members: tuple[str, ...] = ()
     contributors: tuple[str, ...] = ()
-    wire: WireCache = field(default_factory=lambda: WireCache(), compare=False, repr=False)
+    wire: WireCache = field(default_factory=WireCache, compare=False, repr=False)
 
 
 @dataclass
