@@ -219,8 +219,9 @@ def run_workers(
 
 def floor_args(cfg: SyncBenchConfig, nodes: list[dict[str, Any]]) -> list[str]:
     """The floor workers' ports, and the bytes each sends each peer a round: what one node sent
-    per round (median over timed worker-rounds, message framing included) over its N-1 peers."""
-    sent = statistics.median(r["bytes_sent"] for w in nodes for r in w["rounds"][cfg.warmup_rounds:])
+    per round over its N-1 peers (message framing included; the mean over timed worker-rounds,
+    as `wire_bytes_per_param`: with auto zstd the size varies from round to round)."""
+    sent = statistics.fmean(r["bytes_sent"] for w in nodes for r in w["rounds"][cfg.warmup_rounds:])
     ports = ",".join(str(free_port()) for _ in range(cfg.nodes))
     return ["--ports", ports, "--bytes-per-peer", str(int(sent) // (cfg.nodes - 1))]
 
