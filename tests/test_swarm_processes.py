@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -185,7 +184,7 @@ def start_cut_trio(tmp_path: Path) -> tuple[Node, Node, Node]:
     c = Node(tmp_path, "c", *common, "--node-id", "c", "--peers", a.address)
     plan = tmp_path / "faults-a.json"
     plan.write_text(json.dumps({"cut_after_chunks": 1, "cut_to": [c.address], "cut_phase": "averaged"}))
-    a.start("--fault-file", str(plan))
+    a.start("--fault-file", str(plan), "--log-level", "debug")  # debug: a logs each finished push
     b.start()
     c.start()
     return a, b, c
@@ -217,8 +216,8 @@ def test_reduce_scatter_shard_lost_on_one_link_is_skipped_by_every_member(tmp_pa
 
 def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tmp_path: Path) -> None:
     """a sends its averaged shard (shard 0) to b while its stream to c keeps breaking, and is
-    killed in the middle of round 1's gather. Whether b got the shard or not, b and c end round
-    1 with one result: a shard that did not reach every live member gets no update anywhere.
+    killed in round 1's gather once b has the shard. b and c end round 1 with one result: the
+    shard that did not reach every live member gets no update anywhere.
     (--min-peers 3 keeps all three members from round 0 on; b and c then wait for a third
     member in round 2, and the test stops them there.)"""
     a, b, c = start_cut_trio(tmp_path)
@@ -227,9 +226,12 @@ def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tm
         return {n.name: d for n in (b, c) for r, _, d, _ in ROUND_LINE.findall(n.log()) if int(r) == 2}
 
     try:
-        poll("a sending its round-1 averaged shard", lambda: "round 1: averaged shard ready" in a.log(),
-             timeout_s=180, context=lambda: a.log()[-2000:])
-        time.sleep(0.3)  # b takes a's nine chunks in; a's stream to c broke after the first
+        def shard_reached_b() -> bool:
+            return "round 1: sent our averaged shard to b" in a.log()
+
+        # a's averaged shard is all at b (its stream to c broke after the first chunk): kill a.
+        poll("a's round-1 averaged shard to reach b", shard_reached_b, timeout_s=180,
+             context=lambda: a.log()[-2000:])
         a.kill()
         poll("b and c to finish round 1", lambda: len(round_1_results()) == 2, timeout_s=120,
              context=lambda: b.log()[-1500:] + c.log()[-1500:])
@@ -240,5 +242,6 @@ def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tm
     for name, log in logs.items():
         assert "diverged from the swarm" not in log, (name, log[-3000:])
         assert "round 1: no averaged shard from a" in log, (name, log[-3000:])
+    assert "round 1: shards [0] did not reach every member" in logs["b"], logs["b"][-3000:]  # b had it
     results = round_1_results()
     assert results["b"] == results["c"], results

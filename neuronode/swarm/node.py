@@ -613,7 +613,7 @@ class SwarmNode:
                     sent = sum(len(f.data) for f in out.frames)
                 finally:
                     self.upload_meter.end(time.monotonic(), sent)
-                logger.debug("round %d: sent to %s", out.round_id, peer_id)
+                logger.debug("round %d: sent our %s to %s", out.round_id, PHASE_NAMES[out.phase], peer_id)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in FINAL_CODES:
