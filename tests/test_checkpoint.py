@@ -76,3 +76,29 @@ def test_trainer_resume_gives_same_next_loss(tmp_path: Path) -> None:
     b.train_round(stop)
     assert b.loss == expected_loss
     assert torch.equal(b.engine.pseudo_gradient(), expected_delta)
+
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint-v0.1"
+FIXTURE_FLAGS = dict(rounds=2, inner_steps=2, d_model=8, n_layers=1, n_heads=2, batch_size=2, seq_len=8,
+                     codec="int8", threads=1, task_option=("corpus_mb=1", "val_windows=4"),
+                     node_id="fixture-node", swarm_id="fixture")
+FIXTURE_DIGEST = "08ea91195e34efa93569aa00a4f6413c9d5cc86b9667098e39fc3e7e83df62e3"
+
+
+def test_a_checkpoint_of_release_0_1_restores(tmp_path: Path) -> None:
+    """A checkpoint the previous release wrote (tests/fixtures/checkpoint-v0.1) restores: its
+    round, its parameters (param_digest) and its int8 error feedback."""
+    from neuronode.daemon import Daemon
+
+    folder = checkpoint.checkpoint_dir(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "round-00000002.ckpt").write_bytes((FIXTURE / "round-00000002.ckpt").read_bytes())
+    cfg = NodeConfig(data_dir=str(tmp_path), **FIXTURE_FLAGS)
+    stored = checkpoint.load_latest(tmp_path)
+    assert stored is not None
+    daemon = Daemon(cfg, trainer=Trainer(cfg, node_id="fixture-node"), node_id="fixture-node", data_dir=tmp_path)
+    daemon.restore()
+    assert daemon.engine.round == 2
+    assert daemon.engine.param_digest() == FIXTURE_DIGEST
+    assert torch.equal(daemon.trainer.feedback.residual, stored.state["feedback"]["residual"])
+    assert daemon.trainer.feedback.residual.abs().sum() > 0
