@@ -23,7 +23,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check neuronode tests scripts
-	$(BIN)/mypy neuronode/diloco neuronode/codec neuronode/training
+	$(BIN)/mypy neuronode
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=15

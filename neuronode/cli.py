@@ -138,13 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_start(args: argparse.Namespace) -> int:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(NodeConfig)}
     cfg = build_config(flags, config_file=args.config)
-    from neuronode.daemon import run_daemon  # heavy imports (torch) only when starting
+    from neuronode.node.run import run_daemon  # heavy imports (torch) only when starting
 
     return run_daemon(cfg)
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from neuronode import status as status_mod
+    from neuronode.node import status as status_mod
 
     if args.peer:
         parse_hostport(args.peer, "--peer")

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,18 +15,9 @@ import pytest
 from procutil import neuronode_cmd
 
 from neuronode.bench import sync as bench_sync_mod
-from neuronode.bench.sync import (
-    BenchEncoder,
-    BenchInterrupted,
-    SyncBenchConfig,
-    Usage,
-    summarize,
-    used_between,
-)
-from neuronode.codec import ErrorFeedback, shard_ranges
-from neuronode.config import NodeConfig
+from neuronode.bench.sync import BenchInterrupted, SyncBenchConfig, summarize
+from neuronode.bench.sync_worker import Usage, used_between
 from neuronode.errors import ConfigError
-from neuronode.trainer import Trainer
 
 KEYS = {
     "seconds", "gloo_seconds", "ratio_vs_gloo", "payload_bytes_per_param", "wire_bytes_per_param",
@@ -266,31 +256,3 @@ def test_summary_flags_differing_replicas_and_missing_contributors() -> None:
 
 def test_used_between_counts_bytes_and_cpu() -> None:
     assert used_between(Usage(100, 1.0, 7), Usage(400, 3.5, 19)) == {"bytes_sent": 300, "cpu_s": 2.5, "page_faults": 12}
-
-
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("n_shards", [1, 3])
-def test_bench_encodes_as_the_daemon_does(tmp_path: Path, codec: str, n_shards: int) -> None:
-    """The benchmark mirrors Trainer.encode / encode_shards / reduce_shard: same pseudo-gradient,
-    same frames on the wire."""
-    cfg = NodeConfig(data_dir=str(tmp_path), d_model=32, n_layers=1, n_heads=2, seq_len=32,
-                     batch_size=4, inner_steps=2, threads=1, codec=codec, zstd_level=1,
-                     chunk_bytes=4096)
-    trainer = Trainer(cfg, node_id="node-a")
-    trainer.train_round(threading.Event())
-    delta = trainer.engine.pseudo_gradient()
-    feedback = ErrorFeedback(delta.numel()) if trainer.feedback is not None else None
-    encoder = BenchEncoder(codec=codec, chunk_bytes=cfg.chunk_bytes, zstd_level=1,
-                            byte_shuffle=cfg.byte_shuffle)
-    ranges = shard_ranges(delta.numel(), n_shards, codec)
-    ours = encoder.encode_parts(delta, ranges, 0.0, feedback)
-    theirs = trainer.encode_shards(ranges) if n_shards > 1 else [trainer.encode()]
-    assert len(ours[0].frames) > 1
-    for a, b in zip(ours, theirs, strict=True):
-        assert a.frames == b.frames and a.digest == b.digest
-        assert (a.chunk_elements, a.shuffled, a.zstd_level) == (b.chunk_elements, b.shuffled, b.zstd_level)
-    start, stop = ranges[0]
-    other = encoder.encode(-0.5 * delta[start:stop], 0.0)
-    pieces = {"node-a": (ours[0].own, 3.0), "node-b": (other.own, 1.0)}
-    mine, daemon = encoder.reduce(pieces, 0.0), trainer.reduce_shard(pieces)
-    assert mine.frames == daemon.frames and mine.weight == daemon.weight == 4.0

@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 from procutil import NODE_DEFAULTS, Node
 
-from neuronode.status import from_data_dir as status_of
+from neuronode.node.status import from_data_dir as status_of
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -66,7 +66,7 @@ ROUND_LINE = re.compile(r"round (\d+) done: .* contributors (\d+) ")
 # these runs start 24 nodes on two shared cores. So each node is a process forked from a server
 # that imported them once; it then runs `neuronode start` exactly as the console script does.
 FORKS = multiprocessing.get_context("forkserver")
-FORKS.set_forkserver_preload(["neuronode.cli", "neuronode.daemon", "torch._dynamo", "torch.optim",
+FORKS.set_forkserver_preload(["neuronode.cli", "neuronode.node.daemon", "torch._dynamo", "torch.optim",
                               __name__])
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuronode import checkpoint
 from neuronode.config import NodeConfig
 from neuronode.errors import CheckpointError
-from neuronode.trainer import Trainer
+from neuronode.node import checkpoint
+from neuronode.node.trainer import Trainer
 
 SMALL = dict(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, inner_steps=3,
              threads=1, codec="fp32", rounds=4)
@@ -62,8 +62,7 @@ def test_trainer_resume_gives_same_next_loss(tmp_path: Path) -> None:
     a = Trainer(cfg, node_id="node-a")
     for _ in range(2):
         a.train_round(stop)
-        enc = a.encode()
-        a.apply({"node-a": (enc.own, enc.weight)})
+        a.apply_average(a.pseudo_gradient())  # fp32 alone: the average is our own pseudo-gradient
     checkpoint.save(tmp_path, a.engine.round, {"round": a.engine.round}, a.state_dict())
     a.train_round(stop)
     expected_loss, expected_delta = a.loss, a.engine.pseudo_gradient()
@@ -88,7 +87,7 @@ FIXTURE_DIGEST = "08ea91195e34efa93569aa00a4f6413c9d5cc86b9667098e39fc3e7e83df62
 def test_a_checkpoint_of_release_0_1_restores(tmp_path: Path) -> None:
     """A checkpoint the previous release wrote (tests/fixtures/checkpoint-v0.1) restores: its
     round, its parameters (param_digest) and its int8 error feedback."""
-    from neuronode.daemon import Daemon
+    from neuronode.node.daemon import Daemon
 
     folder = checkpoint.checkpoint_dir(tmp_path)
     folder.mkdir(parents=True)
@@ -100,5 +99,8 @@ def test_a_checkpoint_of_release_0_1_restores(tmp_path: Path) -> None:
     daemon.restore()
     assert daemon.engine.round == 2
     assert daemon.engine.param_digest() == FIXTURE_DIGEST
-    assert torch.equal(daemon.trainer.feedback.residual, stored.state["feedback"]["residual"])
-    assert daemon.trainer.feedback.residual.abs().sum() > 0
+    feedback = daemon.pools.encode.submit(daemon.encoder.state_dict).result()  # the encoder's own thread
+    assert feedback is not None
+    assert torch.equal(feedback["residual"], stored.state["feedback"]["residual"])
+    assert feedback["residual"].abs().sum() > 0
+    daemon.pools.shutdown()

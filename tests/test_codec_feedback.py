@@ -67,10 +67,10 @@ def test_update_parts_gives_update_bit_for_bit(codec: str) -> None:
     ranges = shard_ranges(x.numel(), 3, codec)
     parts = [enc.encode(x[a:b], 0.0) for a, b in ranges]
     slow, fast = ErrorFeedback(x.numel()), ErrorFeedback(x.numel())
-    slow.update(x, torch.cat([p.own.decode() for p in parts]))
-    fast.update_parts(x, [(a, p.own) for (a, _), p in zip(ranges, parts, strict=True)])
+    slow.update(x, torch.cat([p.data.decode() for p in parts]))
+    fast.update_parts(x, [(a, p.data) for (a, _), p in zip(ranges, parts, strict=True)])
     assert torch.equal(slow.residual.view(torch.int32), fast.residual.view(torch.int32))
     assert slow.residual.abs().sum() > 0
     with pytest.raises(CodecError):  # parts that do not cover the vector change nothing
-        fast.update_parts(x, [(0, parts[0].own)])
+        fast.update_parts(x, [(0, parts[0].data)])
     assert torch.equal(slow.residual, fast.residual)

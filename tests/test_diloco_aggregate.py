@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from neuronode.diloco import Contribution, available_aggregators, average, get_aggregator
+from neuronode.diloco import Weighted, available_aggregators, average, get_aggregator
 
 
 def _vec(seed: int, n: int = 257) -> Tensor:
@@ -56,9 +56,9 @@ def test_lazy_callables_are_called_once_and_match_eager() -> None:
 
         return load
 
-    lazy: dict[str, Contribution] = {"b": (loader("b", 2), 2.0), "a": (loader("a", 1), 1.0)}
-    eager: dict[str, Contribution] = {"b": (_vec(2), 2.0), "a": (_vec(1), 1.0)}
-    mixed: dict[str, Contribution] = {"b": (_vec(2), 2.0), "a": (loader("a", 1), 1.0)}
+    lazy: dict[str, Weighted] = {"b": (loader("b", 2), 2.0), "a": (loader("a", 1), 1.0)}
+    eager: dict[str, Weighted] = {"b": (_vec(2), 2.0), "a": (_vec(1), 1.0)}
+    mixed: dict[str, Weighted] = {"b": (_vec(2), 2.0), "a": (loader("a", 1), 1.0)}
     assert torch.equal(average(lazy), average(eager))
     assert calls == ["a", "b"]  # sorted order, one decode each
     assert torch.equal(average(mixed), average(eager))
@@ -85,7 +85,7 @@ def test_input_vectors_are_not_modified() -> None:
         {"a": (lambda: "not a tensor", 1.0)},
     ],
 )
-def test_bad_input_raises(contributions: dict[str, Contribution]) -> None:
+def test_bad_input_raises(contributions: dict[str, Weighted]) -> None:
     with pytest.raises(ValueError):
         average(contributions)
 
@@ -120,7 +120,7 @@ _contributions = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(rows=_contributions, data=st.data())
 def test_property_weighted_mean(rows: list[tuple[list[float], float]], data: st.DataObject) -> None:
-    contributions: dict[str, Contribution] = {
+    contributions: dict[str, Weighted] = {
         f"peer-{i:02d}": (torch.tensor(values, dtype=torch.float32), weight)
         for i, (values, weight) in enumerate(rows)
     }

@@ -340,7 +340,7 @@ def test_model_without_parameters_is_rejected() -> None:
 
 
 def test_diloco_package_imports_nothing_networked() -> None:
-    forbidden = ("asyncio", "grpc", "socket", "neuronode.swarm", "neuronode.daemon")
+    forbidden = ("asyncio", "grpc", "socket", "neuronode.swarm", "neuronode.node")
     package = Path(neuronode.diloco.__file__).parent
     for source in package.glob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from neuronode.diloco import Contribution, available_aggregators, average, get_aggregator, robust
+from neuronode.diloco import Weighted, available_aggregators, average, get_aggregator, robust
 from neuronode.diloco.aggregate import CosineFilter
 
 torch.set_num_threads(1)
@@ -45,8 +45,8 @@ ATTACKS: dict[str, Callable[[list[Tensor]], Tensor]] = {
 }
 
 
-def _with_attacker(honest: list[Tensor], bad: Tensor) -> dict[str, Contribution]:
-    contributions: dict[str, Contribution] = {f"honest-{i}": (v, 1.0) for i, v in enumerate(honest)}
+def _with_attacker(honest: list[Tensor], bad: Tensor) -> dict[str, Weighted]:
+    contributions: dict[str, Weighted] = {f"honest-{i}": (v, 1.0) for i, v in enumerate(honest)}
     contributions["byzantine"] = (bad, 1.0)
     return contributions
 
@@ -119,7 +119,7 @@ def test_cosine_filter_keeps_the_most_similar_half() -> None:
         name: direction + scale * torch.randn(SIZE, generator=_gen(10 + i))
         for i, (name, scale) in enumerate(zip("cxyA", noise, strict=True))
     }
-    contributions: dict[str, Contribution] = {k: (v, 1.0) for k, v in vectors.items()}
+    contributions: dict[str, Weighted] = {k: (v, 1.0) for k, v in vectors.items()}
     result = get_aggregator("mean", cosine_threshold=0.9999)(contributions)
     expected = average({k: contributions[k] for k in ("A", "c")})
     assert torch.equal(result, expected)
@@ -128,12 +128,12 @@ def test_cosine_filter_keeps_the_most_similar_half() -> None:
 def test_cosine_filter_passes_weights_and_call_options_on() -> None:
     seen: list[tuple[dict[str, float], dict[str, object]]] = []
 
-    def spy(contributions: dict[str, Contribution], **options: object) -> Tensor:
+    def spy(contributions: dict[str, Weighted], **options: object) -> Tensor:
         seen.append(({k: w for k, (_, w) in contributions.items()}, options))
         return torch.zeros(SIZE)
 
     honest = _honest(3)
-    contributions: dict[str, Contribution] = {str(i): (v, i + 1.0) for i, v in enumerate(honest)}
+    contributions: dict[str, Weighted] = {str(i): (v, i + 1.0) for i, v in enumerate(honest)}
     CosineFilter(base=spy, threshold=0.0)(contributions, center=None)
     assert seen == [({"0": 1.0, "1": 2.0, "2": 3.0}, {"center": None})]
 
@@ -161,7 +161,7 @@ def test_single_member_is_returned_exactly(name: str, options: dict[str, float])
 
 def test_two_members_median_is_the_mean() -> None:
     a, b = _honest(2)
-    contributions: dict[str, Contribution] = {"a": (a, 1.0), "b": (b, 1.0)}
+    contributions: dict[str, Weighted] = {"a": (a, 1.0), "b": (b, 1.0)}
     assert torch.allclose(get_aggregator("median")(contributions), average(contributions))
 
 
@@ -179,8 +179,8 @@ def test_lazy_members_are_decoded_once_in_sorted_order(
 
         return load
 
-    eager: dict[str, Contribution] = {k: (v, 1.0) for k, v in zip("cab", honest, strict=True)}
-    lazy: dict[str, Contribution] = {
+    eager: dict[str, Weighted] = {k: (v, 1.0) for k, v in zip("cab", honest, strict=True)}
+    lazy: dict[str, Weighted] = {
         k: (loader(k, v), 1.0) for k, v in zip("cab", honest, strict=True)
     }
     aggregator = get_aggregator(name, **options)
@@ -195,7 +195,7 @@ def test_non_finite_members_are_dropped(name: str) -> None:
     poisoned[17] = float("nan")
     infinite = honest[1].clone()
     infinite[-1] = -float("inf")
-    clean: dict[str, Contribution] = {f"h{i}": (v, 1.0) for i, v in enumerate(honest)}
+    clean: dict[str, Weighted] = {f"h{i}": (v, 1.0) for i, v in enumerate(honest)}
     aggregator = get_aggregator(name)
     result = aggregator({**clean, "nan": (poisoned, 1.0), "inf": (infinite, 1.0)})
     assert torch.equal(result, aggregator(clean))
@@ -264,14 +264,14 @@ def test_registry_lists_every_aggregator() -> None:
 
 def test_trimmed_mean_counts_members_not_weights() -> None:
     a, b, c = (torch.full((4,), x) for x in (1.0, 2.0, 30.0))
-    contributions: dict[str, Contribution] = {"a": (a, 1.0), "b": (b, 1.0), "c": (c, 1e6)}
+    contributions: dict[str, Weighted] = {"a": (a, 1.0), "b": (b, 1.0), "c": (c, 1e6)}
     assert torch.equal(get_aggregator("trimmed-mean", trim_fraction=0.34)(contributions), b)
     assert torch.equal(get_aggregator("median")(contributions), b)
 
 
 def test_trimmed_mean_with_no_trim_is_the_plain_mean() -> None:
     honest = _honest()
-    contributions: dict[str, Contribution] = {str(i): (v, 1.0) for i, v in enumerate(honest)}
+    contributions: dict[str, Weighted] = {str(i): (v, 1.0) for i, v in enumerate(honest)}
     assert torch.allclose(
         get_aggregator("trimmed-mean", trim_fraction=0.0)(contributions), average(contributions)
     )
@@ -279,7 +279,7 @@ def test_trimmed_mean_with_no_trim_is_the_plain_mean() -> None:
 
 def test_norm_clip_scales_only_the_large_member() -> None:
     base = torch.tensor([3.0, 4.0])  # norm 5
-    contributions: dict[str, Contribution] = {
+    contributions: dict[str, Weighted] = {
         "a": (base, 1.0),
         "b": (base * 1.2, 1.0),
         "c": (base * 100.0, 2.0),
@@ -340,7 +340,7 @@ def test_property_network_sort_matches_torch_sort(rows: list[list[float]]) -> No
 def test_property_order_statistics_stay_inside_the_hull(
     rows: list[list[float]], trim_fraction: float
 ) -> None:
-    contributions: dict[str, Contribution] = {
+    contributions: dict[str, Weighted] = {
         f"peer-{i:02d}": (torch.tensor(row, dtype=torch.float32), 1.0) for i, row in enumerate(rows)
     }
     values = np.array(rows, dtype=np.float64)

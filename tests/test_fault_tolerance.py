@@ -12,7 +12,7 @@ import pytest
 import torch
 from procutil import Node, finish, poll
 
-from neuronode import checkpoint
+from neuronode.node import checkpoint
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 

@@ -48,11 +48,11 @@ from hypothesis import strategies as st
 from procutil import Node, poll
 from test_byzantine import WarmNode  # `neuronode start` forked from a server with torch imported
 
-from neuronode import checkpoint
 from neuronode.codec import get_codec
+from neuronode.node import checkpoint
+from neuronode.node.status import from_data_dir as status_of
 from neuronode.security import auth
-from neuronode.status import from_data_dir as status_of
-from neuronode.swarm.node import bound_digest
+from neuronode.swarm.inbound import bound_digest
 from neuronode.swarm.security import AUTH_KEY, Security
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb

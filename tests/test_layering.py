@@ -1,4 +1,6 @@
-"""Imports flow one way: pure parts know no network; the network layer builds no model."""
+"""Imports flow one way (docs/architecture.md has the table this enforces): pure parts know no
+network, the averaging protocols know no gRPC, the network layer builds no model, and the
+benchmarks drive the averaging objects themselves instead of the daemon."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "neuronode"
 
 PURE = ("diloco", "codec", "training")
-FORBIDDEN_IN_PURE = ("grpc", "asyncio", "socket", "neuronode.swarm", "neuronode.daemon", "neuronode.v1")
-FORBIDDEN_IN_SWARM = ("torch.nn", "neuronode.training", "neuronode.diloco", "neuronode.trainer",
-                      "neuronode.daemon")
+FORBIDDEN_IN_PURE = ("grpc", "asyncio", "socket", "neuronode.averaging", "neuronode.swarm", "neuronode.node",
+                     "neuronode.v1")
+FORBIDDEN_IN_AVERAGING = ("grpc", "neuronode.swarm", "neuronode.node", "neuronode.v1", "neuronode.training",
+                          "torch.nn")
+FORBIDDEN_IN_SWARM = ("torch.nn", "neuronode.training", "neuronode.diloco", "neuronode.node")
+FORBIDDEN_IN_BENCH = ("neuronode.node.daemon", "neuronode.node.rounds")
+ARCHITECTURE = PKG.parent / "docs" / "architecture.md"
 
 
 def imports_of(path: Path) -> set[str]:
@@ -42,8 +48,28 @@ def test_pure_packages_import_no_network() -> None:
         assert offending(folder, FORBIDDEN_IN_PURE) == []
 
 
+def test_averaging_knows_no_grpc() -> None:
+    assert offending("averaging", FORBIDDEN_IN_AVERAGING) == []
+
+
 def test_swarm_builds_no_model() -> None:
     assert offending("swarm", FORBIDDEN_IN_SWARM) == []
+
+
+def test_bench_drives_the_protocols_not_the_daemon() -> None:
+    assert offending("bench", FORBIDDEN_IN_BENCH) == []
+
+
+def test_architecture_page_states_this_table() -> None:
+    """docs/architecture.md's table says exactly what these tests enforce."""
+    text = ARCHITECTURE.read_text()
+    rows = {
+        "`diloco`, `codec`, `training`": FORBIDDEN_IN_PURE, "`averaging`": FORBIDDEN_IN_AVERAGING,
+        "`swarm`": FORBIDDEN_IN_SWARM, "`bench`": FORBIDDEN_IN_BENCH,
+    }
+    for package, forbidden in rows.items():
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {package} |"))
+        assert line == f"| {package} | {', '.join(f'`{name}`' for name in forbidden)} |"
 
 
 def test_scan_catches_a_violation(tmp_path: Path) -> None:

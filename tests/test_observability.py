@@ -305,4 +305,4 @@ def test_live_progress_line_on_a_tty(tmp_path: Path) -> None:
     # Every step rewrites the line today; a throttled line may skip some, but never goes back.
     assert steps and steps == sorted(set(steps)), repr(screen)
     # The line is cleared before the round's log line, so logs never trail a progress line.
-    assert re.search(r"\r\x1b\[2K\d\d:\d\d:\d\d INFO neuronode\.daemon: round 1 done:", screen), repr(screen)
+    assert re.search(r"\r\x1b\[2K\d\d:\d\d:\d\d INFO neuronode\.node\.rounds: round 1 done:", screen), repr(screen)

@@ -26,7 +26,8 @@ from procutil import Node, free_port, hides_refusal, neuronode_cmd, poll
 
 from neuronode import cli
 from neuronode.codec import ContributionDigest, encode_frames, get_codec
-from neuronode.swarm.node import SwarmConfig, SwarmNode, bound_digest
+from neuronode.swarm.inbound import bound_digest
+from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.security import Security
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
@@ -411,7 +412,7 @@ async def test_member_sending_invalid_streams_is_banned_others_are_not(
     honest = Member(channel, "honest", refused_address)
     assert await rogue.call("Hello") == (Code.OK, "")
     assert await honest.call("Hello") == (Code.OK, "")
-    strikes = closed_node.bans.strikes_to_ban
+    strikes = closed_node.ctx.bans.strikes_to_ban
 
     for _ in range(strikes):
         chunks = contribution("rogue")
@@ -450,7 +451,7 @@ async def test_protected_mode_admits_loopback_callers_only() -> None:
         pytest.skip("this machine has no non-loopback IPv4 address to call from")
     pool = ThreadPoolExecutor(1)
     node = SwarmNode(swarm_config("target", listen="0.0.0.0:0"), executor=pool)
-    node.loopback_only = True  # what the daemon sets without --secret-file, TLS or --open
+    node.ctx.loopback_only = True  # what the daemon sets without --secret-file, TLS or --open
     await node.start()
     port = node.advertise.rpartition(":")[2]
     try:

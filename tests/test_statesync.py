@@ -77,7 +77,7 @@ async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCa
         await donor.start()
         await joiner.start()
         for node in (liar, donor):
-            node.adopt(7, good.param_digest)  # both publish the swarm's digest for round 7
+            node.state.adopted(7, good.param_digest, listen=False)  # both publish the swarm's digest for round 7
         try:
             for _ in range(100):
                 if all(7 in p.digests for p in joiner.table.alive()) and len(joiner.table.alive()) == 2:

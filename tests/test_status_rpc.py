@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from neuronode.daemon import run_async
+from neuronode.node.run import run_async
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.wire import status_to_dict
 from neuronode.v1 import node_pb2 as pb
@@ -50,7 +50,7 @@ def test_status_over_grpc(use_uvloop: bool) -> None:
 @pytest.mark.timeout(60)
 def test_status_cli_against_live_node() -> None:
     """`neuronode status --peer` (the sync client used by the CLI) against a live server."""
-    from neuronode.status import from_peer
+    from neuronode.node.status import from_peer
 
     async def main() -> dict[str, object]:
         cfg = SwarmConfig(node_id="node-x", swarm_id="t", manifest_hash="m", n_elements=10,

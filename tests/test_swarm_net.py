@@ -22,10 +22,10 @@ import torch
 import zstandard as zstd
 from procutil import hides_refusal
 
-from neuronode.codec import Assembler, ContributionDigest, encode_frames, get_codec
+from neuronode.averaging import AllToAll, Average, AveragingConfig, Prepared, ReduceScatter
+from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase, VectorEncoder
 from neuronode.diloco import average
-from neuronode.swarm.node import Outgoing, SwarmConfig, SwarmNode
-from neuronode.swarm.rounds import Contribution
+from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -58,23 +58,43 @@ def make_vector(seed: int) -> torch.Tensor:
     return x
 
 
-def encode(node_id: str, x: torch.Tensor, *, round_id: int = 0,
-           weight: float = 1.0) -> tuple[Outgoing, Contribution]:
-    """What Trainer.encode and the daemon build for one round (fp32, no error feedback)."""
-    digest = ContributionDigest()
-    frames = list(encode_frames(x, codec="fp32", chunk_bytes=CHUNK_BYTES, zstd_level=1,
-                                digest=digest))
-    own = Assembler(n_elems=x.numel(), codec="fp32", chunk_bytes=CHUNK_BYTES)
-    for frame in frames:
-        own.add_frame(frame)
-    codec = get_codec("fp32")
-    chunk_elements = (CHUNK_BYTES // codec.payload_bytes(codec.block_elems)) * codec.block_elems
-    out = Outgoing(round_id=round_id, codec="fp32", frames=frames, digest=digest.hexdigest(),
-                   n_elements=x.numel(), chunk_elements=chunk_elements, weight=weight)
-    return out, Contribution(node_id, round_id, "fp32", weight, own)
+def encode(node_id: str, x: torch.Tensor, *, round_id: int = 0, weight: float = 1.0) -> Contribution:
+    """What a node's encoder makes for one round (fp32, no error feedback)."""
+    encoder = VectorEncoder(codec="fp32", chunk_bytes=CHUNK_BYTES, zstd_level=1, byte_shuffle=False)
+    return encoder.encode(x, 0.0, weight=weight, round_id=round_id, sender_id=node_id)
 
 
-def to_chunks(out: Outgoing, *, sender_id: str = ROGUE) -> Chunks:
+def averager(node: SwarmNode, kind: type[AllToAll] | type[ReduceScatter] = AllToAll) -> AllToAll | ReduceScatter:
+    """The averaging protocol a node runs, over this SwarmNode's transport."""
+    cfg = node.cfg
+    encoder = ContributionEncoder(EncoderConfig(codec="fp32", chunk_bytes=CHUNK_BYTES, zstd_level=1, byte_shuffle=False),
+                                  n_elements=cfg.n_elements, sender_id=cfg.node_id)
+    return kind(AveragingConfig(node_id=cfg.node_id, codec="fp32", n_elements=cfg.n_elements,
+                                sync_timeout_s=cfg.sync_timeout_s, min_contributors=cfg.min_contributors),
+                transport=node.transport, encoder=encoder, encoder_pool=node.ctx.executor, aggregate=average,
+                executor=node.ctx.executor)
+
+
+async def exchange(node: SwarmNode, own: Contribution) -> Average:
+    """One all-to-all round of `node` with `own` as its contribution."""
+    prepared = Prepared(round_id=own.round_id, parts=[own], compensated=own.data.decode())
+    return await averager(node).exchange(prepared)
+
+
+async def agree_shards(node: SwarmNode, round_id: int, members: tuple[str, ...], have: set[int], *,
+                       publish: bool = True) -> set[int]:
+    """The averaged shards of `round_id` every member received, by the reduce-scatter rule,
+    when `node` holds the shards `have`."""
+    held = {str(i): Contribution(round_id=round_id, sender_id=members[i], codec="fp32", weight=1.0, data=None,  # type: ignore[arg-type]
+                                 n_elements=N_ELEMENTS, digest="", chunk_elements=0, phase=Phase.AVERAGED,
+                                 shard_index=i, members=members) for i in have}
+    rs = averager(node, ReduceScatter)
+    assert isinstance(rs, ReduceScatter)
+    kept = await rs.keep_agreed(round_id, members, held, publish=publish)
+    return {c.shard_index for c in kept.values()}
+
+
+def to_chunks(out: Contribution, *, sender_id: str = ROGUE) -> Chunks:
     """The ContributionChunk stream that carries `out`, as the wire protocol defines it."""
     return [
         pb.ContributionChunk(
@@ -88,8 +108,7 @@ def to_chunks(out: Outgoing, *, sender_id: str = ROGUE) -> Chunks:
 
 
 def honest_chunks(*, round_id: int = 0, seed: int = 7, weight: float = 3.0) -> Chunks:
-    out, _ = encode(ROGUE, make_vector(seed), round_id=round_id, weight=weight)
-    return to_chunks(out)
+    return to_chunks(encode(ROGUE, make_vector(seed), round_id=round_id, weight=weight))
 
 
 async def wait_until(predicate: Callable[[], bool], *, what: str, timeout_s: float = 10.0) -> None:
@@ -252,16 +271,15 @@ async def test_three_nodes_discover_each_other_and_average_bit_identically(nodes
     vectors = {name: make_vector(seed) for seed, name in enumerate(trio)}
     weights = {"a": 1.0, "b": 2.0, "c": 5.0}
     encoded = {name: encode(name, vectors[name], weight=weights[name]) for name in trio}
-    results = await asyncio.gather(*(trio[n].exchange(*encoded[n]) for n in trio))
+    results = await asyncio.gather(*(exchange(trio[n], encoded[n]) for n in trio))
 
     expected = average({n: (vectors[n], weights[n]) for n in trio})
     for name, got in zip(trio, results, strict=True):
-        assert set(got) == set(trio), f"{name} closed round 0 without everyone"
-        assert {n: c.weight for n, c in got.items()} == weights
-        assert all(c.round_id == 0 and c.codec == "fp32" for c in got.values())
-        avg = average({n: (c.data.decode, c.weight) for n, c in got.items()})
-        assert torch.equal(avg, expected), f"{name}'s average differs"
-        assert trio[name].book.closed_below == 1
+        assert got.contributors == sorted(trio), f"{name} closed round 0 without everyone"
+        # The weights travelled (a different weight gives another weighted average), so did
+        # every value, in sorted sender order.
+        assert torch.equal(got.vector, expected), f"{name}'s average differs"
+        assert trio[name].book.closed_below() == 1
 
 
 async def start_trio(nodes: Nodes, **overrides: Any) -> tuple[SwarmNode, SwarmNode, SwarmNode]:
@@ -278,13 +296,13 @@ async def test_members_apply_only_the_shards_every_member_received(nodes: Nodes)
     over Hello, a, b and c all apply shards 0 and 1 only, and a listener reads the same."""
     a, b, c = await start_trio(nodes)
     members = ("a", "b", "c")
-    agreed = await asyncio.gather(a.agree_shards(5, members, {0, 1, 2}), b.agree_shards(5, members, {0, 1}),
-                                  c.agree_shards(5, members, {0, 1, 2}))
+    agreed = await asyncio.gather(agree_shards(a, 5, members, {0, 1, 2}), agree_shards(b, 5, members, {0, 1}),
+                                  agree_shards(c, 5, members, {0, 1, 2}))
     assert agreed == [{0, 1}] * 3
     listener = await nodes.start("d", peers=[a.advertise])
     await wait_until(lambda: alive_ids(listener) >= set(members), what="d to know the members")
-    assert await listener.agree_shards(5, members, {0, 1, 2}, publish=False) == {0, 1}
-    assert 5 not in listener.receipts  # a listener publishes nothing
+    assert await agree_shards(listener, 5, members, {0, 1, 2}, publish=False) == {0, 1}
+    assert 5 not in listener.peers.receipts  # a listener publishes nothing
 
 
 async def test_shard_agreement_skips_a_member_that_died_and_waits_no_longer_than_the_deadline(
@@ -296,17 +314,17 @@ async def test_shard_agreement_skips_a_member_that_died_and_waits_no_longer_than
     missing = "no shard receipt from"
     await nodes.stop(c)  # says Leave: a and b stop expecting its receipt at once
     await wait_until(lambda: "c" not in alive_ids(a) and "c" not in alive_ids(b), what="c to be gone")
-    agreed = await asyncio.gather(a.agree_shards(1, members, {0, 1}), b.agree_shards(1, members, {0, 1, 2}))
+    agreed = await asyncio.gather(agree_shards(a, 1, members, {0, 1}), agree_shards(b, 1, members, {0, 1, 2}))
     assert agreed == [{0, 1}, {0, 1}]
     assert missing not in caplog.text  # nobody waited out the deadline for the member that left
     # A member that is alive but never publishes: the others wait for it until the deadline only.
-    assert await asyncio.wait_for(a.agree_shards(2, ("a", "b"), {0, 1}), timeout=30) == {0, 1}
+    assert await asyncio.wait_for(agree_shards(a, 2, ("a", "b"), {0, 1}), timeout=30) == {0, 1}
     assert f"round 2: {missing} b by the deadline" in caplog.text
     # A member that closed the round without a receipt (it listened, or repaired) will never
     # publish one: nobody waits for it.
-    b.record_round(4, "d4")
+    b.state.completed(4, "d4")
     await wait_until(lambda: a.table.peers["b"].round == 5, what="a to see b past round 4")
-    assert await a.agree_shards(4, ("a", "b"), {0}) == {0}
+    assert await agree_shards(a, 4, ("a", "b"), {0}) == {0}
     assert f"round 4: {missing}" not in caplog.text
 
 
@@ -319,9 +337,9 @@ async def test_a_receipt_later_than_one_sync_timeout_still_counts(nodes: Nodes) 
 
     async def late_receipt() -> set[int]:
         await asyncio.sleep(2.5)  # b's gather ran to its deadline without shard 0
-        return await b.agree_shards(3, members, {1})
+        return await agree_shards(b, 3, members, {1})
 
-    agreed = await asyncio.gather(a.agree_shards(3, members, {0, 1}), late_receipt())
+    agreed = await asyncio.gather(agree_shards(a, 3, members, {0, 1}), late_receipt())
     assert agreed == [{1}, {1}]
 
 
@@ -332,29 +350,30 @@ async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(
     a = await nodes.start("a")
     b = await nodes.start("b", peers=[a.advertise])
     for node in (a, b):
-        node.adopt(0, "d0")
+        node.state.adopted(0, "d0", listen=False)
     await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
-    got = await asyncio.gather(a.exchange(*encode("a", make_vector(1))), b.exchange(*encode("b", make_vector(2))))
-    expected = average({n: (c.data.decode, c.weight) for n, c in got[0].items()})
+    got = await asyncio.gather(exchange(a, encode("a", make_vector(1))), exchange(b, encode("b", make_vector(2))))
+    assert got[0].contributors == ["a", "b"]
+    expected = got[0].vector
     for node in (a, b):
-        node.record_round(0, "d1")
+        node.state.completed(0, "d1")
 
     e = await nodes.start("e", peers=[a.advertise])
-    e.adopt(0, "d0")
+    e.state.adopted(0, "d0", listen=False)
     await wait_until(lambda: {p.node_id: p.round for p in e.table.alive()} == {"a": 1, "b": 1},
                      what="e to see a and b at round 1")
     assert e.closed_without_us(1) == []  # they have not closed round 1
     assert e.closed_without_us(0) == ["a", "b"]
-    e.stand_aside(0)
-    heard = await asyncio.wait_for(e.listen(0), timeout=20)
-    assert sorted(heard) == ["a", "b"]
-    assert torch.equal(average({n: (c.data.decode, c.weight) for n, c in heard.items()}), expected)
+    e.state.stand_aside(0)
+    heard = await asyncio.wait_for(averager(e).listen(0), timeout=20)
+    assert heard.contributors == ["a", "b"]
+    assert torch.equal(heard.vector, expected)
     await wait_until(lambda: any(p.node_id == "e" and p.contributes_from == 1 for p in a.table.alive()),
                      what="a to learn that e contributes from round 1 on")
 
     # Peers of another lineage at round 0 never count as having closed our round.
     other = await nodes.start("o", peers=[a.advertise])
-    other.adopt(0, "elsewhere")
+    other.state.adopted(0, "elsewhere", listen=False)
     await wait_until(lambda: {"a", "b"} <= alive_ids(other), what="o to meet a and b")
     assert other.closed_without_us(0) == []
 
@@ -592,9 +611,9 @@ async def test_silent_peer_costs_one_deadline(nodes: Nodes) -> None:
     await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
 
     t0 = time.monotonic()
-    got = await a.exchange(*encode("a", make_vector(1)))
+    got = await exchange(a, encode("a", make_vector(1)))
     elapsed_s = time.monotonic() - t0
-    assert set(got) == {"a"}
+    assert got.contributors == ["a"]
     assert 1.9 <= elapsed_s < 10.0, f"exchange took {elapsed_s:.2f} s with a 2 s deadline"
     assert alive_ids(a) == {"b"}  # b was silent, not gone
     assert "a" in b.book.contributors(0)  # our push still reached it
@@ -606,17 +625,17 @@ async def test_peer_leaving_mid_round_ends_the_wait(nodes: Nodes) -> None:
     await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
 
     t0 = time.monotonic()
-    exchange = asyncio.create_task(a.exchange(*encode("a", make_vector(1))))
+    ex = asyncio.create_task(exchange(a, encode("a", make_vector(1))))
     try:
         await wait_until(lambda: "a" in b.book.contributors(0), what="a's contribution at b")
-        assert not exchange.done(), "a closed the round without waiting for b"
+        assert not ex.done(), "a closed the round without waiting for b"
         await nodes.stop(b)
-        got = await asyncio.wait_for(exchange, timeout=15.0)
+        got = await asyncio.wait_for(ex, timeout=15.0)
     finally:
-        exchange.cancel()
-        await asyncio.gather(exchange, return_exceptions=True)
+        ex.cancel()
+        await asyncio.gather(ex, return_exceptions=True)
     elapsed_s = time.monotonic() - t0
-    assert set(got) == {"a"}
+    assert got.contributors == ["a"]
     assert elapsed_s < 10.0, f"exchange took {elapsed_s:.2f} s after b left (deadline 30 s)"
     assert alive_ids(a) == set()
 
@@ -649,16 +668,16 @@ async def test_push_window_follows_min_peers_extension() -> None:
     await a.start()
     b = None
     try:
-        ex_a = asyncio.create_task(a.exchange(*encode("a", make_vector(1))))
+        ex_a = asyncio.create_task(exchange(a, encode("a", make_vector(1))))
         # Let a's first deadline pass (it then waits alone for --min-peers) before b exists.
         await asyncio.wait({ex_a}, timeout=2.5)
         assert not ex_a.done()
         b = SwarmNode(swarm_config("b", peers=(a.advertise,), sync_timeout_s=1.0, min_contributors=2),
                       executor=pool)
         await b.start()
-        got_b = await asyncio.wait_for(b.exchange(*encode("b", make_vector(2))), timeout=20)
+        got_b = await asyncio.wait_for(exchange(b, encode("b", make_vector(2))), timeout=20)
         got_a = await asyncio.wait_for(ex_a, timeout=20)
-        assert set(got_a) == set(got_b) == {"a", "b"}
+        assert got_a.contributors == got_b.contributors == ["a", "b"]
     finally:
         await a.stop(grace_s=0.2)
         if b is not None:

@@ -168,7 +168,9 @@ class NodeRun:
 
     def status(self) -> dict[str, Any]:
         """`neuronode status --data-dir` of the stopped node."""
-        from neuronode.status import from_data_dir  # imports torch: only once the nodes are done
+        from neuronode.node.status import (
+            from_data_dir,  # imports torch: only once the nodes are done
+        )
 
         return from_data_dir(str(self.data_dir))
 

@@ -106,7 +106,7 @@ def node_timings(spec: SwarmSpec, node: NodeRun) -> dict[str, Any]:
 
 def train_seconds(spec: SwarmSpec, node: NodeRun) -> dict[int, float]:
     """Seconds of inner steps per trained round (0-based), from the checkpoints' metadata."""
-    from neuronode import checkpoint  # imports torch: only once the nodes are done
+    from neuronode.node import checkpoint  # imports torch: only once the nodes are done
 
     tokens_per_round = spec.inner_steps * spec.model.tokens_per_step()
     out: dict[int, float] = {}

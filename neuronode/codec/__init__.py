@@ -3,17 +3,29 @@
 No network and no asyncio here; callers run these (CPU-bound) functions in a thread.
 """
 
-from neuronode.codec.contribution import AUTO_ZSTD, Encoded, VectorEncoder, auto_zstd_level
+from neuronode.codec.contribution import (
+    AUTO_ZSTD,
+    Contribution,
+    ContributionEncoder,
+    Encoded,
+    EncoderConfig,
+    Phase,
+    VectorEncoder,
+    auto_zstd_level,
+)
 from neuronode.codec.feedback import ErrorFeedback
 from neuronode.codec.framing import (
+    MAX_CHUNK_PAYLOAD,
     Assembler,
     ContributionDigest,
     Frame,
+    chunk_elements,
     chunk_ranges,
     contribution_digest,
     decode_frame,
     encode_frames,
     expected_raw_lens,
+    receiving,
     roundtrip,
     shard_ranges,
     shuffle_width,
@@ -24,7 +36,11 @@ Digest = ContributionDigest
 
 __all__ = [
     "AUTO_ZSTD",
+    "Contribution",
+    "ContributionEncoder",
     "Encoded",
+    "EncoderConfig",
+    "Phase",
     "VectorEncoder",
     "auto_zstd_level",
     "BLOCK_ELEMS",
@@ -38,7 +54,10 @@ __all__ = [
     "Frame",
     "check_finite",
     "shard_ranges",
+    "MAX_CHUNK_PAYLOAD",
+    "chunk_elements",
     "chunk_ranges",
+    "receiving",
     "contribution_digest",
     "decode_frame",
     "encode_frames",

@@ -1,18 +1,40 @@
-"""One contribution, encoded: frames for the wire plus the sender's own decoded (wire) form.
+"""The one contribution record, from the encoder to the assembler, and the encoder that makes it.
 
-`VectorEncoder` is what the daemon's Trainer and `neuronode bench sync` both use, so the
-benchmark measures exactly the daemon's encoding. Pure CPU work; callers run it in a thread.
+A `Contribution` is one node's pseudo-gradient (or a reduce-scatter slice or averaged shard of
+it) for one round: who made it and for what (round, sender, phase, shard, members, the
+parameters it started from), its weight, and its payload. `data` holds the raw codec payloads
+(an Assembler), decoded lazily: a node averages the decoded wire form of every contribution,
+its own included, so lossy codecs leave every replica with the same result. The sender's own
+record also holds its `frames` (zstd output or raw payloads, what goes on the wire); a received
+one has none, since its payloads are already in `data`.
+
+`VectorEncoder` is what a node and `neuronode bench sync` both use, so the benchmark measures
+exactly the node's encoding. Pure CPU work; callers run it in a thread.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from neuronode.codec.framing import Assembler, ContributionDigest, Frame, encode_frames
+from neuronode.codec.feedback import ErrorFeedback
+from neuronode.codec.framing import (
+    Assembler,
+    ContributionDigest,
+    Frame,
+    chunk_elements,
+    encode_frames,
+)
 from neuronode.codec.quant import get_codec
+
+logger = logging.getLogger(__name__)
 
 AUTO_ZSTD = -1  # --zstd-level -1
 SLOW_LINK_BYTES_PER_S = 10e6  # 80 Mbit/s: below this, every byte saved counts
@@ -33,17 +55,47 @@ def auto_zstd_level(link_bytes_per_s: float, compress_bytes_per_s: float, *, cap
     return 3 if capped and link_bytes_per_s < SLOW_LINK_BYTES_PER_S else 1
 
 
-@dataclass
-class Encoded:
-    """Our contribution, encoded: frames for the wire and its raw payloads for ourselves."""
+class Phase(enum.IntEnum):
+    """What a contribution is (the wire's ContributionChunk.phase has the same numbers)."""
 
-    frames: list[Frame]
-    digest: str
-    chunk_elements: int
-    own: Assembler
+    WHOLE = 0  # a whole pseudo-gradient (all-to-all)
+    SHARD = 1  # reduce-scatter: one member's slice of the reducer's shard
+    AVERAGED = 2  # reduce-scatter: a reducer's averaged shard
+
+    @property
+    def label(self) -> str:
+        return ("contribution", "shard slices", "averaged shard")[self]
+
+
+@dataclass
+class Contribution:
+    """One contribution for one round (see the module docstring)."""
+
+    round_id: int
+    sender_id: str
+    codec: str
     weight: float
-    shuffled: bool
-    zstd_level: int
+    data: Assembler  # raw codec payloads; decode(), add_into() and decode_into() read them
+    n_elements: int  # elements of the whole model (a shard covers part of them)
+    digest: str  # BLAKE3 of the raw payloads in order
+    chunk_elements: int
+    shuffled: bool = False
+    base_digest: str = ""  # param_digest of the parameters the sender's round started from
+    phase: Phase = Phase.WHOLE
+    shard_index: int = 0
+    members: tuple[str, ...] = ()  # reduce-scatter: the round's members (sorted)
+    contributors: tuple[str, ...] = ()  # averaged shard: whom it averages
+    frames: list[Frame] = field(default_factory=list, repr=False)  # ours only: what goes on the wire
+    zstd_level: int = 0
+
+    @property
+    def lineage(self) -> tuple[str, tuple[str, ...]]:
+        """Only contributions made from the same parameters, for the same members, average."""
+        return (self.base_digest, self.members)
+
+    @property
+    def frame_bytes(self) -> int:
+        return sum(len(f.data) for f in self.frames)
 
 
 @dataclass
@@ -61,7 +113,10 @@ class VectorEncoder:
     compress_rate: float = 0.0  # bytes/s our last zstd pass managed (0: not measured)
     saved_fraction: float = 1.0  # share of the raw bytes our last zstd pass saved
 
-    def encode(self, vector: torch.Tensor, link_bytes_per_s: float, *, weight: float = 1.0) -> Encoded:
+    def encode(self, vector: torch.Tensor, link_bytes_per_s: float, *, weight: float = 1.0,
+               round_id: int = 0, sender_id: str = "", **identity: Any) -> Contribution:
+        """`vector` encoded into a Contribution of `round_id` by `sender_id`; `identity` gives
+        the other fields of who made it and for what (phase, shard_index, members, ...)."""
         c = get_codec(self.codec)
         level = self.zstd_level
         if level == AUTO_ZSTD:
@@ -80,6 +135,96 @@ class VectorEncoder:
             raw_bytes = c.payload_bytes(vector.numel())
             self.compress_rate = raw_bytes / elapsed_s
             self.saved_fraction = max(0.0, 1.0 - sum(len(f.data) for f in frames) / raw_bytes)
-        chunk_elements = (self.chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
-        return Encoded(frames=frames, digest=digest.hexdigest(), chunk_elements=chunk_elements,
-                       own=own, weight=weight, shuffled=shuffle, zstd_level=level)
+        identity.setdefault("n_elements", vector.numel())
+        return Contribution(round_id=round_id, sender_id=sender_id, codec=self.codec, weight=weight,
+                            data=own, digest=digest.hexdigest(),
+                            chunk_elements=chunk_elements(self.codec, self.chunk_bytes),
+                            shuffled=shuffle, frames=frames, zstd_level=level, **identity)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    codec: str
+    chunk_bytes: int
+    zstd_level: int  # AUTO_ZSTD: auto by measured link speed
+    byte_shuffle: bool
+    capped: bool = False  # an upload cap is set (auto zstd may compress harder)
+
+
+@dataclass
+class Encoded:
+    """Our contribution of a round: its parts (one, or one shard per member) and the
+    compensated pseudo-gradient they encode (--overlap's look-ahead needs it)."""
+
+    parts: list[Contribution]
+    compensated: torch.Tensor
+
+
+Aggregate = Callable[[Mapping[str, Any]], torch.Tensor]
+
+
+class ContributionEncoder:
+    """A node's wire encoder and error feedback, used from one thread only.
+
+    VectorEncoder keeps the last measured zstd rate and error feedback is a running sum: neither
+    is thread-safe. Under --overlap with reduce-scatter a reducer encodes round r's averaged
+    shard while round r+1's contribution is being encoded, so a node runs every method here on
+    one executor thread of its own, and a call from another thread raises."""
+
+    def __init__(self, cfg: EncoderConfig, *, n_elements: int, sender_id: str) -> None:
+        self.cfg = cfg
+        self.sender_id = sender_id
+        self.vector = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
+                                    byte_shuffle=cfg.byte_shuffle, capped=cfg.capped)
+        self.feedback = ErrorFeedback(n_elements) if get_codec(cfg.codec).lossy else None
+        self._thread: int | None = None
+
+    def _on_one_thread(self) -> None:
+        ident = threading.get_ident()
+        if self._thread is None:
+            self._thread = ident
+        if ident != self._thread:
+            raise RuntimeError("a ContributionEncoder is used from one thread only (the node's encoder pool)")
+
+    def contribution(self, delta: torch.Tensor, ranges: list[tuple[int, int]], link_bytes_per_s: float, *,
+                     weight: float, round_id: int, **identity: Any) -> Encoded:
+        """`delta` plus the feedback carried from the last round, cut at `ranges` (one range, or
+        one shard per member: part j gets shard_index j), each part encoded on its own; the
+        feedback then learns from the wire form."""
+        self._on_one_thread()
+        if self.feedback is not None:
+            delta = self.feedback.compensate(delta)
+        parts = [self.vector.encode(delta[a:b], link_bytes_per_s, weight=weight, round_id=round_id,
+                                    sender_id=self.sender_id, shard_index=j, n_elements=delta.numel(), **identity)
+                 for j, (a, b) in enumerate(ranges)]
+        if self.feedback is not None:
+            self.feedback.update_parts(delta, [(a, p.data) for (a, _), p in zip(ranges, parts, strict=True)])
+        return Encoded(parts=parts, compensated=delta)
+
+    def reduce(self, aggregate: Aggregate, pieces: Mapping[str, Contribution], link_bytes_per_s: float, *,
+               round_id: int, **identity: Any) -> Contribution:
+        """A reducer's job: aggregate every member's slice of our shard (sorted by node id), then
+        encode the result as our averaged shard; its weight is the total of the pieces'."""
+        self._on_one_thread()
+        avg = aggregate({sender: (c.data, c.weight) for sender, c in pieces.items()})
+        if not torch.isfinite(avg).all():
+            logger.error("round %d: averaged shard is not finite; sending a zero update for it", round_id)
+            avg = torch.zeros_like(avg)
+        weight = float(sum(c.weight for c in pieces.values()))
+        return self.vector.encode(avg, link_bytes_per_s, weight=weight, round_id=round_id, sender_id=self.sender_id,
+                                  phase=Phase.AVERAGED, contributors=tuple(sorted(pieces)), **identity)
+
+    def reset(self) -> None:
+        """After adopting the swarm's state: the feedback of our old lineage no longer applies."""
+        self._on_one_thread()
+        if self.feedback is not None:
+            self.feedback.reset()
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        self._on_one_thread()
+        return self.feedback.state_dict() if self.feedback is not None else None
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._on_one_thread()
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state)

@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 MAX_ZSTD_LEVEL = 22
+MAX_CHUNK_PAYLOAD = 4 << 20  # bytes of raw payload in one chunk, at most (--chunk-bytes' bound)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,28 @@ def shard_ranges(n_elems: int, n_shards: int, codec: str) -> list[tuple[int, int
     bounds = [min(n_elems, (blocks * i // n_shards) * block) for i in range(n_shards + 1)]
     bounds[-1] = n_elems
     return [(bounds[i], bounds[i + 1]) for i in range(n_shards)]
+
+
+def chunk_elements(codec: str, chunk_bytes: int) -> int:
+    """Elements per chunk (all but the last) when chunks hold at most ``chunk_bytes`` of payload."""
+    c = get_codec(codec)
+    return (chunk_bytes // c.payload_bytes(c.block_elems)) * c.block_elems
+
+
+def receiving(*, codec: str, n_elems: int, chunk_elements: int, chunk_count: int,
+              shuffled: bool) -> Assembler:
+    """The Assembler for a received stream whose header announces this geometry; raises
+    CodecError naming the field when it is not one a sender of ``n_elems`` could make."""
+    c = get_codec(codec)
+    if chunk_elements <= 0 or chunk_elements % c.block_elems or c.payload_bytes(chunk_elements) > MAX_CHUNK_PAYLOAD:
+        raise CodecError(f"chunk_elements {chunk_elements} is not a positive multiple of "
+                         f"{c.block_elems} within {MAX_CHUNK_PAYLOAD} bytes")
+    assembler = Assembler(n_elems=n_elems, codec=codec, chunk_bytes=c.payload_bytes(chunk_elements),
+                          shuffle=shuffled)
+    if chunk_count != assembler.count:
+        raise CodecError(f"chunk_count {chunk_count} does not match {assembler.count} chunks of "
+                         f"{chunk_elements} elements")
+    return assembler
 
 
 def expected_raw_lens(n_elems: int, codec: str, chunk_bytes: int) -> list[int]:
@@ -318,6 +341,17 @@ class Assembler:
             frame.data, frame.compressed, expected_raw_len=expected, shuffle_width=self._width
         )
         self.add(frame.index, raw)
+
+    def take(self, index: int, payload: bytes, *, compressed: bool,
+             digest: ContributionDigest) -> None:
+        """A received chunk: bounded decompression, then a payload check that refuses what would
+        decode to NaN/Inf before anything is stored (bad values never reach an average), then
+        the digest. Chunks of one stream come one at a time, so the digest sees them in order."""
+        expected = self.expected_raw_len(index)
+        raw = decode_frame(payload, compressed, expected_raw_len=expected, shuffle_width=self._width)
+        self._codec.check_payload(raw, self.chunk_elems(index))
+        digest.update(raw)
+        self.add(index, raw, vetted=True)
 
     def _require_complete(self) -> None:
         if not self.complete:

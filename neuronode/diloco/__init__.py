@@ -5,7 +5,7 @@ No networking lives here; callers move the flat float32 vectors between peers.
 
 from neuronode.diloco.aggregate import (
     Aggregator,
-    Contribution,
+    Weighted,
     available_aggregators,
     average,
     get_aggregator,
@@ -15,7 +15,7 @@ from neuronode.diloco.schedule import lr_at
 
 __all__ = [
     "Aggregator",
-    "Contribution",
+    "Weighted",
     "DiLoCo",
     "InnerConfig",
     "OuterConfig",

@@ -66,7 +66,7 @@ from neuronode.memory import empty_floats
 __all__ = [
     "Aggregator",
     "CenteredClip",
-    "Contribution",
+    "Weighted",
     "CoordinateMedian",
     "CosineFilter",
     "NormClip",
@@ -78,7 +78,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Contribution: TypeAlias = tuple[Tensor | Callable[[], Tensor], float]
+Weighted: TypeAlias = tuple[Tensor | Callable[[], Tensor], float]
 """``(flat float32 vector, or a callable returning it, weight > 0)``."""
 
 
@@ -94,10 +94,10 @@ class Streamed(Protocol):
 
     def add_into(self, acc: Tensor, alpha: float) -> None: ...
 
-Aggregator: TypeAlias = Callable[[Mapping[str, Contribution]], Tensor]
+Aggregator: TypeAlias = Callable[[Mapping[str, Weighted]], Tensor]
 
 
-def average(contributions: Mapping[str, Contribution]) -> Tensor:
+def average(contributions: Mapping[str, Weighted]) -> Tensor:
     """Weighted mean of flat float32 vectors, deterministic regardless of mapping order.
 
     Weights are normalised by their sum ``W`` (a Python float summed in sorted key order);
@@ -132,7 +132,7 @@ def _check_size(peer_id: str, n: int, acc: Tensor) -> None:
         raise ValueError(f"contribution from {peer_id!r} has {n} elements, expected {acc.numel()}")
 
 
-def _sorted_ids_and_total(contributions: Mapping[str, Contribution]) -> tuple[list[str], float]:
+def _sorted_ids_and_total(contributions: Mapping[str, Weighted]) -> tuple[list[str], float]:
     """Validate weights up front (before decoding anything) and sum them in sorted order."""
     if not contributions:
         raise ValueError("cannot aggregate zero contributions")
@@ -159,7 +159,7 @@ def _resolve(peer_id: str, source: Tensor | Callable[[], Tensor]) -> Tensor:
 
 
 def _decode_finite(
-    contributions: Mapping[str, Contribution],
+    contributions: Mapping[str, Weighted],
 ) -> tuple[list[str], list[Tensor], list[float]]:
     """Decode every contribution once, in sorted peer-id order, and drop non-finite ones.
 
@@ -227,7 +227,7 @@ class TrimmedMean:
         if not 0.0 <= fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {fraction}")
 
-    def __call__(self, contributions: Mapping[str, Contribution]) -> Tensor:
+    def __call__(self, contributions: Mapping[str, Weighted]) -> Tensor:
         _, vectors, _ = _decode_finite(contributions)
         if len(vectors) == 1:
             return vectors[0].clone()
@@ -244,7 +244,7 @@ class CoordinateMedian:
     for up to 16 members, an O(nP log n) sort beyond.
     """
 
-    def __call__(self, contributions: Mapping[str, Contribution]) -> Tensor:
+    def __call__(self, contributions: Mapping[str, Weighted]) -> Tensor:
         _, vectors, _ = _decode_finite(contributions)
         if len(vectors) == 1:
             return vectors[0].clone()
@@ -271,7 +271,7 @@ class NormClip:
         if factor < 1.0:
             raise ValueError(f"clip_factor of norm-clip must be >= 1, got {factor}")
 
-    def __call__(self, contributions: Mapping[str, Contribution]) -> Tensor:
+    def __call__(self, contributions: Mapping[str, Weighted]) -> Tensor:
         _, vectors, weights = _decode_finite(contributions)
         if len(vectors) == 1:
             return vectors[0].clone()
@@ -302,7 +302,7 @@ class CenteredClip:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}")
 
     def __call__(
-        self, contributions: Mapping[str, Contribution], *, center: Tensor | None = None
+        self, contributions: Mapping[str, Weighted], *, center: Tensor | None = None
     ) -> Tensor:
         _, vectors, _ = _decode_finite(contributions)
         if center is not None:
@@ -343,7 +343,7 @@ class CosineFilter:
         if not -1.0 <= threshold <= 1.0:
             raise ValueError(f"cosine_threshold must be in [-1, 1], got {threshold}")
 
-    def __call__(self, contributions: Mapping[str, Contribution], **call_options: Any) -> Tensor:
+    def __call__(self, contributions: Mapping[str, Weighted], **call_options: Any) -> Tensor:
         peer_ids, vectors, weights = _decode_finite(contributions)
         reference = robust.coordinate_median(vectors) if len(vectors) > 1 else vectors[0]
         cosines = robust.cosine_similarities(vectors, reference)
@@ -356,7 +356,7 @@ class CosineFilter:
                 [round(cosines[i], 4) for i in dropped],
                 self.threshold,
             )
-        survivors: dict[str, Contribution] = {
+        survivors: dict[str, Weighted] = {
             peer_ids[i]: (vectors[i], weights[i]) for i in sorted(kept)
         }
         return self.base(survivors, **call_options)

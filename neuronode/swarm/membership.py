@@ -7,12 +7,13 @@ A peer is alive while we heard from it within `dead_after_s` and it has not said
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
+from neuronode.averaging.state import RECENT_DIGESTS
+from neuronode.averaging.transport import MemberView
+from neuronode.clock import Clock
 
-RECENT_DIGESTS = 8
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Peer:
     contributes_from: int = 0  # first round it contributes to (see NodeInfo.contributes_from)
     receipts: dict[int, frozenset[int]] = field(default_factory=dict)  # round -> averaged shards received
     digests: dict[int, str] = field(default_factory=dict)  # round -> param_digest
-    last_seen: float = 0.0  # time.monotonic(); 0 = never heard from
+    last_seen: float = 0.0  # the table's clock; 0 = never heard from
     left: bool = False
     failures: int = 0
 
@@ -34,9 +35,10 @@ class Peer:
 class PeerTable:
     """Peers by node id, plus bootstrap addresses whose id we don't know yet."""
 
-    def __init__(self, *, self_id: str, dead_after_s: float) -> None:
+    def __init__(self, *, self_id: str, dead_after_s: float, clock: Clock | None = None) -> None:
         self.self_id = self_id
         self.dead_after_s = dead_after_s
+        self.clock = clock or Clock()
         self.peers: dict[str, Peer] = {}
         self.addresses: set[str] = set()  # every address worth dialing
 
@@ -67,7 +69,7 @@ class PeerTable:
         peer.digests.update(digests)
         for old in sorted(peer.digests)[:-RECENT_DIGESTS]:
             del peer.digests[old]
-        peer.last_seen = time.monotonic()
+        peer.last_seen = self.clock.now()
         peer.failures = 0
         peer.left = leaving
         return fresh and not leaving
@@ -89,7 +91,7 @@ class PeerTable:
         return (
             not peer.left
             and peer.last_seen > 0
-            and time.monotonic() - peer.last_seen < self.dead_after_s
+            and self.clock.now() - peer.last_seen < self.dead_after_s
         )
 
     def alive(self) -> list[Peer]:
@@ -100,6 +102,31 @@ class PeerTable:
         left = {p.address for p in self.peers.values() if p.left}
         alive = {p.address for p in self.alive()}
         return sorted(a for a in self.addresses if a not in left or a in alive)
+
+
+def round_peers(table: PeerTable, round_id: int, *, round_lag: int) -> set[str]:
+    """Peers whose contribution to `round_id` we wait for: live, not behind, and not only
+    listening to it. A peer two rounds ahead closed this round long ago; one round ahead may still
+    be streaming its contribution to us, so it stays. `round_lag` is how far a peer's reported
+    round may trail a round it still contributes to: 1, or 2 under --overlap (a node contributes
+    to round r while round r - 1 still syncs)."""
+    return {p.node_id for p in table.alive()
+            if round_id - round_lag <= p.round <= round_id + 1 and p.contributes_from <= round_id}
+
+
+def member_views(table: PeerTable, round_id: int, members: tuple[str, ...]) -> list[MemberView]:
+    """What every reduce-scatter member but us said about `round_id` (see agreed_shards)."""
+    views = []
+    for member in members:
+        if member == table.self_id:
+            continue
+        peer = table.peers.get(member)
+        present = (peer is not None and not peer.left and table.is_alive(peer)
+                   and peer.contributes_from <= round_id)
+        views.append(MemberView(member=member, present=present,
+                                receipt=peer.receipts.get(round_id) if peer is not None else None,
+                                past_round=peer is not None and peer.round > round_id))
+    return views
 
 
 def same_lineage(a: dict[int, str], b: dict[int, str]) -> bool | None:

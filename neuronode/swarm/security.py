@@ -26,7 +26,7 @@ import grpc
 
 from neuronode.security import auth
 from neuronode.security.auth import AuthError
-from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_PEERS_LISTED, ChunkView
+from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_PEERS_LISTED
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -179,10 +179,6 @@ class Undecodable:
     error: str
 
 
-# Requests parsed by neuronode rather than protobuf (neuronode.swarm.wire.ChunkView: no payload copies).
-FAST_PARSERS: dict[str, Callable[[bytes], Any]] = {"PushContribution": ChunkView.parse}
-
-
 class DecodeGuard(grpc.aio.ServerInterceptor):
     """Answers INVALID_ARGUMENT, with a message, to a neuronode request that is not valid protobuf."""
 
@@ -195,8 +191,10 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(NODE_SERVICE_PREFIX):
             return handler
+        if handler.request_deserializer is None:
+            return handler  # it reads raw bytes and refuses what it cannot parse itself (PushContribution)
         name = details.method.rsplit("/", 1)[-1]
-        parse = FAST_PARSERS.get(name, handler.request_deserializer)
+        parse = handler.request_deserializer
 
         def deserialize(data: bytes) -> Any:
             try:
@@ -216,9 +214,6 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
                                     "check that both sides run the same neuronode protocol")
 
         kwargs = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
-        if handler.request_streaming and not handler.response_streaming:
-            # Streams keep their handler: it refuses an Undecodable chunk itself (SwarmNode.receive).
-            return grpc.stream_unary_rpc_method_handler(handler.stream_unary, **kwargs)
         if handler.response_streaming and not handler.request_streaming:
             inner_us = handler.unary_stream
 

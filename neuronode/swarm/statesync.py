@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 
@@ -25,7 +26,9 @@ from neuronode.codec import (
     encode_frames,
     get_codec,
 )
+from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
+from neuronode.swarm.context import Context
 from neuronode.swarm.security import Security
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -54,7 +57,8 @@ def state_frames(state: GlobalState, *, manifest_hash: str, zstd_level: int,
     Holds the encoded state (about 2 x P x 4 bytes) while it streams; a later version may
     encode lazily chunk by chunk."""
     params, _ = part_frames(state.params, zstd_level=zstd_level)
-    momentum, momentum_digest = ([], "")
+    momentum: list[Frame] = []
+    momentum_digest = ""
     if state.momentum is not None:
         momentum, momentum_digest = part_frames(state.momentum, zstd_level=zstd_level)
     header = pb.StateHeader(
@@ -176,3 +180,55 @@ class Donor:
             self.served += 1
         finally:
             self.active -= 1
+
+
+class StateFetch:
+    """The joiner's side: download the global state from the first donor that delivers a
+    verified copy of the swarm's state."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.transfers = 0
+
+    async def fetch(self, donors: list[str]) -> GlobalState | None:
+        ctx = self.ctx
+        for donor_id in donors:
+            peer = ctx.table.peers.get(donor_id)
+            if peer is None or not ctx.table.is_alive(peer):
+                continue
+            try:
+                ctx.faults.before_call(peer.address)
+                call = ctx.channels.stub(peer.address).FetchState(
+                    pb.StateRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id),
+                    timeout=max(60.0, ctx.cfg.sync_timeout_s), metadata=ctx.security.metadata("FetchState"))
+                state = await download(call, n_elements=ctx.cfg.n_elements, manifest_hash=ctx.cfg.manifest_hash,
+                                       executor=ctx.executor, security=ctx.security)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("state transfer from %s failed (%s: %s); trying another donor",
+                               donor_id, exc.code().name, exc.details())
+                continue
+            except (Refusal, AuthError) as exc:
+                logger.warning("state from %s refused: %s; trying another donor", donor_id, exc)
+                continue
+            ctx.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
+            expected = self.published_digest(state.round, donor_id, donors)
+            if expected is not None and state.param_digest != expected:
+                logger.warning("state from %s is not the swarm's: its round-%d parameters hash to %s, but "
+                               "that round's published param_digest is %s; trying another donor",
+                               donor_id, state.round, state.param_digest[:12], expected[:12])
+                continue
+            self.transfers += 1
+            return state
+        return None
+
+    def published_digest(self, round_id: int, donor_id: str, lineage: list[str]) -> str | None:
+        """The param_digest a downloaded state of `round_id` must have: what most other members
+        of the donor's lineage published for that round, else what the donor itself published.
+        A donor's own header is never enough: a lying donor would vouch for its own state."""
+        table = self.ctx.table
+        others = Counter(p.digests[round_id] for p in table.alive()
+                         if p.node_id in lineage and p.node_id != donor_id and round_id in p.digests)
+        if others:
+            return min(others, key=lambda d: (-others[d], d))
+        donor = table.peers.get(donor_id)
+        return donor.digests.get(round_id) if donor is not None else None

@@ -50,7 +50,7 @@ def from_peer(address: str, *, timeout_s: float = 5.0, secret_file: str | None =
 
 def from_data_dir(data_dir: str) -> dict[str, Any]:
     """Read what a (stopped) node's newest good checkpoint knows."""
-    from neuronode import checkpoint
+    from neuronode.node import checkpoint
 
     folder = Path(data_dir)
     if not folder.is_dir():

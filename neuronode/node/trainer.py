@@ -1,6 +1,10 @@
-"""The training side of a node: task + DiLoCo engine + codec, all synchronous.
+"""The training side of a node: the task and the DiLoCo engine, all synchronous.
 
-The daemon runs every method here in its single training thread, never on the event loop.
+The daemon runs every method here in its single training thread, never on the event loop
+(`snapshot` excepted: a donor reads the global state under `global_lock` from another thread).
+The pseudo-gradient leaves through `pseudo_gradient()` and its average comes back through
+`apply_average()`; encoding and error feedback belong to the node's encoder
+(neuronode.codec.ContributionEncoder), on a thread of its own.
 """
 
 from __future__ import annotations
@@ -11,18 +15,11 @@ import os
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from neuronode.codec import (
-    Assembler,
-    Encoded,
-    ErrorFeedback,
-    VectorEncoder,
-    auto_zstd_level,
-    get_codec,
-)
 from neuronode.config import NodeConfig
 from neuronode.diloco import DiLoCo, InnerConfig, OuterConfig, get_aggregator
 from neuronode.errors import ConfigError
@@ -80,11 +77,9 @@ def make_aggregator(cfg: NodeConfig) -> Any:
         raise ConfigError(f"--aggregator-option: {exc}") from None
 
 
-__all__ = ["Encoded", "Trainer", "auto_zstd_level"]  # Encoded and auto_zstd_level live in codec
-
 
 class Trainer:
-    """Owns the task, the DiLoCo engine and error feedback. Not thread-safe: one thread only."""
+    """Owns the task and the DiLoCo engine. Not thread-safe: one thread only."""
 
     def __init__(self, cfg: NodeConfig, *, node_id: str) -> None:
         self.cfg = cfg
@@ -107,19 +102,12 @@ class Trainer:
                             grad_accum=cfg.grad_accum)
         outer = OuterConfig(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         self.engine = DiLoCo(self.task.model, inner=inner, outer=outer)
-        self.codec = get_codec(cfg.codec)
-        self.feedback = ErrorFeedback(self.engine.num_elements) if self.codec.lossy else None
-        self.aggregate = make_aggregator(cfg)
         self.loss = math.nan
         self.val_loss = math.nan
         self.tokens_per_s = 0.0
         # Guards the global parameters and momentum: the outer step and adopting a downloaded
         # state change them; a donor snapshots them from another thread while we train.
         self.global_lock = threading.Lock()
-        self.lie: tuple[float, float] = (1.0, 0.0)  # fault drills only: (scale, noise) of a Byzantine node
-        self.sent_delta: torch.Tensor | None = None  # --overlap: the pseudo-gradient in flight
-        self.encoder = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
-                                     byte_shuffle=cfg.byte_shuffle, capped=cfg.max_upload_mbps > 0)
         self.param_digest = self.engine.param_digest()
 
     @property
@@ -154,61 +142,22 @@ class Trainer:
         return self.engine.steps_this_round >= self.cfg.inner_steps or (
             self.time_limited and self.engine.steps_this_round > 0)
 
-    def compensated_delta(self) -> torch.Tensor:
-        """This round's pseudo-gradient plus the error feedback carried from the last round."""
+    def pseudo_gradient(self, drill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """This round's pseudo-gradient (start - local, flat float32, a new tensor: the model may
+        move on). `drill` is a fault drill's hook on it (a Byzantine node's lie), never set in
+        production."""
         delta = self.engine.pseudo_gradient()
-        if self.lie != (1.0, 0.0):
-            scale, noise = self.lie
-            delta = delta * scale + noise * torch.randn_like(delta)
-        if self.feedback is not None:
-            delta = self.feedback.compensate(delta)
-        if self.cfg.overlap:
-            self.sent_delta = delta  # for look_ahead, once this round's sync is in flight
-        return delta
+        return drill(delta) if drill is not None else delta
 
-    def look_ahead(self) -> None:
+    def weight(self) -> float:
+        """What this round's contribution weighs: the samples it trained on."""
+        return float(max(self.engine.samples_this_round, 1))
+
+    def look_ahead(self, delta: torch.Tensor) -> None:
         """--overlap: the next round starts where the global parameters will be if the average
-        in flight equals our own contribution (DiLoCo.look_ahead)."""
-        if self.sent_delta is not None:
-            with self.global_lock:
-                self.engine.look_ahead(self.sent_delta)
-            self.sent_delta = None
-
-    def encode_vector(self, vector: torch.Tensor, link_bytes_per_s: float) -> Encoded:
-        """Frames for the wire and our own decoded (wire) form, weighted by this round's samples."""
-        return self.encoder.encode(vector, link_bytes_per_s, weight=float(max(self.engine.samples_this_round, 1)))
-
-    def encode(self, link_bytes_per_s: float = 0.0) -> Encoded:
-        """Our whole contribution (all-to-all averaging)."""
-        delta = self.compensated_delta()
-        enc = self.encode_vector(delta, link_bytes_per_s)
-        if self.feedback is not None:
-            self.feedback.update_parts(delta, [(0, enc.own)])
-        return enc
-
-    def encode_shards(self, ranges: list[tuple[int, int]], link_bytes_per_s: float = 0.0) -> list[Encoded]:
-        """Our contribution cut into reduce-scatter shards, each encoded on its own."""
-        delta = self.compensated_delta()
-        shards = [self.encode_vector(delta[a:b], link_bytes_per_s) for a, b in ranges]
-        if self.feedback is not None:
-            self.feedback.update_parts(delta, [(a, e.own) for (a, _), e in zip(ranges, shards, strict=True)])
-        return shards
-
-    def reduce_shard(self, pieces: dict[str, tuple[Assembler, float]], link_bytes_per_s: float = 0.0) -> Encoded:
-        """The reducer's job: aggregate every member's slice of our shard (sorted by node id),
-        then encode the result for the all-gather. Its weight is the total of the pieces'."""
-        avg = self.aggregate(dict(pieces))  # Assemblers: decoded lazily, or added chunk by chunk
-        if not torch.isfinite(avg).all():
-            logger.error("averaged shard is not finite; sending a zero update for it")
-            avg = torch.zeros_like(avg)
-        enc = self.encode_vector(avg, link_bytes_per_s)
-        enc.weight = float(sum(weight for _, weight in pieces.values()))
-        return enc
-
-    def apply(self, contributions: dict[str, tuple[Assembler, float]]) -> str:
-        """Average the round's contributions (decoded one at a time, sorted by node id), take the
-        outer step, evaluate; returns the new param_digest."""
-        return self.apply_average(self.aggregate(dict(contributions)))
+        in flight equals our own contribution `delta` (DiLoCo.look_ahead)."""
+        with self.global_lock:
+            self.engine.look_ahead(delta)
 
     def apply_average(self, avg: torch.Tensor) -> str:
         """Outer step with an averaged pseudo-gradient; returns the new param_digest."""
@@ -236,7 +185,7 @@ class Trainer:
 
     def adopt(self, state: GlobalState) -> str:
         """Continue from a downloaded global state: parameters, momentum, round, schedule.
-        Our inner optimizer state and data stream stay ours; error feedback restarts at zero."""
+        Our inner optimizer state and data stream stay ours (the node resets error feedback)."""
         with self.global_lock:
             eng = self.engine
             eng.load_flat_global(state.params)
@@ -246,8 +195,6 @@ class Trainer:
             self.param_digest = eng.param_digest()
         if self.param_digest != state.param_digest:
             raise ValueError("adopted parameters do not hash to the donor's digest")
-        if self.feedback is not None:
-            self.feedback.reset()
         self.validate()
         return self.param_digest
 
@@ -260,8 +207,6 @@ class Trainer:
                                  "val_loss": self.val_loss}
         if hasattr(self.task.batches, "state_dict"):
             state["batches"] = self.task.batches.state_dict()
-        if self.feedback is not None:
-            state["feedback"] = self.feedback.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -271,5 +216,3 @@ class Trainer:
         self.loss, self.val_loss = state.get("loss", math.nan), state.get("val_loss", math.nan)
         if "batches" in state and hasattr(self.task.batches, "load_state_dict"):
             self.task.batches.load_state_dict(state["batches"])
-        if self.feedback is not None and "feedback" in state:
-            self.feedback.load_state_dict(state["feedback"])

@@ -1,12 +1,11 @@
-"""Pure helpers of the daemon (no processes, no sockets)."""
+"""Pure helpers of the averaging protocols (no processes, no sockets)."""
 
 from __future__ import annotations
 
 import torch
 
-from neuronode.codec import VectorEncoder, shard_ranges
-from neuronode.daemon import assemble_shards
-from neuronode.swarm.rounds import Contribution
+from neuronode.averaging.reducescatter import assemble
+from neuronode.codec import Phase, VectorEncoder, shard_ranges
 
 
 def test_assemble_shards_concatenates_and_zeroes_a_missing_reducers_shard() -> None:
@@ -22,16 +21,15 @@ def test_assemble_shards_concatenates_and_zeroes_a_missing_reducers_shard() -> N
         if member == "b":
             continue  # b died before sending its averaged shard
         start, stop = ranges[index]
-        own = enc.encode(x[start:stop], 0.0).own
-        averaged[member] = Contribution(member, 4, "int8", 1.0, own, members=members,
-                                        contributors=members, shard_index=index)
+        averaged[member] = enc.encode(x[start:stop], 0.0, round_id=4, sender_id=member, members=members,
+                                      contributors=members, shard_index=index, phase=Phase.AVERAGED)
     for _ in range(3):  # reuse of freed buffers must not leak old values into the gap
         junk = torch.full((n,), 7.0)
         del junk
-        result = assemble_shards(averaged, members, ranges, n, round_id=4)
-        assert result.average is not None and result.contributors == ["a", "b", "c"]
+        average, contributors = assemble(averaged, members, ranges, n, round_id=4)
+        assert contributors == ["a", "b", "c"]
         b_start, b_stop = ranges[1]
-        assert torch.equal(result.average[b_start:b_stop], torch.zeros(b_stop - b_start))
+        assert torch.equal(average[b_start:b_stop], torch.zeros(b_stop - b_start))
         for index in (0, 2):
             start, stop = ranges[index]
-            assert torch.equal(result.average[start:stop], averaged[members[index]].data.decode())
+            assert torch.equal(average[start:stop], averaged[members[index]].data.decode())

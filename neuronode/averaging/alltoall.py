@@ -1,0 +1,65 @@
+"""All-to-all averaging: every node sends its whole contribution to every peer of the round and
+averages all of them (in sorted node-id order) itself; each node sends (N - 1) contributions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from neuronode.averaging.book import majority_lineage, same_lineage
+from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
+from neuronode.codec import Contribution, Phase
+
+logger = logging.getLogger(__name__)
+
+
+class AllToAll(Averaging):
+    async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
+                      give_up: Callable[[], bool] = lambda: False) -> Prepared:
+        started = time.perf_counter()
+        # This encoding goes to every peer: it leaves at the upload rate / fan-out.
+        link = self.transport.link_rate() / max(1, len(self.transport.alive()))
+        enc = await asyncio.get_running_loop().run_in_executor(self.encoder_pool, lambda: self.encoder.contribution(
+            delta, [(0, delta.numel())], link, weight=weight, round_id=round_id, base_digest=base_digest))
+        return Prepared(round_id=round_id, parts=enc.parts, compensated=enc.compensated,
+                        encode_s=elapsed(started))
+
+    async def exchange(self, prepared: Prepared) -> Average:
+        (own,) = prepared.parts
+        round_id, book = own.round_id, self.transport.book
+        started = time.perf_counter()
+        book.add_own(own)
+        logger.info("round %d: %s ready, sending to %d peers", round_id, own.phase.label,
+                    len(self.transport.alive()), extra={"event": "contribution_ready", "round_id": round_id})
+        sending = self.transport.send(round_id, Phase.WHOLE, own)
+        got = await book.collect(
+            round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id) | {self.cfg.node_id},
+            timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
+            on_extend=sending.extend)
+        got = same_lineage(got, own.lineage)
+        waited = elapsed(started)
+        started = time.perf_counter()
+        vector = await self.mean(got)
+        return Average(vector=vector, contributors=sorted(got), fewest=len(got), encode_s=prepared.encode_s,
+                       exchange_s=waited, average_s=elapsed(started), sent=[own])
+
+    async def listen(self, round_id: int) -> Average:
+        """The others' contributions to a round we only listen to, averaged."""
+        logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
+                    round_id, Phase.WHOLE.label, round_id + 1, extra={"event": "listening", "round_id": round_id})
+        got = await self.transport.book.collect(
+            round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id),
+            timeout_s=self.cfg.sync_timeout_s, min_contributors=0)
+        got = majority_lineage(got)
+        if not got:
+            return self.nothing_heard(round_id)
+        return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got))
+
+    async def mean(self, got: dict[str, Contribution]) -> torch.Tensor:
+        """The aggregator over the round's contributions, in sorted sender order (decoded lazily)."""
+        pieces = {sender: (c.data, c.weight) for sender, c in got.items()}
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.aggregate, pieces)

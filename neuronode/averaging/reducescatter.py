@@ -1,0 +1,186 @@
+"""Reduce-scatter averaging (docs/protocol.md): member i averages everyone's shard i and sends the
+averaged shard to all, so each node sends about 2 x one contribution whatever the swarm size.
+
+Round r: the members are the sorted ids of the round's peers and us, fixed when our inner steps
+end (`prepare`); the vector is cut into one block-aligned shard per member. Each member sends
+shard j to member j (scatter), reduces the slices of its own shard (sorted by node id), sends
+the averaged shard to every member and to the round's listeners (gather), publishes a receipt of
+the averaged shards it received, and applies only the shards every live member received
+(`agreed_shards`), so a reducer dying mid-send leaves no replica apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from neuronode.averaging.book import majority_lineage, same_lineage
+from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
+from neuronode.averaging.transport import MemberView
+from neuronode.codec import Contribution, Phase, shard_ranges
+from neuronode.memory import empty_floats
+
+logger = logging.getLogger(__name__)
+
+# A member that misses a shard publishes its receipt when its own gather deadline passes, up to
+# one --sync-timeout after it started gathering, which was no later than our own start (we hold
+# its averaged shard, sent when it started) or its scatter's end. Waiting twice that long keeps
+# us from giving up on a receipt that is still coming.
+RECEIPT_WAIT_TIMEOUTS = 2
+MEMBERS_POLL_S = 0.5  # how often the wait for --min-peers members looks again without news
+
+
+def agreed_shards(have: set[int], views: Iterable[MemberView]) -> tuple[set[int], list[str]]:
+    """The shards in every present member's receipt (and ours: `have`), and the members still
+    in the round whose receipt we have not seen yet."""
+    agreed, waiting = set(have), []
+    for view in views:
+        if not view.present:
+            continue  # gone, leaving, or only listening: it publishes none
+        if view.receipt is not None:
+            agreed &= view.receipt
+        elif not view.past_round:
+            waiting.append(view.member)
+    return agreed, waiting
+
+
+def assemble(averaged: dict[str, Contribution], members: tuple[str, ...], ranges: list[tuple[int, int]],
+             n_elements: int, round_id: int) -> tuple[torch.Tensor, list[str]]:
+    """Concatenate the averaged shards. A shard missing here (its reducer is gone, or not every
+    member received it) gets no update this round (zeros), on every member alike."""
+    avg = empty_floats(n_elements)
+    contributors: set[str] = set()
+    for c in averaged.values():
+        start, stop = ranges[c.shard_index]
+        c.data.decode_into(avg[start:stop])
+        contributors.update(c.contributors)
+    missing = sorted(set(members) - {c.sender_id for c in averaged.values()})
+    for index, member in enumerate(members):
+        if member in missing:
+            start, stop = ranges[index]
+            avg[start:stop].zero_()
+    if missing:
+        logger.warning("round %d: no averaged shard from %s; those parameters get no update this round",
+                       round_id, ", ".join(missing), extra={"event": "shard_missing", "round_id": round_id})
+    return avg, sorted(contributors)
+
+
+class ReduceScatter(Averaging):
+    async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
+                      give_up: Callable[[], bool] = lambda: False) -> Prepared:
+        members = await self.members(round_id, give_up=give_up)
+        ranges = shard_ranges(self.cfg.n_elements, len(members), self.cfg.codec)
+        started = time.perf_counter()
+        enc = await asyncio.get_running_loop().run_in_executor(self.encoder_pool, lambda: self.encoder.contribution(
+            delta, ranges, self.transport.link_rate(), weight=weight, round_id=round_id, phase=Phase.SHARD,
+            base_digest=base_digest, members=members))
+        return Prepared(round_id=round_id, parts=enc.parts, compensated=enc.compensated, members=members,
+                        ranges=ranges, encode_s=elapsed(started))
+
+    async def members(self, round_id: int, *, give_up: Callable[[], bool]) -> tuple[str, ...]:
+        """The round's peers and us, sorted, once there are at least --min-peers of them (or
+        `give_up()` says stop waiting)."""
+        book, said = self.transport.book, False
+        while True:
+            changed = book.changed()
+            members = self.transport.round_peers(round_id) | {self.cfg.node_id}
+            if len(members) >= self.cfg.min_contributors or give_up():
+                return tuple(sorted(members))
+            if not said:
+                logger.warning("round %d: %d of --min-peers %d members; waiting for more", round_id,
+                               len(members), self.cfg.min_contributors,
+                               extra={"event": "waiting_for_members", "round_id": round_id})
+                said = True
+            await self.clock.wait(changed, MEMBERS_POLL_S)
+
+    async def exchange(self, prepared: Prepared) -> Average:
+        round_id, members, me = prepared.round_id, prepared.members, self.cfg.node_id
+        index = members.index(me)
+        own = prepared.parts[index]
+        started = time.perf_counter()
+        outs = {m: prepared.parts[j] for j, m in enumerate(members) if m != me}
+        pieces = await self.phase(own, outs, members)
+        scatter_s = elapsed(started)
+        started = time.perf_counter()
+        reduced = await asyncio.get_running_loop().run_in_executor(self.encoder_pool, lambda: self.encoder.reduce(
+            self.aggregate, pieces, self.transport.link_rate(), round_id=round_id, n_elements=self.cfg.n_elements,
+            base_digest=own.base_digest, members=members, shard_index=index))
+        reduce_s = elapsed(started)
+        started = time.perf_counter()
+        averaged = await self.phase(reduced, reduced, members)
+        averaged = await self.keep_agreed(round_id, members, averaged, publish=True)
+        gather_s = elapsed(started)
+        started = time.perf_counter()
+        vector, contributors = await self.assemble(averaged, members, prepared.ranges, round_id)
+        complete = len(averaged) == len(members)  # a missing shard is zeros: no full average there
+        fewest = min(len(c.contributors) for c in averaged.values()) if complete else 0
+        return Average(vector=vector, contributors=contributors, fewest=fewest, encode_s=prepared.encode_s,
+                       exchange_s=scatter_s + gather_s, average_s=reduce_s + elapsed(started),
+                       sent=[*prepared.parts, reduced])
+
+    async def phase(self, own: Contribution, outs: Contribution | dict[str, Contribution],
+                    members: tuple[str, ...]) -> dict[str, Contribution]:
+        """One phase (scatter or gather): send, then collect from the members still alive."""
+        book, round_id, me = self.transport.book, own.round_id, self.cfg.node_id
+        book.add_own(own)
+        targets = set(members) - {me}
+        logger.info("round %d: %s ready, sending to %d peers", round_id, own.phase.label, len(targets),
+                    extra={"event": "contribution_ready", "round_id": round_id})
+        sending = self.transport.send(round_id, own.phase, outs, members=members)
+        got = await book.collect(
+            round_id, phase=own.phase, expected=lambda: (targets & self.transport.alive()) | {me},
+            timeout_s=self.cfg.sync_timeout_s, min_contributors=1, on_extend=sending.extend)
+        return same_lineage(got, own.lineage)
+
+    async def keep_agreed(self, round_id: int, members: tuple[str, ...], averaged: dict[str, Contribution], *,
+                          publish: bool) -> dict[str, Contribution]:
+        """`averaged` less the shards not every member received. We publish our receipt and wait
+        up to RECEIPT_WAIT_TIMEOUTS x --sync-timeout for the receipt of every member still in the
+        round. A listener (`publish=False`) only reads the members' receipts."""
+        have = {c.shard_index for c in averaged.values()}
+        if publish:
+            self.transport.publish_receipt(round_id, frozenset(have))
+        book = self.transport.book
+        deadline = self.clock.now() + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s
+        while True:
+            changed = book.changed()
+            agreed, waiting = agreed_shards(have, self.transport.member_views(round_id, members))
+            now = self.clock.now()
+            if not waiting:
+                break
+            if now >= deadline:
+                logger.warning("round %d: no shard receipt from %s by the deadline; applying the shards "
+                               "the others received", round_id, ", ".join(waiting),
+                               extra={"event": "receipt_deadline", "round_id": round_id})
+                break
+            await self.clock.wait(changed, deadline - now)
+        if agreed != have:
+            logger.warning("round %d: shards %s did not reach every member; no update for them this round, "
+                           "on every member alike", round_id, sorted(have - agreed),
+                           extra={"event": "shards_skipped", "round_id": round_id})
+        return {k: c for k, c in averaged.items() if c.shard_index in agreed}
+
+    async def listen(self, round_id: int) -> Average:
+        """The averaged shards of a round we only listen to (reducers send them to listeners)."""
+        logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
+                    round_id, Phase.AVERAGED.label, round_id + 1, extra={"event": "listening", "round_id": round_id})
+        got = await self.transport.book.collect(
+            round_id, phase=Phase.AVERAGED, expected=lambda: self.transport.round_peers(round_id),
+            timeout_s=self.cfg.sync_timeout_s, min_contributors=0)
+        got = majority_lineage(got)
+        if not got:
+            return self.nothing_heard(round_id)
+        members = next(iter(got.values())).members
+        got = await self.keep_agreed(round_id, members, got, publish=False)
+        ranges = shard_ranges(self.cfg.n_elements, len(members), self.cfg.codec)
+        vector, contributors = await self.assemble(got, members, ranges, round_id)
+        return Average(vector=vector, contributors=contributors, fewest=len(contributors))
+
+    async def assemble(self, averaged: dict[str, Contribution], members: tuple[str, ...],
+                       ranges: list[tuple[int, int]], round_id: int) -> tuple[torch.Tensor, list[str]]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, assemble, averaged, members, ranges, self.cfg.n_elements, round_id)

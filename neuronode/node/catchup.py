@@ -1,0 +1,81 @@
+"""Catching up with the swarm: before a round, a node behind the winning lineage (or outside it)
+downloads the global state from its members and continues from there (docs/fault-tolerance.md)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from neuronode.averaging import NodePhase, RoundState
+from neuronode.codec import ContributionEncoder
+from neuronode.config import NodeConfig
+from neuronode.events import Throttled
+from neuronode.node.pools import Pools
+from neuronode.node.trainer import Trainer
+from neuronode.swarm.membership import CatchUp as Plan
+from neuronode.swarm.node import SwarmNode
+
+logger = logging.getLogger(__name__)
+
+
+class CatchUp:
+    def __init__(self, cfg: NodeConfig, *, trainer: Trainer, encoder: ContributionEncoder, state: RoundState,
+                 swarm: SwarmNode, pools: Pools, save: Callable[[], Awaitable[None]]) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.encoder = encoder
+        self.state = state
+        self.swarm = swarm
+        self.pools = pools
+        self.save = save
+        self.last_repair_round = -(10**9)
+        self.say = Throttled(logger)
+
+    def plan(self) -> Plan | None:
+        """Where the swarm is, if we should move there now."""
+        plan = self.swarm.catch_up_plan()
+        return plan if plan is not None and self.due(plan) else None
+
+    def due(self, plan: Plan) -> bool:
+        """Catching up is never delayed; a diverged replica repairs at most once per cooldown."""
+        if plan.reason == "diverged" and self.state.round - self.last_repair_round < self.cfg.repair_cooldown:
+            self.say("repair-cooldown", logging.WARNING, "diverged from the swarm, but repaired at round %d; "
+                     "next repair after %d rounds", self.last_repair_round, self.cfg.repair_cooldown)
+            return False
+        return True
+
+    async def maybe(self) -> int | None:
+        """Download and adopt the swarm's state if we are behind or diverged; the round we
+        adopted, or None."""
+        plan = self.plan()
+        if plan is None:
+            return None
+        self.state.phase = NodePhase.CATCHING_UP
+        started = time.monotonic()
+        logger.info("%s (round %d, swarm at round %d): downloading the global state from %s",
+                    "behind the swarm" if plan.reason == "behind" else "diverged from the swarm",
+                    self.state.round, plan.target_round, ", ".join(plan.donors[:3]),
+                    extra={"event": "catching_up", "round_id": self.state.round})
+        got = await self.swarm.fetch_state(plan.donors)
+        if got is None:
+            logger.warning("no donor delivered the state; training on and trying again next round")
+            return None
+        digest = await self.pools.run(self.pools.train, self.trainer.adopt, got)
+        await self.pools.run(self.pools.encode, self.encoder.reset)
+        # Under --overlap the swarm made its round-R contributions from the parameters before
+        # the ones we adopted at round R: we listen to round R (apply its average at the end of
+        # our first round, like everyone) and contribute from round R + 1 on. Under
+        # reduce-scatter each member fixes round R's membership when its inner steps end, and
+        # whether our announcement reached it by then is a race: members that disagree drop
+        # each other's slices and all wait out the deadline. Listening to round R keeps every
+        # member's view of it the same; we are a member from R + 1 on (docs/protocol.md).
+        listen = self.cfg.overlap or self.cfg.averaging == "reduce-scatter"
+        self.state.adopted(got.round, digest, listen=listen)
+        if plan.reason == "diverged":  # only repairs count toward the cooldown, not catch-ups
+            self.last_repair_round = self.state.round
+        await self.save()
+        logger.info("adopted the swarm's state at round %d in %.1fs (digest %s, val_loss %.4f)",
+                    got.round, time.monotonic() - started, digest[:12], self.trainer.val_loss,
+                    extra={"event": "adopted", "round_id": got.round})
+        return got.round

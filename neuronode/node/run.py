@@ -1,0 +1,109 @@
+"""Start-up of `neuronode start`: check what needs the file system, load the node's identity and
+credentials, build the trainer, restore the newest checkpoint, and run the daemon until done."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from neuronode.config import NodeConfig, check_data_dir
+from neuronode.errors import ConfigError
+from neuronode.memory import keep_freed_buffers
+from neuronode.node.console import setup_logging
+from neuronode.security.auth import load_secret, permissions_warning
+from neuronode.swarm.security import Security
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def run_daemon(cfg: NodeConfig) -> int:
+    """Validate what needs the file system, build the trainer, run until done or stopped."""
+    keep_freed_buffers()  # before any thread allocates (neuronode/memory.py)
+    cfg.check_exposure()
+    data_dir = check_data_dir(cfg.data_dir)
+    setup_logging(cfg.log_format, cfg.log_level)
+    node_id = tls_node_id(cfg) or cfg.node_id or load_or_create_node_id(data_dir)
+    from neuronode.node.daemon import Daemon
+    from neuronode.node.trainer import Trainer
+
+    trainer = Trainer(cfg, node_id=node_id)
+    if not cfg.authenticated:
+        logger.warning(
+            "no --secret-file or TLS: %s; see SECURITY.md to close the swarm",
+            f"anyone who can reach --listen {cfg.listen} may join (--open)" if cfg.open
+            else "protected mode, serving loopback callers only")
+    daemon = Daemon(cfg, trainer=trainer, node_id=node_id, data_dir=data_dir)
+    daemon.security = build_security(cfg, node_id)
+    daemon.restore()
+    return run_async(daemon.run)
+
+
+def tls_node_id(cfg: NodeConfig) -> str:
+    """With mutual TLS the node id is the name its certificate proves, so peers can check every
+    id a caller claims against its certificate; "" without TLS."""
+    if not cfg.tls_cert:
+        return ""
+    from neuronode.security.certs import cert_common_name
+
+    name = cert_common_name(Path(cfg.tls_cert))
+    if not name:
+        raise ConfigError(f"--tls-cert {cfg.tls_cert} names no node (no CN); issue it with "
+                          "`neuronode ca issue --name NODE`")
+    if cfg.node_id and cfg.node_id != name:
+        raise ConfigError(f"--node-id {cfg.node_id} differs from the node named in --tls-cert ({name}); "
+                          "drop --node-id or use that node's certificate")
+    return name
+
+
+def build_security(cfg: NodeConfig, node_id: str) -> Security:
+    """Load and check the secret and TLS files now, so a mistake stops the start with one line."""
+    secret = b""
+    if cfg.secret_file:
+        secret = load_secret(cfg.secret_file)
+        warning = permissions_warning(cfg.secret_file)
+        if warning:
+            logger.warning("%s", warning)
+    tls = None
+    if cfg.tls_cert:
+        from neuronode.security.certs import cert_hosts, load_node_tls
+
+        load_node_tls(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_ca))
+        host = cfg.advertise_address.rpartition(":")[0].strip("[]")
+        hosts = cert_hosts(Path(cfg.tls_cert))
+        if host not in hosts:
+            raise ConfigError(f"--tls-cert is valid for {', '.join(hosts)} but peers will dial "
+                              f"{host}; issue a certificate with --host {host}")
+        tls = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    return Security(node_id=node_id, swarm_id=cfg.swarm_id, secret=secret, tls_files=tls)
+
+
+def run_async(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool | None = None) -> T:
+    """Run `main` on uvloop where it is installed (or asked for), else on asyncio's loop."""
+    if use_uvloop is not False:
+        try:
+            import uvloop
+        except ImportError:
+            if use_uvloop:
+                raise
+        else:
+            return uvloop.run(main())
+    return asyncio.run(main())
+
+
+def load_or_create_node_id(data_dir: Path) -> str:
+    """A node id generated once and kept in the data dir, so restarts keep their identity."""
+    path = data_dir / "node_id"
+    if path.exists():
+        node_id = path.read_text().strip()
+        if node_id:
+            return node_id
+    node_id = f"node-{uuid.uuid4().hex[:12]}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(node_id + "\n")
+    tmp.replace(path)
+    return node_id

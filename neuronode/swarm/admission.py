@@ -1,0 +1,75 @@
+"""Who may call a node: protected mode (loopback callers only), bans, and certificates; and how
+a refusal is answered (a status code, a message a person can act on, a strike for bad input)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from neuronode.config import is_loopback_host
+from neuronode.security.certs import peer_common_name
+from neuronode.swarm.context import Context
+from neuronode.swarm.security import caller_id
+from neuronode.swarm.wire import MAX_ID_CHARS, STATUS_CODES, Refusal
+
+logger = logging.getLogger(__name__)
+
+STRIKE_CODES = ("INVALID_ARGUMENT", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED")
+
+
+def caller_host(context: grpc.aio.ServicerContext) -> str:
+    """The caller's IP from gRPC's peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5")."""
+    return context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+class Admission:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def caller_key(self, context: grpc.aio.ServicerContext) -> str:
+        """Whom to blame for bad input: the node id when ids are authenticated (a closed
+        swarm), else the caller's IP; loopback callers are never banned (they are local)."""
+        proven = caller_id(context) if self.ctx.security.secret else ""
+        if proven:  # a proven id, never a claimed one: no member can get another banned
+            return f"node:{proven}"
+        host = caller_host(context)
+        return "" if is_loopback_host(host) else f"ip:{host}"
+
+    def certified_id(self, context: grpc.aio.ServicerContext) -> str | None:
+        """With mutual TLS, the node the caller's certificate names."""
+        return peer_common_name(context.auth_context()) if self.ctx.security.tls_files else None
+
+    async def check_certificate(self, context: grpc.aio.ServicerContext, claimed_id: str) -> None:
+        """With mutual TLS a caller speaks only as the node its certificate names."""
+        name = self.certified_id(context)
+        if name is not None and claimed_id != name:
+            self.ctx.counters.refused("PERMISSION_DENIED")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"the caller's certificate is for node {name!r}, not "
+                                f"{claimed_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
+
+    async def admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Admit a caller: loopback only in protected mode, and never a banned one."""
+        if self.ctx.loopback_only and not is_loopback_host(caller_host(context)):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "this node serves loopback callers only (no --secret-file, TLS or --open)")
+        key = self.caller_key(context)
+        left = self.ctx.bans.banned_for(key) if key else 0.0
+        if left > 0:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"banned for {left:.0f} more seconds after repeated invalid input")
+
+    async def refuse(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str) -> None:
+        """Answer `exc` (always raises): count it, strike the caller for bad input, log once a minute."""
+        message = str(exc)
+        if len(message) > 1024:  # never echo a caller's oversized strings back
+            message = message[:1000] + "... (truncated)"
+        self.ctx.counters.refused(exc.code.lower())
+        key = self.caller_key(context)
+        if key and exc.code in STRIKE_CODES:
+            self.ctx.bans.strike(key)
+        host = context.peer().rsplit(":", 1)[0]  # not the ephemeral port: one key per caller host
+        self.ctx.say(f"refused:{what}:{host}:{exc.code}", logging.WARNING, "refused %s from %s: %s",
+                     what, context.peer(), message, every_s=60.0, extra={"event": "refused"})
+        await context.abort(STATUS_CODES[exc.code], message)

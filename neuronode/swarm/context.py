@@ -1,0 +1,99 @@
+"""What the parts of a SwarmNode share: its settings, credentials, peer table, round book and
+round state, channels, counters, fault seam, upload limiter and the owner of its tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuronode.averaging import RoundBook, RoundState
+from neuronode.clock import Clock
+from neuronode.events import Throttled
+from neuronode.swarm.bans import Bans
+from neuronode.swarm.faults import Faults
+from neuronode.swarm.membership import PeerTable
+from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
+from neuronode.swarm.security import Security
+from neuronode.swarm.server import Channels, Counters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """What the swarm layer needs to know; built by the daemon from NodeConfig."""
+
+    node_id: str
+    swarm_id: str
+    manifest_hash: str
+    n_elements: int
+    listen: str
+    advertise: str
+    peers: tuple[str, ...] = ()
+    sync_timeout_s: float = 60.0
+    min_contributors: int = 1
+    heartbeat_s: float = 2.0
+    zstd_level: int = 1
+    fault_file: str = ""
+    max_upload_mbps: float = 0.0
+    # How far a peer's reported round may trail a round it will still contribute to: 1, or 2
+    # under --overlap (a node contributes to round r while round r-1's sync is still in flight).
+    round_lag: int = 1
+
+
+class Tasks:
+    """Owns every background task of a node: a task that fails is logged, stop() cancels all."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background task %s failed: %r", task.get_name(), task.exception(),
+                         exc_info=task.exception())
+
+    def named(self, prefix: str) -> list[asyncio.Task[Any]]:
+        return [t for t in self._tasks if t.get_name().startswith(prefix)]
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Context:
+    cfg: SwarmConfig
+    security: Security
+    state: RoundState
+    executor: Executor
+    clock: Clock = field(default_factory=Clock)
+    tasks: Tasks = field(default_factory=Tasks)
+    counters: Counters = field(default_factory=Counters)
+    bans: Bans = field(default_factory=Bans)
+    loopback_only: bool = False  # protected mode: no authentication and no --open
+
+    def __post_init__(self) -> None:
+        cfg = self.cfg
+        self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock)
+        self.book = RoundBook(first_round=self.state.round, clock=self.clock)
+        self.channels = Channels(self.security)
+        self.faults = Faults(cfg.fault_file or None, self_address=cfg.advertise)
+        self.upload = UploadLimiter(cfg.max_upload_mbps)
+        self.upload_meter = UploadMeter()
+        self.say = Throttled(logging.getLogger("neuronode.swarm"), self.clock)
+        self.advertise = cfg.advertise
+        self.started = False  # the server is up: announcements may go out
+        self.leaving = False

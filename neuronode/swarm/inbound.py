@@ -1,0 +1,112 @@
+"""Checks on an incoming contribution stream's header: who sent it (its membership proof or
+certificate), and whether its round, geometry and reduce-scatter role are ones this node takes.
+They read header fields only; the chunks' payloads are checked as they are decoded
+(neuronode.codec.Assembler.take)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from neuronode.codec import Assembler, Phase, receiving, shard_ranges
+from neuronode.security.auth import AuthError
+from neuronode.swarm.context import Context
+from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, PB_TO_CODEC, Refusal
+
+STREAM_FIELDS = ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest", "weight",
+                 "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest",
+                 "phase", "shard_index", "shard_count", "members", "contributors")
+
+
+def stream_key(header: Any) -> tuple[Any, ...]:
+    """The header fields every chunk of one stream must repeat unchanged."""
+    return tuple(getattr(header, name) for name in STREAM_FIELDS)
+
+
+def check_same_stream(first: tuple[Any, ...], header: Any) -> None:
+    """Header fields may not change within one stream (`first`: the first chunk's stream_key)."""
+    key = stream_key(header)
+    if key != first:
+        name = next(n for n, a, b in zip(STREAM_FIELDS, first, key, strict=True) if a != b)
+        raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
+
+
+def bound_digest(digest: str, base_digest: str, phase: int, shard_index: int,
+                 members: Any, contributors: Any) -> str:
+    """Everything a contribution's tag must bind besides round, sender, codec, weight and size:
+    its payload digest, the parameters it started from and its reduce-scatter role."""
+    return json.dumps([digest, base_digest, int(phase), int(shard_index), list(members), list(contributors)])
+
+
+class Inbound:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def check_sender(self, chunk: Any, proven_id: str, certified_id: str) -> None:
+        """The sender is who the caller proved to be, and (in a closed swarm) the tag binds it to
+        its round and digest: no forgery, no replay into another round."""
+        if certified_id and chunk.sender_id != certified_id:
+            raise Refusal("PERMISSION_DENIED", f"the caller's certificate is for node {certified_id!r}, "
+                          f"not {chunk.sender_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
+        if proven_id and self.ctx.bans.banned_for(f"node:{proven_id}"):
+            raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
+        security = self.ctx.security
+        if not security.secret:
+            return
+        if chunk.sender_id != proven_id:
+            raise Refusal("PERMISSION_DENIED", f"caller {proven_id!r} may not send as {chunk.sender_id[:MAX_ID_CHARS]!r}")
+        try:
+            security.check_contribution(
+                chunk.auth_tag, round_id=chunk.round_id, sender_id=chunk.sender_id,
+                contribution_digest=bound_digest(chunk.contribution_digest, chunk.base_digest, chunk.phase,
+                                                 chunk.shard_index, chunk.members, chunk.contributors),
+                codec=PB_TO_CODEC.get(chunk.codec, "?"), weight=chunk.weight, total_elements=chunk.total_elements)
+        except AuthError as exc:
+            raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
+
+    def open_stream(self, chunk: Any) -> Assembler:
+        """Check the header of a new stream and open its slot in the round book."""
+        cfg = self.ctx.cfg
+        if chunk.swarm_id != cfg.swarm_id:
+            raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{cfg.swarm_id}'")
+        peer = self.ctx.table.peers.get(chunk.sender_id)
+        if peer is None or peer.left:
+            raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
+        if self.ctx.faults.path and self.ctx.faults.cut_off(peer.address):
+            raise Refusal("UNAVAILABLE", "fault injected: sender is cut off")
+        if chunk.codec not in PB_TO_CODEC:
+            raise Refusal("INVALID_ARGUMENT", f"unknown codec {chunk.codec}")
+        if chunk.total_elements != cfg.n_elements:
+            raise Refusal("INVALID_ARGUMENT", f"contribution has {chunk.total_elements} elements, the model has "
+                          f"{cfg.n_elements}")
+        if not (chunk.weight > 0 and chunk.weight < 1e15):
+            raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count")
+        codec = PB_TO_CODEC[chunk.codec]
+        assembler = receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
+                              chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
+                              shuffled=chunk.shuffled)
+        self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase))
+        peer.last_seen = self.ctx.clock.now()
+        return assembler
+
+    def payload_elements(self, chunk: Any, codec: str) -> int:
+        """Elements this stream carries: the model, or one reduce-scatter shard of it."""
+        if chunk.phase == Phase.WHOLE:
+            if chunk.members or chunk.shard_count:
+                raise Refusal("INVALID_ARGUMENT", "a whole contribution names no shard")
+            return self.ctx.cfg.n_elements
+        if chunk.phase not in (Phase.SHARD, Phase.AVERAGED):
+            raise Refusal("INVALID_ARGUMENT", f"unknown phase {chunk.phase}")
+        members = list(chunk.members)
+        if not 0 < len(members) <= MAX_PEERS_LISTED or members != sorted(set(members)) \
+                or chunk.shard_count != len(members) or chunk.shard_index >= len(members):
+            raise Refusal("INVALID_ARGUMENT", "members must be sorted unique node ids, one shard each")
+        reducer = members[chunk.shard_index]
+        if chunk.phase == Phase.SHARD and reducer != self.ctx.cfg.node_id:
+            raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not here")
+        if chunk.phase == Phase.AVERAGED and reducer != chunk.sender_id:
+            raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not the sender")
+        if len(chunk.contributors) > len(members):
+            raise Refusal("INVALID_ARGUMENT", "more contributors than members")
+        start, stop = shard_ranges(self.ctx.cfg.n_elements, len(members), codec)[chunk.shard_index]
+        return stop - start

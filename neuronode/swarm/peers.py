@@ -1,0 +1,234 @@
+"""Meeting peers: Hello (which doubles as the heartbeat and peer exchange), announcements of our
+round, Leave, redial backoff, and replica agreement as our peers' digests tell it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+
+import grpc
+
+from neuronode.security.auth import AuthError
+from neuronode.swarm.context import Context
+from neuronode.swarm.membership import agreement
+from neuronode.swarm.transport import FINAL_CODES
+from neuronode.swarm.wire import (
+    MAX_ADDRESS_CHARS,
+    MAX_ID_CHARS,
+    MAX_PEERS_LISTED,
+    PROTOCOL_VERSION,
+    Refusal,
+)
+from neuronode.v1 import node_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_RECEIPTS = 4  # NodeInfo.shards_received: rounds a node keeps its receipts for
+MAX_KNOWN_ADDRESSES = 1024
+
+
+class Peers:
+    """Who we greet and what we tell them; `on_news` runs after every message a peer sends."""
+
+    def __init__(self, ctx: Context, *, on_news: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.on_news = on_news
+        self.receipts: dict[int, frozenset[int]] = {}  # NodeInfo.shards_received
+        self.agreement = "unknown"
+        self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
+        self._contact = asyncio.Event()  # set by the first successful hello either way
+        for address in ctx.cfg.peers:
+            ctx.table.add_address(address)
+
+    # ---- what we say ---------------------------------------------------------------------
+
+    def node_info(self) -> pb.NodeInfo:
+        ctx, state = self.ctx, self.ctx.state
+        info = pb.NodeInfo(
+            node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,
+            manifest_hash=ctx.cfg.manifest_hash, advertise=ctx.advertise, round=state.round,
+            contributes_from=state.contributes_from, param_digest=state.param_digest,
+            recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
+            leaving=ctx.leaving)
+        for r, shards in sorted(self.receipts.items()):
+            info.shards_received.add(round=r, shards=sorted(shards))
+        return info
+
+    def known_peers(self) -> list[pb.PeerRecord]:
+        return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in self.ctx.table.alive()][:MAX_PEERS_LISTED]
+
+    def publish_receipt(self, round_id: int, shards: frozenset[int]) -> None:
+        self.receipts[round_id] = shards
+        for old in sorted(self.receipts)[:-MAX_RECEIPTS]:
+            del self.receipts[old]
+        self.announce()
+
+    def announce(self) -> None:
+        """Tell live peers our news now, not at the next heartbeat: whom a peer waits for
+        depends on our round, and rounds can be shorter than a heartbeat period."""
+        if not self.ctx.started:
+            return
+        for peer in self.ctx.table.alive():
+            self.ctx.tasks.spawn(self.hello(peer.address), f"announce-{peer.node_id}")
+
+    # ---- what we hear --------------------------------------------------------------------
+
+    def check_info(self, info: pb.NodeInfo) -> None:
+        """Refuse a peer of another swarm, protocol or model, with the fix in the message."""
+        cfg = self.ctx.cfg
+        if (not info.node_id or len(info.node_id) > MAX_ID_CHARS or len(info.swarm_id) > MAX_ID_CHARS
+                or len(info.advertise) > MAX_ADDRESS_CHARS or len(info.manifest_hash) > MAX_ID_CHARS
+                or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64
+                or len(info.shards_received) > MAX_RECEIPTS
+                or any(len(r.shards) > MAX_PEERS_LISTED or any(i >= MAX_PEERS_LISTED for i in r.shards)
+                       for r in info.shards_received)):
+            raise Refusal("INVALID_ARGUMENT", "hello needs a node id and swarm id of at most 128 characters, "
+                          f"an address of at most 256, at most 64 recent digests and at most {MAX_RECEIPTS} "
+                          f"shard receipts of shard indexes below {MAX_PEERS_LISTED}")
+        if info.swarm_id != cfg.swarm_id:
+            raise Refusal("FAILED_PRECONDITION",
+                          f"swarm id mismatch: {info.node_id} is in swarm '{info.swarm_id}', this node "
+                          f"({cfg.node_id}) is in '{cfg.swarm_id}'; start both with the same --swarm-id")
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise Refusal("FAILED_PRECONDITION",
+                          f"protocol version mismatch: {info.node_id} speaks v{info.protocol_version}, "
+                          f"this node v{PROTOCOL_VERSION}; run the same neuronode release")
+        if info.manifest_hash != cfg.manifest_hash:
+            raise Refusal("FAILED_PRECONDITION",
+                          f"model manifest mismatch: {info.node_id} trains another model "
+                          f"({info.manifest_hash[:12]} vs {cfg.manifest_hash[:12]} here); "
+                          "use the same --task and model-size flags on every node")
+        if info.node_id == cfg.node_id and info.advertise != self.ctx.advertise:
+            raise Refusal("ALREADY_EXISTS",
+                          f"node id {info.node_id} is already used by the node at {self.ctx.advertise}; "
+                          "give every node its own --data-dir or --node-id")
+
+    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord]) -> None:
+        table = self.ctx.table
+        table.heard_from(
+            info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
+            digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
+            leaving=info.leaving, contributes_from=info.contributes_from,
+            receipts={r.round: frozenset(r.shards) for r in info.shards_received})
+        for rec in known[:MAX_PEERS_LISTED]:
+            if (rec.node_id != self.ctx.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
+                    and len(table.addresses) < MAX_KNOWN_ADDRESSES):
+                table.add_address(rec.address)
+        self._contact.set()
+        # A new peer, or one that moved to another round or is leaving, may now be owed an open
+        # round's push, or no longer be waited for: cheap to re-check on every message.
+        self.on_news()
+
+    # ---- heartbeats ------------------------------------------------------------------------
+
+    async def heartbeats(self) -> None:
+        ctx = self.ctx
+        unanswered_since: float | None = None
+        warned_at = 0.0
+        while True:
+            now = ctx.clock.now()
+            targets = [a for a in ctx.table.dial_targets()
+                       if a != ctx.advertise and self._backoff.get(a, (0.0, 0.0))[0] <= now]
+            results = await asyncio.gather(*(self.hello(a) for a in targets))
+            bootstrap_ok = any(ok for a, ok in zip(targets, results, strict=True) if a in ctx.cfg.peers)
+            if ctx.cfg.peers and not bootstrap_ok and not ctx.table.alive():
+                unanswered_since = unanswered_since or now
+                # Say it plainly once a peer had time to start, then every few minutes.
+                if now - unanswered_since > 10 and now - warned_at > 300:
+                    warned_at = now
+                    logger.warning(
+                        "no bootstrap peer answered for %.0f s (tried %s); check the address and "
+                        "port, that the peer is running, firewalls between you, and that it was "
+                        "started with an --advertise address you can reach",
+                        now - unanswered_since, ", ".join(ctx.cfg.peers))
+            else:
+                unanswered_since, warned_at = None, 0.0
+            self.on_news()  # liveness may have changed: collectors and pushes re-evaluate
+            self.update_agreement()
+            await ctx.clock.sleep(ctx.cfg.heartbeat_s * random.uniform(0.8, 1.2))
+
+    async def wait_first_contact(self, timeout_s: float) -> bool:
+        """With bootstrap peers, give the first heartbeats time to tell us where the swarm is."""
+        if not self.ctx.cfg.peers:
+            return False
+        try:
+            await asyncio.wait_for(self._contact.wait(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        await self.ctx.clock.sleep(self.ctx.cfg.heartbeat_s * 1.5)  # one more round of hellos: learn the rest
+        return True
+
+    def dial_failed(self, address: str, *, refused: bool) -> None:
+        """Redial with exponential backoff and jitter: up to 30 s when unreachable, 5 min when
+        the peer refused us (another swarm or model will not change by itself)."""
+        ctx = self.ctx
+        ctx.table.mark_failure(address)
+        _, delay = self._backoff.get(address, (0.0, 0.0))
+        cap = 300.0 if refused else 30.0
+        if address in ctx.cfg.peers and not self._contact.is_set():
+            cap = ctx.cfg.heartbeat_s  # keep knocking while we join: the bootstrap may be starting
+        if delay >= cap and address not in ctx.cfg.peers and not any(
+                p.address == address for p in ctx.table.alive()):
+            self.forget(address)  # gossiped address that never answers: stop carrying it
+            return
+        delay = min(cap, max(ctx.cfg.heartbeat_s, delay * 2))
+        self._backoff[address] = (ctx.clock.now() + delay * random.uniform(0.5, 1.0), delay)
+
+    def forget(self, address: str) -> None:
+        self.ctx.table.addresses.discard(address)
+        self._backoff.pop(address, None)
+        channel = self.ctx.channels.pop(address)
+        if channel is not None:
+            self.ctx.tasks.spawn(channel.close(), f"close-{address}")
+
+    async def hello(self, address: str) -> bool:
+        ctx = self.ctx
+        req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
+        req.auth_tag, req.timestamp_s = ctx.security.hello_proof(req.info, req.known_peers)
+        try:
+            await asyncio.sleep(ctx.faults.before_call(address))
+            resp = await ctx.channels.stub(address).Hello(req, timeout=max(1.0, ctx.cfg.heartbeat_s),
+                                                          metadata=ctx.security.metadata("Hello"))
+        except grpc.aio.AioRpcError as exc:
+            refused = exc.code() in FINAL_CODES
+            self.dial_failed(address, refused=refused)
+            if refused:
+                ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details())
+            else:
+                logger.debug("hello to %s failed: %s", address, exc.code().name)
+            return False
+        self._backoff.pop(address, None)
+        if resp.info.node_id == ctx.cfg.node_id:
+            ctx.table.addresses.discard(address)  # that address is ourselves
+            return True
+        try:
+            self.check_info(resp.info)
+            ctx.security.check_hello_proof(resp.auth_tag, resp.timestamp_s, resp.info, resp.known_peers)
+        except (Refusal, AuthError) as exc:
+            self.dial_failed(address, refused=True)
+            ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc)
+            return False
+        self.learn(resp.info, list(resp.known_peers))
+        return True
+
+    async def leave(self, address: str) -> None:
+        ctx = self.ctx
+        try:
+            ctx.faults.before_call(address)
+            await ctx.channels.stub(address).Leave(
+                pb.LeaveRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id), timeout=1.0,
+                metadata=ctx.security.metadata("Leave"))
+        except grpc.aio.AioRpcError:
+            pass
+
+    def update_agreement(self) -> None:
+        state = self.ctx.state
+        now = agreement(self.ctx.cfg.node_id, state.round, state.digests, self.ctx.table.alive())
+        if now != self.agreement:
+            log = logger.error if now == "diverged" else logger.info
+            log("replica agreement: %s at round %d%s", now, state.round,
+                "; our parameters differ from the swarm's (repair by state transfer follows)"
+                if now == "diverged" else "", extra={"event": "agreement", "round_id": state.round})
+            self.agreement = now

@@ -1,0 +1,67 @@
+"""Reachability: can our peers dial us back at the address we advertise?"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from neuronode.swarm.context import Context
+from neuronode.swarm.wire import Refusal
+from neuronode.v1 import node_pb2 as pb
+from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+DIAL_BACK_EVERY_S = 60.0
+
+
+class Reach:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.reachable = "unknown"
+        self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
+
+    async def check(self) -> None:
+        """Ask live peers to dial us back at our advertised address; say plainly if they can't."""
+        ctx = self.ctx
+        for peer in ctx.table.alive()[:3]:
+            try:
+                resp = await ctx.channels.stub(peer.address).CheckReachable(
+                    pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id), timeout=15,
+                    metadata=ctx.security.metadata("CheckReachable"))
+            except grpc.aio.AioRpcError:
+                continue
+            self.reachable = "yes" if resp.reachable else "no"
+            if resp.reachable:
+                logger.info("reachability: peer %s dialed us back at %s", peer.node_id, resp.address)
+            else:
+                port = ctx.advertise.rpartition(":")[2]
+                logger.error(
+                    "reachability: peer %s cannot reach this node at %s (%s). Peers can't send "
+                    "us their contributions: forward TCP port %s on your router to this machine, "
+                    "allow it in the firewall, and make --advertise the public HOST:PORT",
+                    peer.node_id, resp.address, resp.detail, port)
+            return
+
+    async def dial_back(self, node_id: str) -> pb.ReachResponse:
+        """Serve CheckReachable: dial a known peer at the address it advertised (never any
+        other address, and at most once a minute per peer)."""
+        ctx = self.ctx
+        peer = ctx.table.peers.get(node_id)
+        if peer is None:
+            raise Refusal("FAILED_PRECONDITION", "say Hello first: only members are dialed back")
+        now = ctx.clock.now()
+        if now - self._dialbacks.get(node_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
+            raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute")
+        self._dialbacks[node_id] = now
+        channel = ctx.security.channel(peer.address)
+        try:
+            await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=5,
+                                                   metadata=ctx.security.metadata("Status"))
+            return pb.ReachResponse(reachable=True, address=peer.address)
+        except grpc.aio.AioRpcError as exc:
+            return pb.ReachResponse(reachable=False, address=peer.address,
+                                    detail=f"{exc.code().name}: {exc.details()}")
+        finally:
+            await channel.close()

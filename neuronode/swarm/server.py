@@ -1,0 +1,115 @@
+"""A node's gRPC endpoints: the server (with the standard health service) and the channels it
+dials its peers on, plus the byte and refusal counters every part adds to."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from neuronode.errors import ConfigError
+from neuronode.swarm.security import NODE_SERVICE_PREFIX, Security
+from neuronode.swarm.wire import SERVER_OPTIONS
+from neuronode.v1 import node_pb2 as pb
+from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+NODE_SERVICE = "neuronode.v1.Node"
+
+
+@dataclass
+class Counters:
+    """Bytes moved (contribution chunks and state transfers) and refusals, for status and metrics."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    per_peer_sent: dict[str, int] = field(default_factory=dict)
+    per_peer_received: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)  # by reason (gRPC status code)
+
+    def sent(self, peer_id: str, size: int) -> None:
+        self.bytes_sent += size
+        self.per_peer_sent[peer_id] = self.per_peer_sent.get(peer_id, 0) + size
+
+    def received(self, peer_id: str, size: int) -> None:
+        self.bytes_received += size
+        self.per_peer_received[peer_id] = self.per_peer_received.get(peer_id, 0) + size
+
+    def refused(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+
+class Channels:
+    """One channel per peer address, opened on first use and kept."""
+
+    def __init__(self, security: Security) -> None:
+        self.security = security
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = self.security.channel(address)
+        return channel
+
+    def stub(self, address: str) -> pb_grpc.NodeStub:
+        return pb_grpc.NodeStub(self.channel(address))
+
+    def push_call(self, address: str) -> Any:
+        """PushContribution taking already serialized ContributionChunk messages."""
+        return self.channel(address).stream_unary(
+            f"{NODE_SERVICE_PREFIX}PushContribution", request_serializer=None,
+            response_deserializer=pb.PushAck.FromString)
+
+    def pop(self, address: str) -> grpc.aio.Channel | None:
+        """Stop keeping the channel to `address`; the caller closes what comes back."""
+        return self._channels.pop(address, None)
+
+    async def close_all(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+
+class Server:
+    """The grpc.aio server with its handlers and the health service (NOT_SERVING until told)."""
+
+    def __init__(self, security: Security, *, servicer: pb_grpc.NodeServicer,
+                 methods: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        self.security = security
+        self.servicer = servicer
+        self.methods = dict(methods)  # override the servicer's (PushContribution reads raw bytes)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self, listen: str) -> int:
+        """Bind `listen` and serve; returns the bound port."""
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self.security.interceptors())
+        pb_grpc.add_NodeServicer_to_server(self.servicer, server)
+        server.add_registered_method_handlers(NODE_SERVICE, self.methods)  # registered last: they win
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        await self.set_serving(False)
+        bound = self.security.add_port(server, listen)
+        if bound == 0:
+            raise ConfigError(f"--listen {listen}: address in use or not local; choose another port")
+        await server.start()
+        self.server = server
+        return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", NODE_SERVICE):
+            await self.health.set(service, status)
+
+    async def leaving(self) -> None:
+        if self.server is not None:
+            await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace_s: float) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)

@@ -1,0 +1,110 @@
+"""The gRPC face of a node (service neuronode.v1.Node). Every refusal maps to a status code and
+a message a person can act on. PushContribution is served by the transport itself
+(neuronode.swarm.transport), which reads the raw chunk bytes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from neuronode.config import is_loopback_host
+from neuronode.security.auth import AuthError
+from neuronode.swarm.admission import Admission, caller_host
+from neuronode.swarm.context import Context
+from neuronode.swarm.peers import Peers
+from neuronode.swarm.reach import Reach
+from neuronode.swarm.security import NODE_SERVICE_PREFIX, caller_id
+from neuronode.swarm.statesync import Donor
+from neuronode.swarm.wire import MAX_ID_CHARS, Refusal, dict_to_status
+from neuronode.v1 import node_pb2 as pb
+from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class NodeService(pb_grpc.NodeServicer):
+    def __init__(self, ctx: Context, *, admission: Admission, peers: Peers, reach: Reach, donor: Donor,
+                 status: Callable[[], dict[str, Any]]) -> None:
+        self.ctx = ctx
+        self.admission = admission
+        self.peers = peers
+        self.reach = reach
+        self.donor = donor
+        self.status = status
+
+    async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
+        ctx, info = self.ctx, request.info
+        if ctx.leaving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+        await self.admission.admit(context)
+        await self.admission.check_certificate(context, info.node_id)
+        if ctx.faults.path and ctx.faults.cut_off(info.advertise):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
+        try:
+            self.peers.check_info(info)
+            proven = caller_id(context)
+            if ctx.security.secret and proven != info.node_id:
+                raise Refusal("PERMISSION_DENIED", f"caller {proven!r} may not say hello as "
+                              f"{info.node_id[:MAX_ID_CHARS]!r}")
+            try:
+                ctx.security.check_hello_proof(request.auth_tag, request.timestamp_s, info, request.known_peers)
+            except AuthError as exc:
+                raise Refusal("UNAUTHENTICATED", f"{exc}; the Hello's content does not match its proof "
+                              "(rewritten on the way, or another secret)") from None
+        except Refusal as exc:
+            await self.admission.refuse(context, exc, "hello")
+        if info.node_id != ctx.cfg.node_id:
+            self.peers.learn(info, list(request.known_peers))
+        resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers())
+        resp.auth_tag, resp.timestamp_s = ctx.security.hello_proof(resp.info, resp.known_peers)
+        return resp
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        ctx = self.ctx
+        await self.admission.admit(context)
+        await self.admission.check_certificate(context, request.node_id)
+        if ctx.security.secret and caller_id(context) != request.node_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
+        if request.swarm_id == ctx.cfg.swarm_id and ctx.table.mark_left(request.node_id):
+            ctx.book.notify()
+        return pb.LeaveResponse()
+
+    async def FetchState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+        ctx = self.ctx
+        await self.admission.admit(context)
+        await self.admission.check_certificate(context, request.node_id)
+        if request.swarm_id != ctx.cfg.swarm_id or request.node_id not in ctx.table.peers:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "state is served to members only: say Hello first")
+        try:
+            async for msg in self.donor.serve(context):
+                size = msg.ByteSize()  # state chunks are rare; contributions avoid this
+                await ctx.upload.acquire(size)
+                ctx.counters.bytes_sent += size
+                yield msg
+        except Refusal as exc:
+            await self.admission.refuse(context, exc, "state request")
+        logger.info("served the global state to %s", request.node_id,
+                    extra={"event": "state_served", "peer_id": request.node_id})
+
+    async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
+        await self.admission.admit(context)
+        await self.admission.check_certificate(context, request.node_id)
+        try:
+            if request.swarm_id != self.ctx.cfg.swarm_id:
+                raise Refusal("PERMISSION_DENIED", "another swarm")
+            return await self.reach.dial_back(request.node_id)
+        except Refusal as exc:
+            await self.admission.refuse(context, exc, "reachability check")
+            raise  # unreachable: refuse raises
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        await self.admission.admit(context)
+        if self.ctx.security.secret and not is_loopback_host(caller_host(context)):
+            try:  # Status is open to local health checks, members only from elsewhere
+                self.ctx.security.verify_metadata(context.invocation_metadata(), NODE_SERVICE_PREFIX + "Status")
+            except AuthError as exc:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        return dict_to_status(self.status())

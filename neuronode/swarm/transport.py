@@ -1,0 +1,428 @@
+"""The gRPC Transport: contributions to and from peers, as client streams of ContributionChunk.
+
+Sending round r: our contribution (already encoded into frames) is pushed to every target over
+one client stream each, and again to targets that appear while the round's push window
+(`--sync-timeout`) is open; transient failures are retried with backoff until then. Receiving:
+`PushContribution` reads raw chunk bytes, checks them chunk by chunk (order, sizes, bounded
+decompression, finite values) and as a whole (digest, membership proof), and files the complete
+contribution in the round book, where it waits until our round closes (neuronode.averaging.book).
+
+Chunks are framed here without protobuf copying their payload: protobuf's Python runtime copies
+a bytes field when it builds, serializes or parses a message and on every read, and ByteSize()
+serializes the whole message (for a 1 MiB payload ~0.6 ms to send a chunk and ~0.8 ms to take one
+in on 2 cores). The header (every field but the payload) goes through protobuf, the payload is
+appended as field 7 and read back as a view into the received bytes: the bytes are exactly a
+ContributionChunk's, and any protobuf parser reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from neuronode.averaging.book import RoundRefused
+from neuronode.averaging.transport import MemberView
+from neuronode.codec import (
+    Assembler,
+    Contribution,
+    ContributionDigest,
+    Phase,
+)
+from neuronode.swarm.admission import Admission
+from neuronode.swarm.context import Context
+from neuronode.swarm.faults import FaultInjected
+from neuronode.swarm.inbound import Inbound, bound_digest, check_same_stream, stream_key
+from neuronode.swarm.membership import member_views, round_peers
+from neuronode.swarm.security import caller_id
+from neuronode.swarm.wire import CODEC_TO_PB, MAX_PEERS_LISTED, PB_TO_CODEC, Refusal
+from neuronode.v1 import node_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+# grpcio's asyncio client reports a client stream the server ended early (a refusal before it
+# read everything) as this INTERNAL error, hiding the server's status (grpc/grpc#36066).
+EARLY_STATUS_BUG = "Internal error from Core"
+# Refusals that retrying cannot fix; anything else (UNAVAILABLE, DEADLINE_EXCEEDED) is retried.
+FINAL_CODES = {
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED,
+}
+
+# ---- framing ---------------------------------------------------------------------------------
+
+PAYLOAD_FIELD = pb.ContributionChunk.DESCRIPTOR.fields_by_name["payload"].number
+# A valid chunk has 20 fields, two of them repeated with at most MAX_PEERS_LISTED entries each.
+# Walking more fields than this in Python is left to protobuf's C parser (a hostile message of
+# millions of one-byte fields must not hold the event loop for seconds).
+MAX_FIELDS_WALKED = 4 * MAX_PEERS_LISTED
+_PAYLOAD_KEY = bytes([PAYLOAD_FIELD << 3 | 2])  # field 7, wire type 2 (length-delimited)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def serialize_chunk(header: pb.ContributionChunk, payload: bytes) -> bytes:
+    """`header` (its payload unset) with `payload` as one serialized ContributionChunk."""
+    return b"".join((header.SerializeToString(), _PAYLOAD_KEY, _varint(len(payload)), payload))
+
+
+def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+class ChunkView:
+    """A received ContributionChunk: header fields parsed by protobuf (read them as attributes,
+    as on the message), `payload` a read-only view into the received bytes (no copy), and
+    ByteSize() the size received."""
+
+    __slots__ = ("header", "payload", "wire_size")
+
+    def __init__(self, header: pb.ContributionChunk, payload: memoryview | bytes, wire_size: int) -> None:
+        self.header = header
+        self.payload = payload
+        self.wire_size = wire_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.header, name)
+
+    def ByteSize(self) -> int:  # noqa: N802 - the message's method name
+        return self.wire_size
+
+    @classmethod
+    def parse(cls, data: bytes) -> ChunkView:
+        """Split `data` at its payload field(s) (the last one counts, as protobuf has it) and
+        parse the rest; ValueError or protobuf's DecodeError when it is not a valid message."""
+        view = memoryview(data)
+        pos, end, walked = 0, len(data), 0
+        spans: list[tuple[int, int]] = []  # (field start, payload end)
+        payload_at = 0
+        while pos < end:
+            walked += 1
+            if walked > MAX_FIELDS_WALKED:  # not a chunk we sent: protobuf parses (and copies) it
+                message = pb.ContributionChunk.FromString(data)
+                payload = message.payload
+                message.ClearField("payload")
+                return cls(message, payload, end)
+            start = pos
+            key, pos = _read_varint(view, pos)
+            number, wire_type = key >> 3, key & 7
+            if number == 0:
+                raise ValueError("field number 0")
+            if wire_type == 0:
+                _, pos = _read_varint(view, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                length, pos = _read_varint(view, pos)
+                if number == PAYLOAD_FIELD:
+                    spans.append((start, pos + length))
+                    payload_at = pos
+                pos += length
+            else:
+                raise ValueError(f"unsupported wire type {wire_type}")
+            if pos > end:
+                raise ValueError("truncated message")
+        if not spans:
+            return cls(pb.ContributionChunk.FromString(data), b"", end)
+        pieces, at = [], 0
+        for start, stop in spans:
+            pieces.append(view[at:start])
+            at = stop
+        pieces.append(view[at:])
+        return cls(pb.ContributionChunk.FromString(b"".join(pieces)), view[payload_at:spans[-1][1]], end)
+
+
+def take(assembler: Assembler, chunk: Any, digest: ContributionDigest) -> None:
+    """Decode and store one received chunk (in a worker thread: decompression, checks, hashing)."""
+    assembler.take(chunk.chunk_index, chunk.payload, compressed=chunk.compressed, digest=digest)
+
+
+def parse_chunk(data: bytes | ChunkView | pb.ContributionChunk, index: int) -> ChunkView | pb.ContributionChunk:
+    """A chunk off the wire, or a Refusal naming what is wrong with it."""
+    if not isinstance(data, (bytes, bytearray)):
+        return data  # in-process callers hand messages over as they are
+    try:
+        return ChunkView.parse(bytes(data))
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+        raise Refusal("INVALID_ARGUMENT", f"PushContribution: chunk {index} is not a valid ContributionChunk "
+                      f"message ({type(exc).__name__}: {str(exc)[:200]}); check that both sides run the "
+                      "same neuronode protocol") from None
+
+
+# ---- sending -----------------------------------------------------------------------------------
+
+
+@dataclass
+class WireCache:
+    """One contribution's serialized chunks by index, made once and sent to every peer (the
+    same bytes for all), and their common header (tag included)."""
+
+    header: pb.ContributionChunk | None = None
+    chunks: dict[int, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class Outbox:
+    """What we still push for one (phase, round): one contribution for all, or one per peer."""
+
+    outs: Mapping[str, Contribution] | Contribution
+    targets: set[str] | None  # None: every live peer of the round
+    deadline: float
+    pushed: set[str] = field(default_factory=set)
+    wire: dict[int, WireCache] = field(default_factory=dict)  # by id() of the contribution
+
+    def for_peer(self, peer_id: str) -> Contribution | None:
+        if isinstance(self.outs, Contribution):
+            return self.outs
+        return self.outs.get(peer_id)
+
+    def cache(self, out: Contribution) -> WireCache:
+        return self.wire.setdefault(id(out), WireCache())
+
+
+@dataclass
+class Window:
+    """A push window (averaging.Sending): `extend` keeps it open one more --sync-timeout."""
+
+    transport: GrpcTransport
+    box: Outbox
+
+    def extend(self) -> None:
+        self.box.deadline = self.transport.ctx.clock.now() + self.transport.ctx.cfg.sync_timeout_s
+        self.transport.push_pending()
+
+
+class GrpcTransport:
+    """neuronode.averaging.Transport over gRPC client streams (see the module docstring)."""
+
+    def __init__(self, ctx: Context, *, publish_receipt: Callable[[int, frozenset[int]], None]) -> None:
+        self.ctx = ctx
+        self.inbound = Inbound(ctx)
+        self._publish = publish_receipt
+        self._outbox: dict[tuple[Phase, int], Outbox] = {}
+
+    # ---- averaging.Transport ------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.ctx.cfg.node_id
+
+    @property
+    def book(self) -> Any:
+        return self.ctx.book
+
+    def round_peers(self, round_id: int) -> set[str]:
+        return round_peers(self.ctx.table, round_id, round_lag=self.ctx.cfg.round_lag)
+
+    def alive(self) -> set[str]:
+        return {p.node_id for p in self.ctx.table.alive()}
+
+    def link_rate(self) -> float:
+        """Bytes/s our pushes reach together, capped by --max-upload-mbps (0: not measured)."""
+        link, upload = self.ctx.upload_meter.rate, self.ctx.upload
+        return min(link or upload.bytes_per_s, upload.bytes_per_s) if upload.enabled else link
+
+    def publish_receipt(self, round_id: int, shards: frozenset[int]) -> None:
+        self._publish(round_id, shards)
+
+    def member_views(self, round_id: int, members: tuple[str, ...]) -> list[MemberView]:
+        return member_views(self.ctx.table, round_id, members)
+
+    def send(self, round_id: int, phase: Phase, outs: Contribution | Mapping[str, Contribution], *,
+             members: tuple[str, ...] = ()) -> Window:
+        targets = set(members) - {self.node_id} if members else None
+        box = self._outbox[(phase, round_id)] = Outbox(outs, targets, self.ctx.clock.now() + self.ctx.cfg.sync_timeout_s)
+        for old in [k for k in self._outbox if k[1] < round_id - 1]:
+            del self._outbox[old]
+        self.push_pending()
+        return Window(self, box)
+
+    # ---- pushing ----------------------------------------------------------------------------
+
+    def push_pending(self) -> None:
+        """Start pushes owed to live peers: new ones, or ones that moved into an open round.
+        Cheap to call on every message a peer sends."""
+        now, lag = self.ctx.clock.now(), self.ctx.cfg.round_lag
+        for (phase, round_id), box in self._outbox.items():
+            if now >= box.deadline:
+                continue
+            for peer in self.ctx.table.alive():
+                if peer.node_id in box.pushed:
+                    continue
+                if box.targets is None and peer.round + lag < round_id:
+                    continue  # behind: it will catch up by state transfer instead
+                listener = phase == Phase.AVERAGED and peer.contributes_from == round_id + 1
+                if box.targets is not None and peer.node_id not in box.targets and not listener:
+                    continue  # reduce-scatter: members, plus listeners for the averaged shards
+                out = box.for_peer(peer.node_id)
+                if out is None:
+                    continue
+                box.pushed.add(peer.node_id)
+                self.ctx.tasks.spawn(self.push(peer.node_id, peer.address, out, box),
+                                     f"push-r{round_id}-p{int(phase)}-{peer.node_id}")
+
+    async def push(self, peer_id: str, address: str, out: Contribution, box: Outbox) -> None:
+        """Stream `out` to one peer, retrying transient failures until the window closes."""
+        ctx, backoff, hidden = self.ctx, 0.2, 0  # hidden: refusals grpcio reported as INTERNAL
+        what = f"round {out.round_id}: {out.phase.label} to {peer_id}"
+        while (remaining := box.deadline - ctx.clock.now()) > 0:
+            sent = 0
+            try:
+                await asyncio.sleep(ctx.faults.before_call(address))
+                ctx.upload_meter.begin(ctx.clock.now())
+                try:
+                    await ctx.channels.push_call(address)(
+                        self.chunks(peer_id, address, out, box.cache(out)), timeout=remaining,
+                        metadata=ctx.security.metadata("PushContribution"))
+                    sent = out.frame_bytes
+                finally:
+                    ctx.upload_meter.end(ctx.clock.now(), sent)
+                logger.debug("round %d: sent our %s to %s", out.round_id, out.phase.label, peer_id,
+                             extra={"event": "pushed", "round_id": out.round_id, "peer_id": peer_id})
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in FINAL_CODES:
+                    logger.warning("round %d: peer %s refused our contribution: %s", out.round_id, peer_id,
+                                   exc.details(), extra={"event": "push_refused", "round_id": out.round_id,
+                                                         "peer_id": peer_id})
+                    return
+                if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == EARLY_STATUS_BUG:
+                    hidden += 1
+                    if hidden >= 3:
+                        logger.warning("round %d: peer %s keeps ending our stream early (a refusal grpcio "
+                                       "reports as INTERNAL); giving up", out.round_id, peer_id)
+                        return
+                logger.debug("%s failed (%s); retrying", what, exc.code().name)
+            await asyncio.sleep(min(backoff, max(0.0, box.deadline - ctx.clock.now())) * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, 5.0)
+
+    async def chunks(self, peer_id: str, address: str, out: Contribution, wire: WireCache) -> AsyncIterator[bytes]:
+        faults = self.ctx.faults
+        for frame in out.frames:
+            if not faults.chunk_allowed(frame.index, address=address, phase=int(out.phase)):
+                raise FaultInjected(f"stream to {peer_id} cut after {frame.index} chunks")
+            if faults.plan.delay_s:
+                await asyncio.sleep(faults.plan.delay_s)
+            data = wire.chunks.get(frame.index)
+            if data is None:
+                data = wire.chunks[frame.index] = self.serialize(out, wire, frame.index, frame.compressed, frame.data)
+            await self.ctx.upload.acquire(len(data))
+            self.ctx.counters.sent(peer_id, len(data))
+            yield data
+
+    def serialize(self, out: Contribution, wire: WireCache, index: int, compressed: bool, payload: bytes) -> bytes:
+        """One chunk of `out` as a serialized ContributionChunk (the same for every peer)."""
+        header = wire.header
+        if header is None:  # the tag and the header fields are the same for every chunk
+            cfg = self.ctx.cfg
+            tag = self.ctx.security.contribution_tag(
+                round_id=out.round_id, sender_id=cfg.node_id,
+                contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
+                                                 out.members, out.contributors),
+                codec=out.codec, weight=out.weight, total_elements=out.n_elements)
+            header = wire.header = pb.ContributionChunk(
+                round_id=out.round_id, sender_id=cfg.node_id, swarm_id=cfg.swarm_id,
+                chunk_count=len(out.frames), codec=CODEC_TO_PB[out.codec], contribution_digest=out.digest,
+                weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
+                auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest, phase=int(out.phase),  # type: ignore[arg-type]
+                shard_index=out.shard_index, shard_count=len(out.members), members=out.members,
+                contributors=out.contributors)
+        header.chunk_index = index
+        header.compressed = compressed
+        return serialize_chunk(header, payload)
+
+    async def drain(self, *, timeout_s: float) -> None:
+        """Give contributions still streaming to peers up to `timeout_s` to finish."""
+        pushes = self.ctx.tasks.named("push-")
+        if pushes:
+            logger.info("waiting up to %.0f s for %d pushes still in flight", timeout_s, len(pushes))
+            await asyncio.wait(pushes, timeout=timeout_s)
+
+    # ---- receiving --------------------------------------------------------------------------
+
+    def push_method(self, admission: Admission) -> grpc.RpcMethodHandler:
+        """PushContribution, reading raw chunk bytes (parsed here, without payload copies)."""
+
+        async def push(request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PushAck:
+            if self.ctx.leaving:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+            await admission.admit(context)
+            try:
+                count = await self.receive(request_iterator, proven_id=caller_id(context),
+                                           certified_id=admission.certified_id(context) or "")
+            except Refusal as exc:
+                await admission.refuse(context, exc, "contribution")
+            return pb.PushAck(chunks_received=count)
+
+        return grpc.stream_unary_rpc_method_handler(push, request_deserializer=None,
+                                                    response_serializer=pb.PushAck.SerializeToString)
+
+    async def receive(self, chunks: AsyncIterator[Any], *, proven_id: str = "", certified_id: str = "") -> int:
+        """Validate and file one incoming contribution stream; returns chunks received."""
+        first: Any = None
+        first_key: tuple[Any, ...] = ()
+        assembler: Assembler | None = None
+        digest = ContributionDigest()
+        loop, book = asyncio.get_running_loop(), self.ctx.book
+        next_index = 0
+        try:
+            async for data in chunks:
+                chunk = parse_chunk(data, next_index)
+                header = chunk.header if isinstance(chunk, ChunkView) else chunk
+                if first is None:
+                    self.inbound.check_sender(header, proven_id, certified_id)
+                    assembler = self.inbound.open_stream(header)
+                    first, first_key = header, stream_key(header)
+                else:
+                    check_same_stream(first_key, header)
+                assert assembler is not None
+                if chunk.chunk_index != next_index:
+                    raise Refusal("INVALID_ARGUMENT", f"round {first.round_id}: {first.sender_id} sent chunk "
+                                  f"{chunk.chunk_index} where chunk {next_index} was due; chunks go in order, once each")
+                next_index += 1
+                await loop.run_in_executor(self.ctx.executor, take, assembler, chunk, digest)
+                self.ctx.counters.received(chunk.sender_id, chunk.ByteSize())
+            if first is None or assembler is None:
+                raise Refusal("INVALID_ARGUMENT", "empty contribution stream")
+            if not assembler.complete:
+                raise Refusal("DATA_LOSS", f"round {first.round_id}: stream from {first.sender_id} ended "
+                              f"with {len(assembler.missing())} of {assembler.count} chunks missing; discarded")
+            if digest.hexdigest() != first.contribution_digest:
+                raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
+                              "does not match its digest; discarded")
+            book.finish(Contribution(
+                round_id=first.round_id, sender_id=first.sender_id, codec=PB_TO_CODEC[first.codec],
+                weight=first.weight, data=assembler, n_elements=first.total_elements,
+                digest=first.contribution_digest, chunk_elements=first.chunk_elements, shuffled=first.shuffled,
+                base_digest=first.base_digest, phase=Phase(first.phase), shard_index=first.shard_index,
+                members=tuple(first.members), contributors=tuple(first.contributors)))
+            return assembler.count
+        except RoundRefused as exc:
+            raise Refusal(exc.code, str(exc)) from None
+        except ValueError as exc:  # CodecError and friends: malformed payloads
+            raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+        finally:
+            if first is not None:
+                book.abort(first.round_id, first.sender_id, Phase(first.phase))
