@@ -305,42 +305,8 @@ async def test_members_apply_only_the_shards_every_member_received(nodes: Nodes)
     assert 5 not in listener.peers.receipts  # a listener publishes nothing
 
 
-async def test_shard_agreement_skips_a_member_that_died_and_waits_no_longer_than_the_deadline(
-    nodes: Nodes, caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Whom agree_shards waits for, read from its deadline warning (not from timings)."""
-    a, b, c = await start_trio(nodes, sync_timeout_s=2.0)
-    members = ("a", "b", "c")
-    missing = "no shard receipt from"
-    await nodes.stop(c)  # says Leave: a and b stop expecting its receipt at once
-    await wait_until(lambda: "c" not in alive_ids(a) and "c" not in alive_ids(b), what="c to be gone")
-    agreed = await asyncio.gather(agree_shards(a, 1, members, {0, 1}), agree_shards(b, 1, members, {0, 1, 2}))
-    assert agreed == [{0, 1}, {0, 1}]
-    assert missing not in caplog.text  # nobody waited out the deadline for the member that left
-    # A member that is alive but never publishes: the others wait for it until the deadline only.
-    assert await asyncio.wait_for(agree_shards(a, 2, ("a", "b"), {0, 1}), timeout=30) == {0, 1}
-    assert f"round 2: {missing} b by the deadline" in caplog.text
-    # A member that closed the round without a receipt (it listened, or repaired) will never
-    # publish one: nobody waits for it.
-    b.state.completed(4, "d4")
-    await wait_until(lambda: a.table.peers["b"].round == 5, what="a to see b past round 4")
-    assert await agree_shards(a, 4, ("a", "b"), {0}) == {0}
-    assert f"round 4: {missing}" not in caplog.text
-
-
-async def test_a_receipt_later_than_one_sync_timeout_still_counts(nodes: Nodes) -> None:
-    """A member that missed a shard publishes its receipt only when its own gather deadline
-    passes, up to one --sync-timeout after the others finished gathering: they wait for it (up
-    to twice the timeout) instead of applying a shard it lacks."""
-    a, b, _ = await start_trio(nodes, sync_timeout_s=2.0)
-    members = ("a", "b")
-
-    async def late_receipt() -> set[int]:
-        await asyncio.sleep(2.5)  # b's gather ran to its deadline without shard 0
-        return await agree_shards(b, 3, members, {1})
-
-    agreed = await asyncio.gather(agree_shards(a, 3, members, {0, 1}), late_receipt())
-    assert agreed == [{1}, {1}]
+# The deadline rules of shard agreement (a member that left, a silent one, a late receipt, one
+# past the round) run under a ManualClock in tests/test_averaging.py.
 
 
 async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(nodes: Nodes) -> None:

@@ -1,0 +1,224 @@
+"""The averaging protocols' deadline rules under a ManualClock, over the in-process transport:
+closing a round, waiting for --min-peers, shard agreement. Time moves only when a test says so,
+so these run in milliseconds and never sleep hoping for a state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
+from neuronode.averaging.book import DuplicateContribution, RoundBook, RoundClosed, RoundTooFar
+from neuronode.averaging.local import LocalSwarm
+from neuronode.averaging.reducescatter import RECEIPT_WAIT_TIMEOUTS
+from neuronode.clock import ManualClock
+from neuronode.codec import ContributionEncoder, EncoderConfig, Phase, VectorEncoder, shard_ranges
+from neuronode.diloco import average
+
+pytestmark = pytest.mark.timeout(30)
+
+N = 3000
+TIMEOUT_S = 60.0  # --sync-timeout: never waited for in real time here
+
+
+@pytest.fixture
+def pools() -> Iterator[tuple[ThreadPoolExecutor, ThreadPoolExecutor]]:
+    encode, codec = ThreadPoolExecutor(1), ThreadPoolExecutor(2)
+    yield encode, codec
+    encode.shutdown()
+    codec.shutdown()
+
+
+def delta(seed: int) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(seed)) * 1e-2
+
+
+class Swarm:
+    """Members of one LocalSwarm, each with the protocol a node runs, on one ManualClock."""
+
+    def __init__(self, pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: type[AllToAll | ReduceScatter],
+                 codec: str = "fp32", min_contributors: int = 1) -> None:
+        self.clock = ManualClock()
+        self.local = LocalSwarm(clock=self.clock)
+        self.pools, self.kind, self.codec, self.min = pools, kind, codec, min_contributors
+        self.protocols: dict[str, AllToAll | ReduceScatter] = {}
+
+    def join(self, node_id: str) -> AllToAll | ReduceScatter:
+        transport = self.local.join(node_id, state=RoundState())
+        encoder = ContributionEncoder(EncoderConfig(codec=self.codec, chunk_bytes=4096, zstd_level=0,
+                                                    byte_shuffle=False), n_elements=N, sender_id=node_id)
+        protocol = self.kind(AveragingConfig(node_id=node_id, codec=self.codec, n_elements=N,
+                                             sync_timeout_s=TIMEOUT_S, min_contributors=self.min),
+                             transport=transport, encoder=encoder, encoder_pool=self.pools[0], aggregate=average,
+                             executor=self.pools[1], clock=self.clock)
+        self.protocols[node_id] = protocol
+        return protocol
+
+    async def round(self, node_id: str, round_id: int = 0) -> Average:
+        protocol = self.protocols[node_id]
+        prepared = await protocol.prepare(round_id, delta(hash(node_id) % 1000), base_digest="d0", weight=1.0)
+        return await protocol.exchange(prepared)
+
+
+async def until(what: str, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll `predicate` (the code under test runs meanwhile); fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+def identical(results: list[Average]) -> bool:
+    return all(torch.equal(r.vector, results[0].vector) and r.contributors == results[0].contributors
+               for r in results)
+
+
+# ---- the round book ------------------------------------------------------------------------
+
+
+def record(sender: str, round_id: int, phase: Phase = Phase.WHOLE) -> object:
+    return VectorEncoder(codec="fp32", chunk_bytes=4096, zstd_level=0, byte_shuffle=False).encode(
+        delta(1)[:10], 0.0, round_id=round_id, sender_id=sender, phase=phase)
+
+
+def test_book_refuses_closed_far_and_duplicate_rounds_per_phase() -> None:
+    book = RoundBook(first_round=3)
+    book.begin(3, "a")
+    with pytest.raises(DuplicateContribution):
+        book.begin(3, "a")  # still streaming
+    book.finish(record("a", 3))  # type: ignore[arg-type]
+    with pytest.raises(DuplicateContribution):
+        book.check_open(3, "a")
+    book.check_open(4, "b")  # the next round is buffered
+    with pytest.raises(RoundTooFar):
+        book.check_open(5, "b")
+    assert set(book.close(3)) == {"a"}
+    with pytest.raises(RoundClosed):
+        book.check_open(3, "b")
+    book.check_open(3, "b", Phase.AVERAGED)  # each phase closes its rounds on its own
+    book.reset(10)
+    with pytest.raises(RoundClosed):
+        book.check_open(9, "b", Phase.AVERAGED)
+
+
+async def test_round_closes_once_every_expected_peer_contributed_without_time_passing(pools) -> None:  # noqa: ANN001
+    swarm = Swarm(pools, AllToAll)
+    for name in "abc":
+        swarm.join(name)
+    results = await asyncio.gather(*(swarm.round(n) for n in "abc"))
+    assert [r.contributors for r in results] == [["a", "b", "c"]] * 3
+    assert identical(results)
+    assert swarm.clock.now() == ManualClock().now()  # no deadline was involved
+
+
+async def test_a_silent_peer_costs_exactly_one_deadline(pools) -> None:  # noqa: ANN001
+    swarm = Swarm(pools, AllToAll)
+    for name in "abc":
+        swarm.join(name)
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "ab"]  # c is alive but never sends
+    await until("a and b waiting on the clock", lambda: swarm.clock.waiting == 2)
+    swarm.clock.advance(TIMEOUT_S - 0.001)
+    await asyncio.sleep(0)
+    assert not any(r.done() for r in rounds)  # not a moment before the deadline
+    swarm.clock.advance(0.001)
+    await until("both rounds to close", lambda: all(r.done() for r in rounds))
+    results = [r.result() for r in rounds]
+    assert [r.contributors for r in results] == [["a", "b"]] * 2 and identical(results)
+
+
+async def test_below_min_peers_the_round_waits_one_more_deadline_at_a_time(pools) -> None:  # noqa: ANN001
+    swarm = Swarm(pools, AllToAll, min_contributors=3)
+    for name in "ab":
+        swarm.join(name)
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "ab"]
+    await until("a and b waiting", lambda: swarm.clock.waiting == 2)
+    for _ in range(3):  # three deadlines pass with two of three contributors: they keep waiting
+        swarm.clock.advance(TIMEOUT_S)
+        await until("a and b waiting again", lambda: swarm.clock.waiting == 2)
+    assert not any(r.done() for r in rounds)
+    swarm.join("c")
+    rounds.append(asyncio.ensure_future(swarm.round("c")))  # c's contribution reaches a and b
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    results = [r.result() for r in rounds]
+    assert [r.contributors for r in results] == [["a", "b", "c"]] * 3 and identical(results)
+
+
+# ---- reduce-scatter: shard agreement -----------------------------------------------------------
+
+
+async def test_reduce_scatter_equals_all_to_all_bit_for_bit(pools) -> None:  # noqa: ANN001
+    results = {}
+    for kind in (AllToAll, ReduceScatter):
+        swarm = Swarm(pools, kind, min_contributors=3)
+        for name in "abc":
+            swarm.join(name)
+        results[kind] = await asyncio.gather(*(swarm.round(n) for n in "abc"))
+        assert identical(results[kind]) and results[kind][0].fewest == 3
+    assert torch.equal(results[AllToAll][0].vector, results[ReduceScatter][0].vector)
+
+
+async def test_a_shard_one_member_missed_gets_no_update_on_any_member(pools) -> None:  # noqa: ANN001
+    swarm = Swarm(pools, ReduceScatter, min_contributors=3)
+    for name in "abc":
+        swarm.join(name)
+    swarm.local.cut.add(("c", "b", Phase.AVERAGED))  # reducer c's averaged shard never reaches b
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "abc"]
+    # a and c hold every shard and wait for b's receipt; b waits for shard 2 until its deadline.
+    members = swarm.local.members
+    await until("a and c to publish their receipts while all three wait",
+                lambda: 0 in members["a"].receipts and 0 in members["c"].receipts and swarm.clock.waiting == 3)
+    assert members["a"].receipts == members["c"].receipts == {0: frozenset({0, 1, 2})}
+    assert 0 not in members["b"].receipts
+    swarm.clock.advance(TIMEOUT_S)  # b's gather deadline: it publishes a receipt without shard 2
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    assert members["b"].receipts == {0: frozenset({0, 1})}
+    results = [r.result() for r in rounds]
+    assert identical(results)
+    start, stop = shard_ranges(N, 3, "fp32")[2]
+    assert torch.equal(results[0].vector[start:stop], torch.zeros(stop - start))
+    assert results[0].vector[:start].abs().sum() > 0
+    assert results[0].fewest == 0  # a part of the vector averaged nothing
+
+
+async def test_a_receipt_later_than_one_sync_timeout_still_counts(pools) -> None:  # noqa: ANN001
+    """A member that missed a shard publishes only at its own gather deadline, up to one
+    --sync-timeout after the others finished gathering; they wait for it (up to twice the
+    timeout) instead of applying a shard it lacks."""
+    swarm = Swarm(pools, ReduceScatter)
+    a = swarm.join("a")
+    swarm.join("b")
+    held = {"x": record("b", 3, Phase.AVERAGED)}  # a holds shard 0 (b's), b will say it has none
+    agreed = asyncio.ensure_future(a.keep_agreed(3, ("a", "b"), held, publish=True))  # type: ignore[union-attr,arg-type]
+    await until("a waiting for b's receipt", lambda: swarm.clock.waiting == 1)
+    swarm.clock.advance(1.5 * TIMEOUT_S)
+    await asyncio.sleep(0)
+    assert not agreed.done()
+    swarm.local.members["b"].receipts[3] = frozenset()  # b's gather ran to its deadline without shard 0
+    swarm.local.notify_all()
+    await until("a to agree", agreed.done)
+    assert agreed.result() == {}  # shard 0 reached a but not b: nobody applies it
+
+
+async def test_receipt_wait_ends_at_its_deadline_and_skips_members_that_left_or_moved_on(pools) -> None:  # noqa: ANN001
+    swarm = Swarm(pools, ReduceScatter)
+    a = swarm.join("a")
+    swarm.join("b")
+    swarm.join("c")
+    held = {"x": record("b", 1, Phase.AVERAGED)}
+    swarm.local.leave("c")  # gone: nobody waits for its receipt
+    agreed = asyncio.ensure_future(a.keep_agreed(1, ("a", "b", "c"), held, publish=True))  # type: ignore[union-attr,arg-type]
+    await until("a waiting for b", lambda: swarm.clock.waiting == 1)
+    swarm.clock.advance(RECEIPT_WAIT_TIMEOUTS * TIMEOUT_S - 0.01)
+    await asyncio.sleep(0)
+    assert not agreed.done()
+    swarm.clock.advance(0.01)  # b, alive, never published: a waited exactly the receipt deadline
+    await until("a to give up on b", agreed.done)
+    assert set(agreed.result()) == {"x"}
+    # A member past the round without a receipt (it listened, or repaired) publishes none.
+    swarm.local.members["b"].state.completed(4, "d5")
+    assert await asyncio.wait_for(a.keep_agreed(4, ("a", "b"), held, publish=True), 5) == held  # type: ignore[union-attr,arg-type]

@@ -1,0 +1,91 @@
+"""Liveness and redial backoff under a ManualClock: who counts as alive, when a peer is redialed,
+when a gossiped address that never answers is forgotten. No sockets, no sleeping."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from neuronode.averaging import RoundState
+from neuronode.clock import ManualClock
+from neuronode.swarm.context import Context, SwarmConfig
+from neuronode.swarm.membership import PeerTable, round_peers
+from neuronode.swarm.peers import Peers
+from neuronode.swarm.security import Security
+
+BOOTSTRAP = "127.0.0.1:7000"
+
+
+def heard(table: PeerTable, node_id: str, *, round: int = 0, contributes_from: int = 0) -> None:
+    table.heard_from(node_id, f"10.0.0.{len(table.peers) + 1}:7420", round=round, param_digest="",
+                     digests={}, leaving=False, contributes_from=contributes_from)
+
+
+def test_a_peer_is_alive_until_dead_after_s_without_news() -> None:
+    clock = ManualClock()
+    table = PeerTable(self_id="me", dead_after_s=6.0, clock=clock)
+    heard(table, "a")
+    clock.advance(5.99)
+    assert [p.node_id for p in table.alive()] == ["a"]
+    clock.advance(0.01)
+    assert table.alive() == []
+    heard(table, "a")  # back
+    assert [p.node_id for p in table.alive()] == ["a"]
+    table.mark_left("a")
+    assert table.alive() == []
+
+
+def test_round_peers_are_live_in_reach_of_the_round_and_contributing() -> None:
+    table = PeerTable(self_id="me", dead_after_s=6.0, clock=ManualClock())
+    heard(table, "behind", round=3)
+    heard(table, "lagging", round=4)
+    heard(table, "same", round=5)
+    heard(table, "ahead", round=6)
+    heard(table, "far-ahead", round=7)
+    heard(table, "listener", round=5, contributes_from=6)
+    assert round_peers(table, 5, round_lag=1) == {"lagging", "same", "ahead"}
+    assert round_peers(table, 5, round_lag=2) == {"behind", "lagging", "same", "ahead"}  # --overlap
+
+
+@pytest.fixture
+def peers() -> Peers:
+    pool = ThreadPoolExecutor(1)
+    cfg = SwarmConfig(node_id="me", swarm_id="s", manifest_hash="m", n_elements=1, listen="127.0.0.1:0",
+                      advertise="127.0.0.1:1", peers=(BOOTSTRAP,), heartbeat_s=2.0)
+    ctx = Context(cfg, security=Security(node_id="me", swarm_id="s"), state=RoundState(), executor=pool,
+                  clock=ManualClock())
+    return Peers(ctx, on_news=lambda: None)
+
+
+def next_dial(peers: Peers, address: str) -> float:
+    return peers._backoff[address][0] - peers.ctx.clock.now()
+
+
+def test_an_unreachable_address_is_redialed_with_doubling_delays_up_to_30_s(peers: Peers) -> None:
+    gossiped = "10.0.0.9:7420"
+    peers.ctx.table.add_address(gossiped)
+    peers._contact.set()  # joined: the bootstrap rule no longer applies
+    delays = []
+    for _ in range(5):
+        peers.dial_failed(gossiped, refused=False)
+        delays.append(peers._backoff[gossiped][1])
+        assert 0.5 * delays[-1] <= next_dial(peers, gossiped) <= delays[-1]  # jittered
+    assert delays == [2.0, 4.0, 8.0, 16.0, 30.0]
+    assert gossiped in peers.ctx.table.addresses
+    # At the cap, a gossiped address nobody alive uses is forgotten instead of redialed.
+    peers.dial_failed(gossiped, refused=False)
+    assert gossiped not in peers.ctx.table.addresses and gossiped not in peers._backoff
+
+
+def test_a_refusing_peer_waits_up_to_5_min_and_the_bootstrap_is_knocked_on_while_joining(peers: Peers) -> None:
+    delays = []
+    for _ in range(3):  # not joined yet: the bootstrap may still be starting, so one heartbeat apart
+        peers.dial_failed(BOOTSTRAP, refused=True)
+        delays.append(peers._backoff[BOOTSTRAP][1])
+    assert delays == [2.0, 2.0, 2.0]
+    peers._contact.set()
+    for _ in range(10):
+        peers.dial_failed(BOOTSTRAP, refused=True)
+    assert peers._backoff[BOOTSTRAP][1] == 300.0  # refused: another swarm or model will not change soon
+    assert BOOTSTRAP in peers.ctx.table.addresses  # bootstrap peers are never forgotten
