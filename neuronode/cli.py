@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from neuronode.config import NodeConfig, build_config, flag_name, parse_hostport
 from neuronode.errors import NeuronodeError
-from neuronode.security.certs import add_ca_parser, run_ca
+from neuronode.security.ca_cli import add_ca_parser, run_ca
 
 EXIT_USAGE = 2
 

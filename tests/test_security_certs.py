@@ -19,16 +19,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neuronode.cli import Parser, UsageError
-from neuronode.security.certs import (
-    CertError,
-    add_ca_parser,
-    cert_hosts,
+from neuronode.security.ca_cli import add_ca_parser, run_ca
+from neuronode.security.certs import CertError, cert_hosts, create_ca, issue_node_cert
+from neuronode.security.tls import (
     channel_credentials,
-    create_ca,
-    issue_node_cert,
     load_node_tls,
     peer_common_name,
-    run_ca,
     server_credentials,
 )
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from neuronode.averaging.book import majority_lineage, same_lineage
+from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.codec import Contribution, Phase
 
@@ -49,12 +49,7 @@ class AllToAll(Averaging):
 
     async def listen(self, round_id: int) -> Average:
         """The others' contributions to a round we only listen to, averaged."""
-        logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
-                    round_id, Phase.WHOLE.label, round_id + 1, extra={"event": "listening", "round_id": round_id})
-        got = await self.transport.book.collect(
-            round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id),
-            timeout_s=self.cfg.sync_timeout_s, min_contributors=0)
-        got = majority_lineage(got)
+        got = await self.listened(round_id, Phase.WHOLE)
         if not got:
             return self.nothing_heard(round_id)
         return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got))

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from neuronode.averaging.book import majority_lineage
 from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
-from neuronode.codec import Contribution, ContributionEncoder
+from neuronode.codec import Contribution, ContributionEncoder, Phase
 from neuronode.codec.contribution import Aggregate
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AveragingConfig:
+    """What a protocol needs besides its transport: who we are, the swarm's codec and size,
+    the deadline of one phase and --min-peers."""
+
     node_id: str
     codec: str
     n_elements: int
@@ -81,6 +85,15 @@ class Averaging:
 
     async def listen(self, round_id: int) -> Average:
         raise NotImplementedError
+
+    async def listened(self, round_id: int, phase: Phase) -> dict[str, Contribution]:
+        """What the others sent of a round we only listen to, of the lineage most of them share."""
+        logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
+                    round_id, phase.label, round_id + 1, extra={"event": "listening", "round_id": round_id})
+        got = await self.transport.book.collect(round_id, phase=phase, timeout_s=self.cfg.sync_timeout_s,
+                                                expected=lambda: self.transport.round_peers(round_id),
+                                                min_contributors=0)
+        return majority_lineage(got)
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,

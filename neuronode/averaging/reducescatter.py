@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from neuronode.averaging.book import majority_lineage, same_lineage
+from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.averaging.transport import MemberView
 from neuronode.codec import Contribution, Phase, shard_ranges
@@ -166,12 +166,7 @@ class ReduceScatter(Averaging):
 
     async def listen(self, round_id: int) -> Average:
         """The averaged shards of a round we only listen to (reducers send them to listeners)."""
-        logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
-                    round_id, Phase.AVERAGED.label, round_id + 1, extra={"event": "listening", "round_id": round_id})
-        got = await self.transport.book.collect(
-            round_id, phase=Phase.AVERAGED, expected=lambda: self.transport.round_peers(round_id),
-            timeout_s=self.cfg.sync_timeout_s, min_contributors=0)
-        got = majority_lineage(got)
+        got = await self.listened(round_id, Phase.AVERAGED)
         if not got:
             return self.nothing_heard(round_id)
         members = next(iter(got.values())).members

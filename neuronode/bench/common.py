@@ -4,6 +4,7 @@ Imports neither torch nor grpc (a benchmark's parent process stays light)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import subprocess
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronode.errors import NeuronodeError
+from neuronode.errors import ConfigError, NeuronodeError
 
 POLL_S = 0.05
 
@@ -52,6 +53,24 @@ def wait_all(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str], log
             raise BenchError(f"{', '.join(names[i] for i in late)} still running at the deadline; killed "
                              f"({hint}{names[late[0]]}: {log_tail(logs[late[0]])})")
         time.sleep(POLL_S)
+
+
+def check(*rules: tuple[bool, str]) -> None:
+    """Raise a ConfigError with the message of the first rule that does not hold."""
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
+
+
+def entry_points(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None],
+                 run: Callable[[argparse.Namespace], dict[str, Any]]) -> tuple[Callable[[Any], None], Callable[..., int]]:
+    """A benchmark's `add_parser(subparsers)` (for `neuronode bench NAME`) and `main(argv)` (for
+    `python -m neuronode.bench.NAME`, the same flags)."""
+
+    def add_parser(subparsers: Any) -> None:
+        configure(subparsers.add_parser(name, help=help))
+
+    return add_parser, functools.partial(module_main, f"python -m neuronode.bench.{name}", configure, run)
 
 
 def module_main(prog: str, configure: Callable[[argparse.ArgumentParser], None],

@@ -38,12 +38,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neuronode.bench.common import BenchError, free_port, log_tail, module_main, wait_all
+from neuronode.bench.common import (
+    BenchError,
+    check,
+    entry_points,
+    free_port,
+    log_tail,
+    wait_all,
+)
 from neuronode.config import NodeConfig
 from neuronode.errors import ConfigError
 
@@ -115,14 +121,10 @@ class SwarmSpec:
     timeout_s: float = 0.0  # 0: from the sizes (see deadline_s)
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ConfigError(f"--nodes {self.nodes}: start at least 1 node")
-        if self.rounds < 1:
-            raise ConfigError(f"--rounds {self.rounds}: run at least 1 round")
-        if self.inner_steps < 1:
-            raise ConfigError(f"--inner-steps {self.inner_steps}: must be at least 1")
-        if self.codec not in CODECS:
-            raise ConfigError(f"--codec {self.codec}: choose one of {', '.join(CODECS)}")
+        check((self.nodes >= 1, f"--nodes {self.nodes}: start at least 1 node"),
+              (self.rounds >= 1, f"--rounds {self.rounds}: run at least 1 round"),
+              (self.inner_steps >= 1, f"--inner-steps {self.inner_steps}: must be at least 1"),
+              (self.codec in CODECS, f"--codec {self.codec}: choose one of {', '.join(CODECS)}"))
         if self.timeout_s < 0:
             raise ConfigError(f"--timeout {self.timeout_s}: must be >= 0 (0: automatic)")
 
@@ -318,6 +320,7 @@ def summarize(spec: SwarmSpec, runs: list[NodeRun]) -> dict[str, Any]:
 
 def add_swarm_arguments(parser: argparse.ArgumentParser, *, inner_steps: int, rounds: int) -> None:
     """Flags both swarm benchmarks share."""
+    parser.add_argument("--nodes", type=int, default=2, help="local node processes (default: 2)")
     parser.add_argument("--rounds", type=int, default=rounds, help=f"rounds every node runs (default: {rounds})")
     parser.add_argument("--inner-steps", type=int, default=inner_steps,
                         help=f"inner steps per round H (default: {inner_steps})")
@@ -335,23 +338,14 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, inner_steps: int, ro
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=2, help="local node processes (default: 2)")
     add_swarm_arguments(parser, inner_steps=20, rounds=3)
     parser.add_argument("--aggregator", default="mean", choices=AGGREGATORS, help="aggregation rule (default: mean)")
     parser.add_argument("--aggregator-option", action="append", metavar="K=V",
                         help="--aggregator-option of the nodes (repeatable)")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Add `quality` to the `neuronode bench` subcommands."""
-    configure(subparsers.add_parser(
-        "quality", help="validation loss of N local nodes after R rounds (codec, aggregator, overlap)"))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m neuronode.bench.quality ...`: the same flags as `neuronode bench quality`."""
-    return module_main("python -m neuronode.bench.quality", configure, run, argv)
-
+add_parser, main = entry_points(
+    "quality", "validation loss of N local nodes after R rounds (codec, aggregator, overlap)", configure, run)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(None))

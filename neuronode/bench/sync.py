@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from neuronode.bench.common import BenchError, free_port, wait_all
+from neuronode.bench.common import BenchError, check, free_port, wait_all
 from neuronode.config import RANGES, NodeConfig
 from neuronode.errors import ConfigError
 
@@ -100,12 +100,9 @@ class SyncBenchConfig:
     grpc_floor: bool = False  # also time bare grpc.aio moving the same bytes (neuronode.bench.floor)
 
     def __post_init__(self) -> None:
-        if self.nodes < 2:
-            raise ConfigError(f"--nodes {self.nodes}: averaging needs at least 2 nodes")
-        if self.params < 1:
-            raise ConfigError(f"--params {self.params}: give at least 1 parameter (e.g. 25e6)")
-        if self.rounds < 1:
-            raise ConfigError(f"--rounds {self.rounds}: time at least 1 round")
+        check((self.nodes >= 2, f"--nodes {self.nodes}: averaging needs at least 2 nodes"),
+              (self.params >= 1, f"--params {self.params}: give at least 1 parameter (e.g. 25e6)"),
+              (self.rounds >= 1, f"--rounds {self.rounds}: time at least 1 round"))
         for name in ("zstd_level", "chunk_bytes"):  # the daemon's own limits
             ok, allowed = RANGES[name]
             if not ok(getattr(self, name)):

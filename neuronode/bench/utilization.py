@@ -34,11 +34,10 @@ import argparse
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronode.bench.common import BenchError, module_main
+from neuronode.bench.common import BenchError, check, entry_points
 from neuronode.bench.quality import (
     READY,
     ModelFlags,
@@ -50,16 +49,12 @@ from neuronode.bench.quality import (
     rounds_done,
     run_swarm,
 )
-from neuronode.errors import ConfigError
 
 
 def spec_from_args(args: argparse.Namespace) -> SwarmSpec:
-    if args.nodes < 2:
-        raise ConfigError(f"--nodes {args.nodes}: a swarm needs at least 2 nodes")
-    if args.rounds < 2:
-        raise ConfigError(f"--rounds {args.rounds}: the first round is not timed; run at least 2")
-    if args.max_upload_mbps < 0:
-        raise ConfigError(f"--max-upload-mbps {args.max_upload_mbps}: must be >= 0 (0: no cap)")
+    check((args.nodes >= 2, f"--nodes {args.nodes}: a swarm needs at least 2 nodes"),
+          (args.rounds >= 2, f"--rounds {args.rounds}: the first round is not timed; run at least 2"),
+          (args.max_upload_mbps >= 0, f"--max-upload-mbps {args.max_upload_mbps}: must be >= 0 (0: no cap)"))
     extra = device_flags(args)
     if args.max_upload_mbps:
         extra += ["--max-upload-mbps", str(args.max_upload_mbps)]
@@ -140,22 +135,13 @@ def summarize(spec: SwarmSpec, per_node: list[dict[str, Any]]) -> dict[str, Any]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=2, help="local node processes (default: 2)")
     add_swarm_arguments(parser, inner_steps=50, rounds=4)
     parser.add_argument("--max-upload-mbps", type=float, default=0.0,
                         help="upload cap of every node in Mbit/s (default: 0, none)")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Add `utilization` to the `neuronode bench` subcommands."""
-    configure(subparsers.add_parser(
-        "utilization", help="share of wall time in inner steps (with/without --overlap, upload cap)"))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m neuronode.bench.utilization ...`: the flags of `neuronode bench utilization`."""
-    return module_main("python -m neuronode.bench.utilization", configure, run, argv)
-
+add_parser, main = entry_points(
+    "utilization", "share of wall time in inner steps (with/without --overlap, upload cap)", configure, run)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(None))

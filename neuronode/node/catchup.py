@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from neuronode.averaging import NodePhase, RoundState
 from neuronode.codec import ContributionEncoder
@@ -19,18 +20,17 @@ from neuronode.swarm.node import SwarmNode
 logger = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True)
 class CatchUp:
-    def __init__(self, cfg: NodeConfig, *, trainer: Trainer, encoder: ContributionEncoder, state: RoundState,
-                 swarm: SwarmNode, pools: Pools, save: Callable[[], Awaitable[None]]) -> None:
-        self.cfg = cfg
-        self.trainer = trainer
-        self.encoder = encoder
-        self.state = state
-        self.swarm = swarm
-        self.pools = pools
-        self.save = save
-        self.last_repair_round = -(10**9)
-        self.say = Throttled(logger)
+    cfg: NodeConfig
+    trainer: Trainer
+    encoder: ContributionEncoder
+    state: RoundState
+    swarm: SwarmNode
+    pools: Pools
+    save: Callable[[], Awaitable[None]]  # a checkpoint once we adopted the swarm's state
+    last_repair_round: int = -(10**9)
+    say: Throttled = field(default_factory=lambda: Throttled(logger))
 
     def plan(self) -> Plan | None:
         """Where the swarm is, if we should move there now."""

@@ -129,9 +129,9 @@ class Daemon:
                             sync_timeout_s=cfg.sync_timeout, min_contributors=cfg.min_peers),
             transport=swarm.transport, encoder=self.encoder, encoder_pool=self.pools.encode,
             aggregate=make_aggregator(cfg), executor=self.pools.codec)
-        catch_up = CatchUp(cfg, trainer=self.trainer, encoder=self.encoder, state=self.state, swarm=swarm,
+        catch_up = CatchUp(cfg=cfg, trainer=self.trainer, encoder=self.encoder, state=self.state, swarm=swarm,
                            pools=self.pools, save=self.save_checkpoint)
-        return Rounds(cfg, trainer=self.trainer, state=self.state, swarm=swarm, averaging=averaging,
+        return Rounds(cfg=cfg, trainer=self.trainer, state=self.state, swarm=swarm, averaging=averaging,
                       catch_up=catch_up, pools=self.pools, stop=self.stop_flag, save=self.save_checkpoint,
                       on_step=self.on_step, on_sync=self.metrics.sync_seconds.observe)
 

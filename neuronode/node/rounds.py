@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,26 +38,23 @@ def byzantine(scale: float, noise: float) -> Drill | None:
     return lambda delta: delta * scale + noise * torch.randn_like(delta)
 
 
+@dataclass(kw_only=True)
 class Rounds:
-    def __init__(self, cfg: NodeConfig, *, trainer: Trainer, state: RoundState, swarm: SwarmNode,
-                 averaging: Averaging, catch_up: CatchUp, pools: Pools, stop: Any,
-                 save: Callable[[], Awaitable[None]], on_step: Callable[[Trainer], None] | None = None,
-                 on_sync: Callable[[float], None] | None = None) -> None:
-        self.cfg = cfg
-        self.trainer = trainer
-        self.state = state
-        self.swarm = swarm
-        self.averaging = averaging
-        self.catch_up = catch_up
-        self.pools = pools
-        self.stop = stop  # threading.Event the training thread checks between steps
-        self.save = save
-        self.on_step = on_step
-        self.on_sync = on_sync or (lambda _: None)
-        self.pending: asyncio.Task[Average] | None = None  # --overlap: the exchange of state.pending
-        self.last_contributors: list[str] = []
-        self.last_sync_s = 0.0
-        self.utilization = 0.0
+    cfg: NodeConfig
+    trainer: Trainer
+    state: RoundState
+    swarm: SwarmNode
+    averaging: Averaging
+    catch_up: CatchUp
+    pools: Pools
+    stop: threading.Event  # the training thread checks it between steps
+    save: Callable[[], Awaitable[None]]  # a checkpoint after every outer step
+    on_step: Callable[[Trainer], None] | None = None
+    on_sync: Callable[[float], None] = lambda _: None
+    pending: asyncio.Task[Average] | None = None  # --overlap: the exchange of state.pending
+    last_contributors: list[str] = field(default_factory=list)
+    last_sync_s: float = 0.0
+    utilization: float = 0.0
 
     def finished(self) -> bool:
         """--rounds counts rounds trained; with --overlap the last one's sync is flushed after."""

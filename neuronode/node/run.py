@@ -70,7 +70,8 @@ def build_security(cfg: NodeConfig, node_id: str) -> Security:
             logger.warning("%s", warning)
     tls = None
     if cfg.tls_cert:
-        from neuronode.security.certs import cert_hosts, load_node_tls
+        from neuronode.security.certs import cert_hosts
+        from neuronode.security.tls import load_node_tls
 
         load_node_tls(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_ca))
         host = cfg.advertise_address.rpartition(":")[0].strip("[]")

@@ -32,7 +32,7 @@ def from_peer(address: str, *, timeout_s: float = 5.0, secret_file: str | None =
     if all(tls):
         from pathlib import Path as P
 
-        from neuronode.security.certs import channel_credentials
+        from neuronode.security.tls import channel_credentials
 
         creds = channel_credentials(P(tls[0] or ""), P(tls[1] or ""), P(tls[2] or ""))
         channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)

@@ -8,32 +8,28 @@ same CA: a node without one cannot even finish the TLS handshake.
 Keys are EC P-256, written unencrypted with mode 0600. The CA key admits nodes to the swarm;
 keep it off the nodes.
 
-grpc is imported only inside the credential helpers: the `neuronode ca` commands run on the
-operator's machine and need only `cryptography`.
+This module is the certificate crypto (it needs only `cryptography`: the `neuronode ca` commands
+run on the operator's machine); gRPC credentials live in neuronode.security.tls and the `ca`
+command line in neuronode.security.ca_cli.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from neuronode.errors import NeuronodeError
-
-if TYPE_CHECKING:
-    import grpc
 
 CA_CERT_FILE = "ca.crt"
 CA_KEY_FILE = "ca.key"
@@ -129,9 +125,9 @@ def issue_node_cert(ca_dir: Path, out_dir: Path, *, node_name: str, hosts: Seque
 
 def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA certificate and key in `ca_dir`, checked to belong together."""
-    cert = _load_cert(ca_dir / CA_CERT_FILE, "CA certificate")
-    key = _load_key(ca_dir / CA_KEY_FILE, "CA key")
-    if not _same_key(cert, key):
+    cert = load_cert(ca_dir / CA_CERT_FILE, "CA certificate")
+    key = load_key(ca_dir / CA_KEY_FILE, "CA key")
+    if not same_key(cert, key):
         raise CertError(f"{ca_dir / CA_KEY_FILE} is not the key of {ca_dir / CA_CERT_FILE}")
     if not _is_ca(cert):
         raise CertError(f"{ca_dir / CA_CERT_FILE} is not a CA certificate; "
@@ -177,61 +173,12 @@ def _parse_host(host: str) -> x509.GeneralName:
     return x509.DNSName(text.lower())
 
 
-# --- using ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NodeTLS:
-    """PEM bytes of a node's certificate, its key and the swarm CA, checked to fit together."""
-
-    cert_pem: bytes
-    key_pem: bytes
-    ca_pem: bytes
-
-
-def load_node_tls(cert: Path, key: Path, ca: Path) -> NodeTLS:
-    """Read and check a node's TLS files, so a mistake fails at startup with a clear message.
-
-    Checks: the key belongs to the certificate, the CA signed it, and it is valid now.
-    """
-    node_cert = _load_cert(cert, "node certificate")
-    node_key = _load_key(key, "node key")
-    ca_cert = _load_cert(ca, "CA certificate")
-    if not _same_key(node_cert, node_key):
-        raise CertError(f"{key} is not the key of {cert}")
-    try:
-        node_cert.verify_directly_issued_by(ca_cert)
-    except (ValueError, TypeError, InvalidSignature):
-        raise CertError(f"{cert} was not issued by the CA in {ca}; "
-                        "issue it with 'neuronode ca issue --ca DIR' of this swarm") from None
-    now = datetime.now(UTC)
-    if now < node_cert.not_valid_before_utc or now > node_cert.not_valid_after_utc:
-        raise CertError(f"{cert} is valid from {node_cert.not_valid_before_utc:%Y-%m-%d %H:%M} "
-                        f"to {node_cert.not_valid_after_utc:%Y-%m-%d} UTC, not now; issue a new one")
-    return NodeTLS(cert_pem=cert.read_bytes(), key_pem=key.read_bytes(), ca_pem=ca.read_bytes())
-
-
-def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredentials:
-    """Server side of mutual TLS: clients must present a certificate from the swarm CA."""
-    import grpc
-
-    tls = load_node_tls(cert, key, ca)
-    return grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)],
-                                       root_certificates=tls.ca_pem, require_client_auth=True)
-
-
-def channel_credentials(cert: Path, key: Path, ca: Path) -> grpc.ChannelCredentials:
-    """Client side of mutual TLS: trust only the swarm CA and present this node's certificate."""
-    import grpc
-
-    tls = load_node_tls(cert, key, ca)
-    return grpc.ssl_channel_credentials(root_certificates=tls.ca_pem,
-                                        private_key=tls.key_pem, certificate_chain=tls.cert_pem)
+# --- reading ---------------------------------------------------------------------------------
 
 
 def cert_hosts(cert: Path) -> tuple[str, ...]:
     """The DNS names and IP addresses a certificate is valid for (to check --advertise against)."""
-    node_cert = _load_cert(cert, "certificate")
+    node_cert = load_cert(cert, "certificate")
     try:
         san = node_cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
@@ -243,68 +190,8 @@ def cert_hosts(cert: Path) -> tuple[str, ...]:
 
 def cert_common_name(cert: Path) -> str:
     """The CN of a node certificate: the node id it proves (`ca issue --name`)."""
-    values = _load_cert(cert, "certificate").subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    values = load_cert(cert, "certificate").subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return str(values[0].value) if values else ""
-
-
-def peer_common_name(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
-    """The verified peer certificate's CN from `context.auth_context()`, or None without TLS."""
-    values = auth_context.get("x509_common_name") or ()
-    return values[0].decode("utf-8", "replace") if values else None
-
-
-# --- command line -----------------------------------------------------------------------------
-
-
-def add_ca_parser(sub: Any) -> None:
-    """Add `ca init` and `ca issue` to the subparsers of `neuronode` (cli.build_parser)."""
-    ca = sub.add_parser("ca", help="make the certificates of a closed swarm (mutual TLS)",
-                        description="Make a swarm CA, then one certificate per node.")
-    # type(ca): the parser class of the caller (cli.Parser turns mistakes into UsageError).
-    actions = ca.add_subparsers(dest="ca_command", metavar="ACTION", parser_class=type(ca),
-                                required=True)
-    init = actions.add_parser("init", help="create the swarm's CA (ca.crt, ca.key)")
-    init.add_argument("--out", required=True, type=Path, metavar="DIR",
-                      help="folder for ca.crt and ca.key (created if missing)")
-    init.add_argument("--swarm-id", required=True, help="the swarm's --swarm-id")
-    init.add_argument("--days", type=int, default=CA_DAYS,
-                      help=f"validity in days (default: {CA_DAYS})")
-    init.add_argument("--force", action="store_true", help="overwrite existing files")
-    issue = actions.add_parser("issue", help="issue one node's certificate and key")
-    issue.add_argument("--ca", required=True, type=Path, metavar="DIR",
-                       help="folder with ca.crt and ca.key")
-    issue.add_argument("--out", required=True, type=Path, metavar="DIR",
-                       help="folder for NODE.crt and NODE.key (created if missing)")
-    issue.add_argument("--name", required=True, metavar="NODE", help="node name (certificate CN)")
-    issue.add_argument("--host", required=True, action="append", dest="hosts", metavar="H",
-                       help="DNS name or IP peers dial; repeat for more "
-                            "(localhost and 127.0.0.1 are always added)")
-    issue.add_argument("--days", type=int, default=NODE_DAYS,
-                       help=f"validity in days (default: {NODE_DAYS})")
-    issue.add_argument("--force", action="store_true", help="overwrite existing files")
-
-
-def run_ca(args: argparse.Namespace) -> int:
-    """Run `neuronode ca init|issue`; prints what was written and the flags to use."""
-    if args.ca_command == "init":
-        cert_path, key_path = create_ca(args.out, swarm_id=args.swarm_id, days=args.days,
-                                        force=args.force)
-        print(f"wrote {cert_path}  (swarm CA certificate: give it to every node)")
-        print(f"wrote {key_path}  (CA key, mode 0600: keep it off the nodes; it admits members)")
-        print(f"nodes of this swarm run with --swarm-id {args.swarm_id}")
-        print(f"next: neuronode ca issue --ca {args.out} --out DIR --name NODE --host ADDRESS")
-        return 0
-    if args.ca_command == "issue":
-        cert_path, key_path = issue_node_cert(args.ca, args.out, node_name=args.name,
-                                              hosts=args.hosts, days=args.days, force=args.force)
-        expires = _load_cert(cert_path, "certificate").not_valid_after_utc
-        print(f"wrote {cert_path}  (valid until {expires:%Y-%m-%d}; "
-              f"hosts: {', '.join(cert_hosts(cert_path))})")
-        print(f"wrote {key_path}  (node key, mode 0600)")
-        print("start the node with:")
-        print(f"  --tls-cert {cert_path} --tls-key {key_path} --tls-ca {args.ca / CA_CERT_FILE}")
-        return 0
-    raise CertError("neuronode ca: choose an action: init, issue")
 
 
 # --- files ------------------------------------------------------------------------------------
@@ -351,7 +238,7 @@ def _write_atomic(path: Path, data: bytes, *, mode: int) -> None:
         raise
 
 
-def _load_cert(path: Path, what: str) -> x509.Certificate:
+def load_cert(path: Path, what: str) -> x509.Certificate:
     data = _read(path, what)
     try:
         return x509.load_pem_x509_certificate(data)
@@ -359,7 +246,7 @@ def _load_cert(path: Path, what: str) -> x509.Certificate:
         raise CertError(f"{path} is not a PEM certificate ({what})") from None
 
 
-def _load_key(path: Path, what: str) -> Any:
+def load_key(path: Path, what: str) -> Any:
     data = _read(path, what)
     try:
         return serialization.load_pem_private_key(data, password=None)
@@ -383,7 +270,7 @@ def _read(path: Path, what: str) -> bytes:
 # --- checks -----------------------------------------------------------------------------------
 
 
-def _same_key(cert: x509.Certificate, key: Any) -> bool:
+def same_key(cert: x509.Certificate, key: Any) -> bool:
     pub = serialization.PublicFormat.SubjectPublicKeyInfo
     enc = serialization.Encoding.DER
     return bool(cert.public_key().public_bytes(enc, pub) == key.public_key().public_bytes(enc, pub))

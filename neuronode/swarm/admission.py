@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from neuronode.config import is_loopback_host
-from neuronode.security.certs import peer_common_name
+from neuronode.security.tls import peer_common_name
 from neuronode.swarm.context import Context
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import MAX_ID_CHARS, STATUS_CODES, Refusal

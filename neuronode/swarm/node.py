@@ -63,25 +63,15 @@ class SwarmNode:
                              methods={"PushContribution": self.transport.push_method(admission)})
         self._epoch = self.state.epoch
         self.state.on_change.append(self._state_changed)
-
-    @property
-    def cfg(self) -> SwarmConfig:
-        return self.ctx.cfg
-
-    @property
-    def table(self) -> PeerTable:
-        return self.ctx.table
-
-    @property
-    def book(self) -> RoundBook:
-        return self.ctx.book
-
-    @property
-    def counters(self) -> Counters:
-        return self.ctx.counters
+        # What tests and the daemon read most (the same objects as the context's).
+        self.cfg: SwarmConfig = cfg
+        self.table: PeerTable = ctx.table
+        self.book: RoundBook = ctx.book
+        self.counters: Counters = ctx.counters
 
     @property
     def advertise(self) -> str:
+        """The address peers dial (known once the server is bound)."""
         return self.ctx.advertise
 
     # ---- lifecycle -------------------------------------------------------------------------

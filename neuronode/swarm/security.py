@@ -55,7 +55,7 @@ class Security:
     def add_port(self, server: grpc.aio.Server, listen: str) -> int:
         if self.tls_files is None:
             return server.add_insecure_port(listen)
-        from neuronode.security.certs import server_credentials
+        from neuronode.security.tls import server_credentials
 
         cert, key, ca = (Path(p) for p in self.tls_files)
         return server.add_secure_port(listen, server_credentials(cert, key, ca))
@@ -63,7 +63,7 @@ class Security:
     def channel(self, address: str) -> grpc.aio.Channel:
         if self.tls_files is None:
             return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        from neuronode.security.certs import channel_credentials
+        from neuronode.security.tls import channel_credentials
 
         cert, key, ca = (Path(p) for p in self.tls_files)
         return grpc.aio.secure_channel(address, channel_credentials(cert, key, ca), options=CHANNEL_OPTIONS)
