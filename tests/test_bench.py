@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procutil import neuronode_cmd
+from helpers import neuronode_cmd, run_neuronode
 
 from neuronode.bench import sync as bench_sync_mod
 from neuronode.bench.sync import BenchInterrupted, SyncBenchConfig, summarize
@@ -29,8 +29,7 @@ TINY = ("--nodes", "3", "--params", "300000", "--rounds", "2")
 
 
 def bench_sync(*flags: str, timeout_s: float = 120) -> dict[str, Any]:
-    out = subprocess.run(neuronode_cmd("bench", "sync", *flags, "--json"), capture_output=True,
-                         text=True, timeout=timeout_s, check=False)
+    out = run_neuronode("bench", "sync", *flags, "--json", timeout_s=timeout_s)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout
@@ -161,8 +160,7 @@ def test_interrupt_becomes_a_bench_error(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_one_node_is_a_usage_error() -> None:
-    out = subprocess.run(neuronode_cmd("bench", "sync", "--nodes", "1", "--json"),
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = run_neuronode("bench", "sync", "--nodes", "1", "--json")
     assert out.returncode == 2
     assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
     assert "--nodes 1" in out.stderr

@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from procutil import neuronode_cmd
+from helpers import run_neuronode
 
 from neuronode.bench import quality, utilization
 from neuronode.errors import ConfigError
@@ -33,8 +32,7 @@ UTILIZATION_KEYS = {
 def bench(kind: str, *flags: str, timeout_s: float) -> dict[str, Any]:
     # The bench's own deadline comes first, so a hang fails with the node's log quoted.
     flags = (*flags, "--timeout", str(timeout_s - 40))
-    out = subprocess.run(neuronode_cmd("bench", kind, *flags, "--json"),
-                         capture_output=True, text=True, timeout=timeout_s, check=False)
+    out = run_neuronode("bench", kind, *flags, "--json", timeout_s=timeout_s)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout
@@ -95,8 +93,7 @@ def test_module_main_refuses_one_node(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_cli_refuses_one_node() -> None:
-    out = subprocess.run(neuronode_cmd("bench", "utilization", "--nodes", "1", "--json"),
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = run_neuronode("bench", "utilization", "--nodes", "1", "--json")
     assert out.returncode == 2 and out.stdout == ""
     assert "--nodes 1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 

@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from procutil import NODE_DEFAULTS, Node
+from helpers import Node
 
 from neuronode.node.status import from_data_dir as status_of
 
@@ -62,67 +58,6 @@ SCENARIOS: dict[str, tuple[tuple[str, ...], dict[str, float] | None]] = {
 ROUND_LINE = re.compile(r"round (\d+) done: .* contributors (\d+) ")
 
 
-# Importing torch, grpc and neuronode is ~85% of a small node's CPU (about 6 of 7 s here), and
-# these runs start 24 nodes on two shared cores. So each node is a process forked from a server
-# that imported them once; it then runs `neuronode start` exactly as the console script does.
-FORKS = multiprocessing.get_context("forkserver")
-FORKS.set_forkserver_preload(["neuronode.cli", "neuronode.node.daemon", "torch._dynamo", "torch.optim",
-                              __name__])
-
-
-def run_cli(argv: list[str], log_path: str) -> None:
-    """The body of a forked node: its output to its log file, then `neuronode ARGV`."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = sys.stderr = open(2, "w", buffering=1, closefd=False)  # open until the exit
-    from neuronode.cli import main
-
-    sys.exit(main(argv))
-
-
-class Forked:
-    """The slice of subprocess.Popen that procutil.Node uses, for a forked process."""
-
-    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
-        self.process = process
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    def poll(self) -> int | None:
-        return self.process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired("neuronode start", timeout or 0)
-        return self.process.exitcode
-
-    def kill(self) -> None:
-        self.process.kill()
-
-    def send_signal(self, sig: int) -> None:
-        assert self.process.pid is not None
-        os.kill(self.process.pid, sig)
-
-
-class WarmNode(Node):
-    """A procutil.Node whose `neuronode start` is forked from the warm server (same arguments
-    as procutil.Node.start)."""
-
-    def start(self, *more: str) -> WarmNode:
-        argv = ["start", "--data-dir", str(self.data_dir), "--listen", self.address, *NODE_DEFAULTS,
-                *self.extra, *more]
-        process = FORKS.Process(target=run_cli, args=(argv, str(self.log_path)),
-                                name=f"neuronode-{self.name}")
-        process.start()
-        self.proc = Forked(process)  # type: ignore[assignment]
-        return self
-
-
 class Swarm:
     """One scenario: the members, started concurrently (all bootstrap from `a`)."""
 
@@ -133,8 +68,8 @@ class Swarm:
         folder.mkdir()
         members = [*HONEST, LIAR] if lie else list(HONEST)
         common = (*SWARM_ARGS, *flags, "--min-peers", str(len(members)))
-        first = WarmNode(folder, members[0], *common, "--node-id", members[0])
-        self.nodes = [first] + [WarmNode(folder, m, *common, "--node-id", m, "--peers", first.address)
+        first = Node(folder, members[0], *common, "--node-id", members[0])
+        self.nodes = [first] + [Node(folder, m, *common, "--node-id", m, "--peers", first.address)
                                 for m in members[1:]]
         if lie:
             plan = folder / "lie.json"

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_neuronode
 
 from neuronode.cli import main
 from neuronode.config import NodeConfig, build_config, flag_name
@@ -119,8 +118,7 @@ def test_help_lists_every_flag_with_default(capsys: pytest.CaptureFixture[str]) 
 
 def test_console_script_entry_point_one_line() -> None:
     """The real executable path (python -m) gives one line and exit 2, no traceback."""
-    out = subprocess.run([sys.executable, "-m", "neuronode.cli", "start", "--inner-steps", "-1"],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = run_neuronode("start", "--inner-steps", "-1")
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from procutil import free_port, poll
+from helpers import free_port, poll
 
 from neuronode.cli import build_parser
 from neuronode.codec import get_codec

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procutil import Node, finish, poll
+from helpers import Node, finish, poll
 
 from neuronode.node import checkpoint
 

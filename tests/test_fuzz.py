@@ -43,10 +43,9 @@ import pytest
 import torch
 import zstandard as zstd
 from google.protobuf.message import DecodeError, Message
+from helpers import Node, poll
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from procutil import Node, poll
-from test_byzantine import WarmNode  # `neuronode start` forked from a server with torch imported
 
 from neuronode.codec import get_codec
 from neuronode.node import checkpoint
@@ -247,12 +246,12 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     sink, refused = Sink(), socket.socket()
     refused.bind(("127.0.0.1", 0))  # bound, never listening: dialing it is refused at once
     fakes = (sink.address, f"127.0.0.1:{refused.getsockname()[1]}")
-    twin = WarmNode(tmp, "twin", *NODE_ARGS)
+    twin = Node(tmp, "twin", *NODE_ARGS)
     targets: dict[str, Target] = {}
     for name, key in (("open", b""), ("closed", secret)):
         pacer = Pacer(key)
         extra = ("--secret-file", str(secret_file)) if key else ()
-        node = WarmNode(tmp, name, *NODE_ARGS, *extra, "--peers", pacer.address)
+        node = Node(tmp, name, *NODE_ARGS, *extra, "--peers", pacer.address)
         channel = grpc.insecure_channel(node.address, options=CHANNEL_OPTIONS)
         targets[name] = Target(name, node, pacer, channel, secret=key, fakes=fakes)
     try:

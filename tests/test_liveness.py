@@ -6,10 +6,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import swarm_config
 
 from neuronode.averaging import RoundState
 from neuronode.clock import ManualClock
-from neuronode.swarm.context import Context, SwarmConfig
+from neuronode.swarm.context import Context
 from neuronode.swarm.membership import PeerTable, round_peers
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.security import Security
@@ -51,9 +52,8 @@ def test_round_peers_are_live_in_reach_of_the_round_and_contributing() -> None:
 @pytest.fixture
 def peers() -> Peers:
     pool = ThreadPoolExecutor(1)
-    cfg = SwarmConfig(node_id="me", swarm_id="s", manifest_hash="m", n_elements=1, listen="127.0.0.1:0",
-                      advertise="127.0.0.1:1", peers=(BOOTSTRAP,), heartbeat_s=2.0)
-    ctx = Context(cfg, security=Security(node_id="me", swarm_id="s"), state=RoundState(), executor=pool,
+    cfg = swarm_config("me", advertise="127.0.0.1:1", peers=(BOOTSTRAP,), heartbeat_s=2.0)
+    ctx = Context(cfg, security=Security(node_id="me", swarm_id=cfg.swarm_id), state=RoundState(), executor=pool,
                   clock=ManualClock())
     return Peers(ctx, on_news=lambda: None)
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procutil import Node, poll
+from helpers import Node, poll
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from procutil import NODE_DEFAULTS, Node, free_port, neuronode_cmd, poll
+from helpers import NODE_DEFAULTS, Node, free_port, neuronode_cmd, poll
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.swarm]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from procutil import Node, free_port, poll
+from helpers import Node, free_port, poll
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 

@@ -13,23 +13,21 @@ from __future__ import annotations
 import re
 import signal
 import socket
-import subprocess
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
+import helpers
 import pytest
 import torch
-from procutil import Node, free_port, hides_refusal, neuronode_cmd, poll
+from helpers import Node, chunks_of, encode, free_port, hides_refusal, poll, run_neuronode
 
 from neuronode import cli
-from neuronode.codec import ContributionDigest, encode_frames, get_codec
-from neuronode.swarm.inbound import bound_digest
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.security import Security
-from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
+from neuronode.swarm.wire import PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -63,11 +61,6 @@ def write_secret(path: Path, text: str) -> Path:
 def rounds_done(node: Node) -> list[tuple[int, int, list[str]]]:
     """(round, contributors, contributor ids) of every 'round N done' line in the node's log."""
     return [(int(m[1]), int(m[2]), m[3].split(",")) for m in ROUND_DONE.finditer(node.log())]
-
-
-def run_cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(neuronode_cmd(*args), capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
 
 
 def wait_all(nodes: Iterable[Node], timeout_s: float) -> None:
@@ -152,9 +145,9 @@ def test_tls_swarm_admits_its_ca_only(tmp_path: Path, capsys: pytest.CaptureFixt
     try:
         a.start()
         # A waits for a second contributor (--min-peers 2), so it stays up for the status checks.
-        poll("a to answer a TLS status", lambda: run_cli(
+        poll("a to answer a TLS status", lambda: run_neuronode(
             "status", "--peer", a.address, "--json", *a_tls).returncode == 0, timeout_s=150)
-        plain = run_cli("status", "--peer", a.address, "--json", "--timeout", "3")
+        plain = run_neuronode("status", "--peer", a.address, "--json", "--timeout", "3")
         assert plain.returncode == 1, plain
         assert plain.stdout == "" and len(plain.stderr.strip().splitlines()) == 1, plain.stderr
         assert plain.stderr.startswith("neuronode: no answer from"), plain.stderr
@@ -183,7 +176,7 @@ def test_tls_swarm_admits_its_ca_only(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.timeout(300)
 def test_public_listen_needs_a_secret_tls_or_open(tmp_path: Path) -> None:
     port = free_port()
-    refused = run_cli("start", "--data-dir", str(tmp_path / "refused"),
+    refused = run_neuronode("start", "--data-dir", str(tmp_path / "refused"),
                       "--listen", f"0.0.0.0:{port}", *SMALL)
     assert refused.returncode == 2, refused
     lines = refused.stderr.strip().splitlines()
@@ -206,31 +199,14 @@ def test_public_listen_needs_a_secret_tls_or_open(tmp_path: Path) -> None:
 
 
 def swarm_config(node_id: str, **overrides: Any) -> SwarmConfig:
-    fields: dict[str, Any] = dict(
-        node_id=node_id, swarm_id=SWARM, manifest_hash=MANIFEST, n_elements=N_ELEMENTS,
-        listen="127.0.0.1:0", advertise="", heartbeat_s=0.2, sync_timeout_s=20.0)
-    fields.update(overrides)
-    return SwarmConfig(**fields)
+    return helpers.swarm_config(node_id, swarm_id=SWARM, manifest_hash=MANIFEST, n_elements=N_ELEMENTS, **overrides)
 
 
 def contribution(sender_id: str, *, round_id: int = 0, seed: int = 0,
                  secret: bytes = SECRET) -> list[pb.ContributionChunk]:
     """An honest fp32 contribution of `sender_id`, tagged with `secret` for `round_id`."""
     x = torch.randn(N_ELEMENTS, generator=torch.Generator().manual_seed(seed))
-    digest = ContributionDigest()
-    frames = list(encode_frames(x, codec="fp32", chunk_bytes=CHUNK_BYTES, zstd_level=1,
-                                digest=digest))
-    codec = get_codec("fp32")
-    chunk_elements = CHUNK_BYTES // codec.payload_bytes(codec.block_elems) * codec.block_elems
-    tag = Security(node_id=sender_id, swarm_id=SWARM, secret=secret).contribution_tag(
-        round_id=round_id, sender_id=sender_id,
-        contribution_digest=bound_digest(digest.hexdigest(), "", 0, 0, (), ()),
-        codec="fp32", weight=1.0, total_elements=N_ELEMENTS)
-    return [pb.ContributionChunk(
-        round_id=round_id, sender_id=sender_id, swarm_id=SWARM, chunk_index=f.index,
-        chunk_count=f.count, codec=CODEC_TO_PB["fp32"], compressed=f.compressed, payload=f.data,
-        contribution_digest=digest.hexdigest(), weight=1.0, total_elements=N_ELEMENTS,
-        chunk_elements=chunk_elements, auth_tag=tag) for f in frames]
+    return chunks_of(encode(sender_id, x, round_id=round_id, chunk_bytes=CHUNK_BYTES), swarm_id=SWARM, secret=secret)
 
 
 class Member:
@@ -261,7 +237,7 @@ class Member:
         for _ in range(5):
             code, details = await self._call(method, as_id=as_id, chunks=chunks)
             if not (method == "PushContribution" and hides_refusal(code, details)):
-                return code, details  # (otherwise: procutil.GRPC_EARLY_STATUS_BUG; send again)
+                return code, details  # (otherwise: helpers.GRPC_EARLY_STATUS_BUG; send again)
         raise AssertionError("every push met grpc/grpc#36066")
 
     async def _call(self, method: str, *, as_id: str = "",
@@ -292,14 +268,6 @@ class Member:
 async def stream(chunks: Iterable[pb.ContributionChunk]) -> AsyncIterator[pb.ContributionChunk]:
     for chunk in chunks:
         yield chunk
-
-
-@pytest.fixture
-def refused_address() -> Iterator[str]:
-    """Bound, never listening: the node's heartbeats to our raw clients fail at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture
@@ -508,7 +476,7 @@ def test_tls_node_id_is_its_certificates_name(tmp_path: Path) -> None:
     start with one line (exit 2)."""
     ca = make_ca(tmp_path, "ca", "tls")
     b_tls = issue(ca, tmp_path / "certs", "b")
-    out = run_cli("start", "--data-dir", str(tmp_path / "d"), "--swarm-id", "tls", "--node-id", "a",
+    out = run_neuronode("start", "--data-dir", str(tmp_path / "d"), "--swarm-id", "tls", "--node-id", "a",
                   *b_tls, *SMALL)
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers import swarm_config
 
 from neuronode.state import GlobalState
 from neuronode.swarm.node import SwarmConfig, SwarmNode
@@ -25,9 +26,7 @@ async def test_fetch_state_verified(zstd_level: int) -> None:
     state = GlobalState(round=7, param_digest=digest, params=params, momentum=momentum, inner_steps_total=350)
 
     def cfg(node_id: str, peers: tuple[str, ...] = ()) -> SwarmConfig:
-        return SwarmConfig(node_id=node_id, swarm_id="t", manifest_hash="m", n_elements=n,
-                           listen="127.0.0.1:0", advertise="", peers=peers, heartbeat_s=0.2,
-                           zstd_level=zstd_level)
+        return swarm_config(node_id, n_elements=n, peers=peers, zstd_level=zstd_level)
 
     with ThreadPoolExecutor(2) as pool:
         donor = SwarmNode(cfg("donor"), executor=pool, state_provider=lambda: state)
@@ -66,8 +65,7 @@ async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCa
     good, bad = state_of(honest), state_of(forged)
 
     def cfg(node_id: str, peers: tuple[str, ...] = ()) -> SwarmConfig:
-        return SwarmConfig(node_id=node_id, swarm_id="t", manifest_hash="m", n_elements=n,
-                           listen="127.0.0.1:0", advertise="", peers=peers, heartbeat_s=0.2)
+        return swarm_config(node_id, n_elements=n, peers=peers)
 
     with ThreadPoolExecutor(2) as pool:
         liar = SwarmNode(cfg("a-liar"), executor=pool, state_provider=lambda: bad)

@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from helpers import swarm_config
 
 from neuronode.node.run import run_async
-from neuronode.swarm.node import SwarmConfig, SwarmNode
+from neuronode.swarm.node import SwarmNode
 from neuronode.swarm.wire import status_to_dict
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -19,8 +20,7 @@ REQUIRED = {"node_id", "round", "phase", "peers", "last_round_contributors", "pa
 
 
 async def serve_and_ask() -> tuple[dict[str, object], str]:
-    cfg = SwarmConfig(node_id="node-s", swarm_id="t", manifest_hash="m", n_elements=10,
-                      listen="127.0.0.1:0", advertise="", heartbeat_s=0.5)
+    cfg = swarm_config("node-s", n_elements=10, heartbeat_s=0.5)
     provider = {"round": 4, "phase": "training", "param_digest": "abc", "loss": 1.5,
                 "val_loss": 2.5, "last_round_contributors": 3}
     with ThreadPoolExecutor(1) as pool:
@@ -53,8 +53,7 @@ def test_status_cli_against_live_node() -> None:
     from neuronode.node.status import from_peer
 
     async def main() -> dict[str, object]:
-        cfg = SwarmConfig(node_id="node-x", swarm_id="t", manifest_hash="m", n_elements=10,
-                          listen="127.0.0.1:0", advertise="")
+        cfg = swarm_config("node-x", n_elements=10)
         with ThreadPoolExecutor(1) as pool:
             node = SwarmNode(cfg, executor=pool, status_provider=lambda: {"round": 2})
             address = await node.start()

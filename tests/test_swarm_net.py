@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,13 +19,13 @@ import grpc
 import pytest
 import torch
 import zstandard as zstd
-from procutil import hides_refusal
+from helpers import Nodes, chunks_of, encode, hides_refusal, swarm_config, wait_until
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, Prepared, ReduceScatter
-from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase, VectorEncoder
+from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
-from neuronode.swarm.node import SwarmConfig, SwarmNode
-from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
+from neuronode.swarm.node import SwarmNode
+from neuronode.swarm.wire import PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -56,12 +55,6 @@ def make_vector(seed: int) -> torch.Tensor:
     x = (bits.to(torch.int32) & ~(1 << 30)).view(torch.float32).clone()
     x[N_ELEMENTS // 2 :] = 0.0
     return x
-
-
-def encode(node_id: str, x: torch.Tensor, *, round_id: int = 0, weight: float = 1.0) -> Contribution:
-    """What a node's encoder makes for one round (fp32, no error feedback)."""
-    encoder = VectorEncoder(codec="fp32", chunk_bytes=CHUNK_BYTES, zstd_level=1, byte_shuffle=False)
-    return encoder.encode(x, 0.0, weight=weight, round_id=round_id, sender_id=node_id)
 
 
 def averager(node: SwarmNode, kind: type[AllToAll] | type[ReduceScatter] = AllToAll) -> AllToAll | ReduceScatter:
@@ -96,28 +89,11 @@ async def agree_shards(node: SwarmNode, round_id: int, members: tuple[str, ...],
 
 def to_chunks(out: Contribution, *, sender_id: str = ROGUE) -> Chunks:
     """The ContributionChunk stream that carries `out`, as the wire protocol defines it."""
-    return [
-        pb.ContributionChunk(
-            round_id=out.round_id, sender_id=sender_id, swarm_id=SWARM, chunk_index=f.index,
-            chunk_count=f.count, codec=CODEC_TO_PB[out.codec], compressed=f.compressed,
-            payload=f.data, contribution_digest=out.digest, weight=out.weight,
-            total_elements=out.n_elements, chunk_elements=out.chunk_elements,
-        )
-        for f in out.frames
-    ]
+    return chunks_of(out, swarm_id=SWARM, sender_id=sender_id)
 
 
 def honest_chunks(*, round_id: int = 0, seed: int = 7, weight: float = 3.0) -> Chunks:
     return to_chunks(encode(ROGUE, make_vector(seed), round_id=round_id, weight=weight))
-
-
-async def wait_until(predicate: Callable[[], bool], *, what: str, timeout_s: float = 10.0) -> None:
-    """Poll `predicate` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still waiting after {timeout_s} s for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def holds_for(predicate: Callable[[], bool], *, what: str, duration_s: float) -> None:
@@ -130,38 +106,6 @@ async def holds_for(predicate: Callable[[], bool], *, what: str, duration_s: flo
 
 def alive_ids(node: SwarmNode) -> set[str]:
     return {p.node_id for p in node.table.alive()}
-
-
-def swarm_config(node_id: str, **overrides: Any) -> SwarmConfig:
-    fields: dict[str, Any] = dict(
-        node_id=node_id, swarm_id=SWARM, manifest_hash=MANIFEST, n_elements=N_ELEMENTS,
-        listen="127.0.0.1:0", advertise="", heartbeat_s=HEARTBEAT_S, sync_timeout_s=20.0,
-    )
-    fields.update(overrides)
-    return SwarmConfig(**fields)
-
-
-class Nodes:
-    """Starts SwarmNodes on 127.0.0.1:0; `stop_all` stops every one still running."""
-
-    def __init__(self, executor: ThreadPoolExecutor) -> None:
-        self.executor = executor
-        self.running: list[SwarmNode] = []
-
-    async def start(self, node_id: str, *, peers: Iterable[str] = (), **overrides: Any) -> SwarmNode:
-        node = SwarmNode(swarm_config(node_id, peers=tuple(peers), **overrides),
-                         executor=self.executor)
-        await node.start()
-        self.running.append(node)
-        return node
-
-    async def stop(self, node: SwarmNode) -> None:
-        self.running.remove(node)
-        await node.stop(grace_s=0.5)
-
-    async def stop_all(self) -> None:
-        nodes, self.running = self.running, []
-        await asyncio.gather(*(n.stop(grace_s=0.5) for n in nodes), return_exceptions=True)
 
 
 class Client:
@@ -198,7 +142,7 @@ class Client:
                 ack = await self.stub.PushContribution(stream(), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 if hides_refusal(exc.code(), exc.details() or ""):
-                    continue  # see procutil.GRPC_EARLY_STATUS_BUG
+                    continue  # see helpers.GRPC_EARLY_STATUS_BUG
                 return exc.code(), exc.details() or "", 0
             return Code.OK, "", ack.chunks_received
         raise AssertionError("every push met grpc/grpc#36066")
@@ -209,31 +153,6 @@ class Client:
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(2)
-    yield pool
-    pool.shutdown(wait=True)
-
-
-@pytest.fixture
-async def nodes(executor: ThreadPoolExecutor) -> AsyncIterator[Nodes]:
-    started = Nodes(executor)
-    try:
-        yield started
-    finally:
-        await started.stop_all()
-
-
-@pytest.fixture
-def refused_address() -> Iterator[str]:
-    """An address nobody listens on: the socket is bound (so the port stays ours) but never
-    listens, so the node's heartbeats to the raw client are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture

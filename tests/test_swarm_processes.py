@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from procutil import Node, finish, poll
+from helpers import Node, finish, poll
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -139,7 +139,8 @@ def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_pa
     between the two. Were c a member of its join round for b but not for a, they would drop each
     other's slices and wait out the deadline, and their replicas would part. c listens to the
     round it adopted instead, is a member from the next one, and every round agrees."""
-    common = ("--rounds", "10", "--batch-size", "8", "--averaging", "reduce-scatter", "--sync-timeout", "30")
+    common = ("--rounds", "10", "--batch-size", "8", "--averaging", "reduce-scatter", "--sync-timeout", "30",
+              "--min-peers", "2")  # a waits for b before round 0, so only c joins the running swarm
     a = Node(tmp_path, "a", *common, "--inner-steps", "4", "--node-id", "a")
     b = Node(tmp_path, "b", *common, "--inner-steps", "30", "--node-id", "b", "--peers", a.address)
     c = Node(tmp_path, "c", *common, "--inner-steps", "10", "--node-id", "c", "--peers", a.address)

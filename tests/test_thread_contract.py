@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procutil import free_port
+from helpers import free_port
 
 from neuronode.codec import ErrorFeedback, VectorEncoder
 from neuronode.config import NodeConfig
