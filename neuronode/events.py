@@ -1,8 +1,10 @@
 """Structured log events and throttled repeats.
 
-Log records may carry `event`, `round_id` and `peer_id` (pass them as `extra`); the JSON log
-format writes them as fields, so a script or a test reads `{"event": "round_done", ...}` instead
-of matching text. `Throttled` logs a recurring condition once, then at most every `every_s`.
+A log record may carry an event: `logger.info("...", extra=fields("round_done", round_id=r,
+contributors=[...]))`. The JSON log format writes `event`, `round_id`, `peer_id` and the event's
+data as fields of the line, so a script or a test reads `{"event": "round_done", ...}` instead of
+matching text (docs/observability in README lists the events). `Throttled` logs a recurring
+condition once, then at most every `every_s`.
 """
 
 from __future__ import annotations
@@ -13,15 +15,24 @@ from typing import Any
 from neuronode.clock import Clock
 
 FIELDS = ("event", "round_id", "peer_id")
+DATA = "event_data"  # the record attribute that holds the event's other fields
 
 
-def fields(event: str, *, round_id: int | None = None, peer_id: str | None = None) -> dict[str, Any]:
-    """`extra` for a log call: the event name and, where they apply, the round and the peer."""
-    out: dict[str, Any] = {"event": event}
+def fields(event: str, *, round_id: int | None = None, peer_id: str | None = None, **data: Any) -> dict[str, Any]:
+    """`extra` for a log call: the event name, where they apply the round and the peer, and any
+    other JSON-able facts of the event."""
+    out: dict[str, Any] = {"event": event, DATA: data}
     if round_id is not None:
         out["round_id"] = round_id
     if peer_id is not None:
         out["peer_id"] = peer_id
+    return out
+
+
+def record_fields(record: Any) -> dict[str, Any]:
+    """The event fields a log record carries (none for a plain line)."""
+    out = {name: getattr(record, name) for name in FIELDS if getattr(record, name, None) is not None}
+    out.update(getattr(record, DATA, None) or {})
     return out
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 # Several nodes share 2 cores: one torch thread each, quick heartbeats, small rounds.
-NODE_DEFAULTS = ["--threads", "1", "--heartbeat-s", "0.5", "--log-level", "info"]
+# JSON log lines: tests read the nodes' events (Node.events) rather than match text.
+NODE_DEFAULTS = ["--threads", "1", "--heartbeat-s", "0.5", "--log-level", "info", "--log-format", "json"]
 
 # Importing torch, grpc and neuronode is ~85% of a small node's CPU (about 6 of 7 s on two busy
 # cores), and the suite starts dozens of nodes. So each node is a process forked from a server

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,6 @@ SCENARIOS: dict[str, tuple[tuple[str, ...], dict[str, float] | None]] = {
     "trimmed-flip": (TRIMMED, FLIP), "median-flip": (MEDIAN, FLIP),
     "mean-flip": (MEAN, FLIP), "mean-noise": (MEAN, NOISE),
 }
-ROUND_LINE = re.compile(r"round (\d+) done: .* contributors (\d+) ")
 
 
 class Swarm:
@@ -93,7 +91,7 @@ class Swarm:
         finally:
             self.kill()
         for node in self.nodes:  # every round averaged every member, the liar included
-            contributors = {int(r): int(c) for r, c in ROUND_LINE.findall(node.log())}
+            contributors = {e["round"]: len(e["contributors"]) for e in node.events("round_done")}
             want = {r: len(self.nodes) for r in range(1, ROUNDS + 1)}
             assert contributors == want, (self.name, node.name, contributors)
         return {node.name: status_of(str(node.data_dir)) for node in self.nodes}

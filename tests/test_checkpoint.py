@@ -11,6 +11,7 @@ import torch
 
 from neuronode.config import NodeConfig
 from neuronode.errors import CheckpointError
+from neuronode.events import record_fields
 from neuronode.node import checkpoint
 from neuronode.node.trainer import Trainer
 
@@ -48,7 +49,8 @@ def test_corrupt_checkpoint_refused_previous_used(tmp_path: Path, damage: str, c
     with caplog.at_level(logging.ERROR):
         loaded = checkpoint.load_latest(tmp_path)
     assert loaded is not None and loaded.meta["round"] == 1
-    assert "refusing checkpoint" in caplog.text and newest.name in caplog.text
+    refused = [record_fields(r) for r in caplog.records if getattr(r, "event", "") == "checkpoint_refused"]
+    assert [r["checkpoint"] for r in refused] == [newest.name]
 
 
 def test_no_checkpoint_gives_none(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 from pathlib import Path
@@ -16,14 +15,22 @@ from neuronode.node import checkpoint
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
-ROUND = re.compile(r"round (\d+) done: .* contributors (\d+) sync (\S+)s .* digest (\w+) from (\S*)")
 SYNC_TIMEOUT = 20.0
 COMMON = ("--inner-steps", "10", "--sync-timeout", str(SYNC_TIMEOUT), "--batch-size", "8")
 
 
 def rounds(node: Node) -> dict[int, tuple[int, float, str, list[str]]]:
-    """round -> (contributors, sync seconds, digest prefix, contributor ids) from a node's log."""
-    return {int(r): (int(c), float(s), d, ids.split(",")) for r, c, s, d, ids in ROUND.findall(node.log())}
+    """completed round -> (contributors, sync seconds, param_digest, contributor ids), from the
+    node's round_done events."""
+    return {e["round"]: (len(e["contributors"]), e["sync_s"], e["param_digest"], e["contributors"])
+            for e in node.events("round_done")}
+
+
+def since_restart(node: Node) -> list[dict[str, object]]:
+    """The node's events since it last resumed from a checkpoint."""
+    events = node.events()
+    starts = [i for i, e in enumerate(events) if e.get("event") == "resumed"]
+    return [e for e in events[starts[-1]:] if "event" in e] if starts else []
 
 
 def done_round(node: Node) -> int:
@@ -52,8 +59,8 @@ def test_crash_restart_and_late_joiner(tmp_path: Path) -> None:
         # d contributes from round id 1 on (the second round), unless it came too late for that
         # one and listened to it (the join race): then its first contribution is a later round.
         streaming = poll("d streaming a contribution after its first round",
-                         lambda: [int(r) for r in re.findall(r"round (\d+): contribution ready", d.log())
-                                  if int(r) >= 1], timeout_s=180, context=lambda: d.log()[-4000:])
+                         lambda: [e["round_id"] for e in d.events("contribution_ready") if e["round_id"] >= 1],
+                         timeout_s=180, context=lambda: d.log()[-4000:])
         assert d.proc is not None
         d.proc.send_signal(signal.SIGKILL)
         d.wait(10)
@@ -75,15 +82,15 @@ def test_crash_restart_and_late_joiner(tmp_path: Path) -> None:
     for node in (a, b, c):
         assert max(sync for _, sync, _, _ in rounds(node).values()) <= SYNC_TIMEOUT + 2
     # d resumed from its own checkpoint and caught up by state transfer.
-    assert "resumed from round-" in d.log() and "adopted the swarm's state" in d.log()
+    assert d.events("resumed") and d.events("adopted")
     # e joined at round k >= 3 by state transfer; its first contribution is in round k + 1. The
     # join race (members close round k before e's announcement reaches them) makes e listen to
     # round k instead, or, where even that came too late, costs one repair.
-    adoptions = [int(r) for r in re.findall(r"adopted the swarm's state at round (\d+)", e.log())]
+    adoptions = [ev["round_id"] for ev in e.events("adopted")]
     assert adoptions, e.log()
     assert adoptions[0] >= 3 and len(adoptions) <= 2, adoptions
     k = adoptions[-1]
-    listened = re.search(rf"round {k}: .* closed it before we could contribute", e.log()) is not None
+    listened = any(ev["round_id"] == k for ev in e.events("stand_aside"))
     a_rounds = rounds(a)
     assert all("e" not in ids for r, (_, _, _, ids) in a_rounds.items() if r <= adoptions[0])
     first_with_e = min(r for r, (_, _, _, ids) in a_rounds.items() if "e" in ids)
@@ -109,8 +116,7 @@ def test_altered_replica_repairs_itself(tmp_path: Path) -> None:
         checkpoint.save(c.data_dir, meta["round"], meta, loaded.state)
         c.start()
         # Repaired, then two more rounds in agreement with a.
-        poll("c to repair", lambda: "adopted the swarm's state" in c.log().split("resumed from")[-1],
-             timeout_s=240)
+        poll("c to repair", lambda: any(e["event"] == "adopted" for e in since_restart(c)), timeout_s=240)
         repaired_at = max(rounds(c)) if rounds(c) else 0
 
         def agreed_rounds() -> list[int]:
@@ -121,11 +127,12 @@ def test_altered_replica_repairs_itself(tmp_path: Path) -> None:
     finally:
         for node in (a, b, c):
             node.kill()
-    after_restart = c.log().split("resumed from")[-1]
-    assert "diverged from the swarm" in after_restart or "behind the swarm" in after_restart, after_restart
+    after_restart = since_restart(c)
+    reasons = [e["reason"] for e in after_restart if e["event"] == "catching_up"]
+    assert reasons and reasons[0] in ("diverged", "behind"), after_restart
     # Repaired within two rounds of coming back: at most two rounds of its own before adopting.
-    before_repair = after_restart.split("adopted the swarm's state")[0]
-    assert len(ROUND.findall(before_repair)) <= 2
+    names = [e["event"] for e in after_restart]
+    assert names[:names.index("adopted")].count("round_done") <= 2
 
 
 def test_partition_heals_to_one_model(tmp_path: Path) -> None:
@@ -175,7 +182,7 @@ def test_sigterm_peer_leaves_and_round_closes_without_deadline(tmp_path: Path) -
     finally:
         for node in (a, b):
             node.kill()
-    assert "left the swarm" in a.log()
+    assert [e["peer_id"] for e in a.events("peer_left")] == ["b"]
     assert b.status()["round"] >= 1  # checkpoint written
     # a's next round closed without waiting for the 120 s deadline.
     assert rounds(a)[before + 1][1] < 30
@@ -198,7 +205,7 @@ def test_sigterm_cuts_short_the_final_drain_to_an_unreachable_peer(tmp_path: Pat
         poll("round 1 on both", lambda: min(done_round(n) for n in (a, b)) >= 1, timeout_s=180)
         plan.write_text(json.dumps({"blocked": [b.address]}))
         poll("a's last round", lambda: done_round(a) >= 2, timeout_s=120)
-        poll("a draining its pushes", lambda: "pushes still in flight" in a.log(), timeout_s=60)
+        poll("a draining its pushes", lambda: a.events("draining"), timeout_s=60)
         assert a.proc is not None and a.proc.poll() is None, a.log()[-2000:]
         started = time.monotonic()
         a.proc.send_signal(signal.SIGTERM)

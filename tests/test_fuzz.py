@@ -27,7 +27,6 @@ import functools
 import itertools
 import math
 import os
-import re
 import socket
 import struct
 import threading
@@ -225,8 +224,8 @@ class Sink(pb_grpc.NodeServicer):
 
 
 def n_params_of(node: Node) -> int:
-    found = re.search(rf"node {NODE_ID}: (\d+) parameters", node.log())
-    return int(found.group(1)) if found else 0
+    joined = node.events("joined")
+    return int(joined[0]["n_params"]) if joined else 0
 
 
 @dataclass
@@ -922,10 +921,12 @@ def test_closed_node_blames_the_proven_caller_not_the_claimed_sender(nodes: Fuzz
 # ---- the end: the fuzzed nodes finish like their untouched twin ----------------------------------
 
 
-def unexpected_tracebacks(log: str) -> list[str]:
-    """Tracebacks in a node's log (undecodable requests included: the node answers those itself)."""
-    lines = log.splitlines()
-    return [lines[i - 1] if i else line for i, line in enumerate(lines) if line.startswith("Traceback")]
+def unexpected_tracebacks(node: Node) -> list[str]:
+    """Tracebacks in a node's log (undecodable requests included: the node answers those itself):
+    printed ones, and log records that carry one."""
+    lines = node.log().splitlines()
+    printed = [lines[i - 1] if i else line for i, line in enumerate(lines) if line.startswith("Traceback")]
+    return printed + [record["msg"] for record in node.events() if "exc" in record]
 
 
 def test_fuzzed_nodes_finish_bit_identical_to_their_untouched_twin(nodes: Fuzzed) -> None:
@@ -953,7 +954,7 @@ def test_fuzzed_nodes_finish_bit_identical_to_their_untouched_twin(nodes: Fuzzed
     assert loaded is not None
     assert all(torch.isfinite(v).all() for v in iter_tensors(loaded.state["engine"]))
     for t in fuzzed:
-        assert not unexpected_tracebacks(t.node.log()), unexpected_tracebacks(t.node.log())[:5]
+        assert not unexpected_tracebacks(t.node), unexpected_tracebacks(t.node)[:5]
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from pathlib import Path
@@ -12,14 +11,10 @@ from helpers import Node, poll
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
-ROUND_LINE = re.compile(r"round (\d+) done: loss \S+ val_loss (\S+)")
-
-
-def val_losses(log: str) -> dict[int, float]:
-    out = {int(r): float(v) for r, v in ROUND_LINE.findall(log)}
-    start = re.search(r"round 0: val_loss (\S+)", log)
-    if start:
-        out[0] = float(start.group(1))
+def val_losses(node: Node) -> dict[int, float]:
+    """Completed rounds -> val_loss after them (0: before training), from the node's events."""
+    out = {e["round"]: e["val_loss"] for e in node.events("round_done")}
+    out.update({e["round_id"]: e["val_loss"] for e in node.events("validated")})
     return out
 
 
@@ -31,7 +26,7 @@ def test_trains_alone_and_validation_loss_falls(tmp_path: Path) -> None:
         assert node.wait(240) == 0, node.log()
     finally:
         node.kill()
-    losses = val_losses(node.log())
+    losses = val_losses(node)
     assert sorted(losses) == [0, 1, 2, 3], node.log()
     assert 4.8 < losses[0] < 5.9  # about uniform over 256 bytes before training
     assert losses[0] > losses[1] > losses[2] > losses[3], losses
@@ -53,14 +48,14 @@ def test_kill_9_mid_round_then_resume(tmp_path: Path) -> None:
         assert node.wait(240) == 0, node.log()
     finally:
         node.kill()
-    assert "resumed from round-00000001.ckpt" in node.log()
+    assert [(e["round_id"], e["checkpoint"]) for e in node.events("resumed")] == [(1, "round-00000001.ckpt")]
     assert node.status()["round"] == 3
 
 
 def test_sigterm_exits_0_quickly_with_checkpoint(tmp_path: Path) -> None:
     node = Node(tmp_path, "term").start("--inner-steps", "20")
     try:
-        poll("round 1 to complete", lambda: "round 1 done" in node.log(), timeout_s=120)
+        poll("round 1 to complete", lambda: any(e["round"] == 1 for e in node.events("round_done")), timeout_s=120)
         assert node.proc is not None
         started = time.monotonic()
         node.proc.send_signal(signal.SIGTERM)

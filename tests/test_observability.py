@@ -263,6 +263,11 @@ def test_json_log_format_every_line_is_an_object(finished_run: FinishedRun) -> N
     messages = [e["msg"] for e in entries]
     assert any(m.startswith("round 1 done:") for m in messages), messages
     assert any(m.startswith("stopped at round 1") for m in messages), messages
+    # Structured events: the facts of a line as fields, for scripts and tests.
+    done = [e for e in entries if e.get("event") == "round_done"]
+    assert [(e["round_id"], e["round"], len(e["contributors"])) for e in done] == [(0, 1, 1)], done
+    assert len(done[0]["param_digest"]) == 64 and done[0]["val_loss"] > 0
+    assert [e["round_id"] for e in entries if e.get("event") == "stopped"] == [1]
     assert finished_run.stdout == ""
 
 
@@ -298,7 +303,7 @@ PROGRESS = re.compile(r"\r\x1b\[2K(round 1/1 [^\r\n]*?step (\d+)/5 loss [0-9.]+ 
 
 @pytest.mark.timeout(200)
 def test_live_progress_line_on_a_tty(tmp_path: Path) -> None:
-    cmd = start_cmd(tmp_path / "node", "--rounds", "1", "--inner-steps", "5")
+    cmd = start_cmd(tmp_path / "node", "--rounds", "1", "--inner-steps", "5", "--log-format", "text")
     rc, screen = run_on_pty(cmd, stream="stderr", timeout_s=150)
     assert rc == 0, screen
     steps = [int(m.group(2)) for m in PROGRESS.finditer(screen)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import swarm_config
 
+from neuronode.events import record_fields
 from neuronode.state import GlobalState
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 
@@ -89,4 +90,5 @@ async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCa
                 await node.stop()
     assert got is not None and got.param_digest == good.param_digest
     assert torch.equal(got.params, honest)
-    assert "state from a-liar is not the swarm's" in caplog.text
+    rejected = [record_fields(r) for r in caplog.records if getattr(r, "event", "") == "donor_rejected"]
+    assert [(r["peer_id"], r["reason"]) for r in rejected] == [("a-liar", "not the published digest")]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import Node, finish, poll
@@ -12,10 +12,18 @@ from helpers import Node, finish, poll
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
 
-def first_round_loss(log: str) -> float:
-    match = re.search(r"round 1 done: loss (\S+)", log)
-    assert match, log
-    return float(match.group(1))
+def done(node: Node) -> dict[int, dict[str, Any]]:
+    """Completed round -> its round_done event (contributors, param_digest, loss, ...)."""
+    return {e["round"]: e for e in node.events("round_done")}
+
+
+def repairs(node: Node) -> list[dict[str, Any]]:
+    return [e for e in node.events("catching_up") if e["reason"] == "diverged"]
+
+
+def refusals(node: Node) -> list[str]:
+    """What the node refused, or was refused with, in its Hellos (the reasons it logged)."""
+    return [e["detail"] for e in node.events() if e.get("event") in ("refused", "refused_by", "refusing_peer")]
 
 
 def test_three_nodes_chain_bootstrap_identical_replicas(tmp_path: Path) -> None:
@@ -44,10 +52,10 @@ def test_three_nodes_chain_bootstrap_identical_replicas(tmp_path: Path) -> None:
     assert len({s["param_digest"] for s in statuses}) == 1
     assert len({s["node_id"] for s in statuses}) == 3
     # Different data streams: their local losses differ, so equal digests come from averaging.
-    assert len({first_round_loss(n.log()) for n in (a, b, c)}) == 3
+    assert len({done(n)[1]["loss"] for n in (a, b, c)}) == 3
     # The odd model is refused on both sides and never averaged in.
-    assert "model manifest mismatch" in d.log()
-    assert "model manifest mismatch" in a.log()
+    assert any("model manifest mismatch" in r for r in refusals(d)), d.log()
+    assert any("model manifest mismatch" in r for r in refusals(a)), a.log()
     assert d.status()["last_round_contributors"] == 1
     assert d.status()["node_id"] not in statuses[0]["last_round_contributor_ids"]
 
@@ -117,20 +125,14 @@ def test_overlap_late_joiner_listens_to_its_join_round_then_matches(tmp_path: Pa
     finally:
         for node in (a, b):
             node.kill()
-    a_log, b_log = a.log(), b.log()
-    joined = re.search(r"adopted the swarm's state at round (\d+)", b_log)
-    assert joined, b_log
-    assert f"round {joined.group(1)}: listening to the swarm's" in b_log
+    joined = b.events("adopted")
+    assert joined, b.log()
+    assert joined[0]["round_id"] in [e["round_id"] for e in b.events("listening")]
     statuses = [n.status() for n in (a, b)]
     assert all(s["round"] == 20 for s in statuses)
     assert statuses[0]["param_digest"] == statuses[1]["param_digest"]
     assert statuses[1]["last_round_contributors"] == 2
-    repairs = [line for log in (a_log, b_log) for line in log.splitlines()
-               if "diverged from the swarm (round" in line]
-    assert len(repairs) <= 1, repairs
-
-
-ROUND_LINE = re.compile(r"round (\d+) done: .* contributors (\d+) .* digest (\w+) from (\S*)")
+    assert len(repairs(a) + repairs(b)) <= 1, repairs(a) + repairs(b)
 
 
 def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_path: Path) -> None:
@@ -154,15 +156,14 @@ def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_pa
     finally:
         for node in nodes:
             node.kill()
-    logs = {n.name: n.log() for n in nodes}
-    joined = re.search(r"adopted the swarm's state at round (\d+)", logs["c"])
-    assert joined, logs["c"]
-    k = int(joined.group(1))
-    assert f"round {k}: listening to the swarm's averaged shard" in logs["c"], logs["c"]
-    per_node = {name: {int(r): (int(n), d, ids) for r, n, d, ids in ROUND_LINE.findall(log)}
-                for name, log in logs.items()}
-    for name, log in logs.items():
-        assert "diverged from the swarm" not in log, (name, log[-3000:])
+    joined = c.events("adopted")
+    assert joined, c.log()
+    k = joined[0]["round_id"]
+    assert [(e["round_id"], e["phase"]) for e in c.events("listening")] == [(k, "averaged")], c.log()
+    per_node = {n.name: {r: (len(e["contributors"]), e["param_digest"], ",".join(e["contributors"]))
+                         for r, e in done(n).items()} for n in nodes}
+    for node in nodes:
+        assert not repairs(node), (node.name, node.log()[-3000:])
     # The round c listened to (done as round k + 1) and every later one: one result everywhere;
     # from c's first round as a member (k + 1, done as k + 2) on, all three contributed.
     for r in range(k + 1, 11):
@@ -172,7 +173,11 @@ def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_pa
     assert len({n.status()["param_digest"] for n in nodes}) == 1
 
 
-SKIPPED_SHARDS = re.compile(r"round (\d+): (?:shards \[0\] did not reach every member|no averaged shard from a;)")
+def skipped_shard_0(node: Node) -> set[int]:
+    """Rounds in which the node gave shard 0 (a's) no update: it had it but not every member did
+    (shards_skipped), or it never got it (shard_missing)."""
+    return ({e["round_id"] for e in node.events("shards_skipped") if e["shards"] == [0]}
+            | {e["round_id"] for e in node.events("shard_missing") if e["reducers"] == ["a"]})
 
 
 def start_cut_trio(tmp_path: Path) -> tuple[Node, Node, Node]:
@@ -202,14 +207,13 @@ def test_reduce_scatter_shard_lost_on_one_link_is_skipped_by_every_member(tmp_pa
     finally:
         for node in nodes:
             node.kill()
-    logs = {n.name: n.log() for n in nodes}
-    for name, log in logs.items():
-        assert "diverged from the swarm" not in log, (name, log[-3000:])
-        assert "no shard receipt" not in log, (name, log[-3000:])
+    for node in nodes:
+        assert not repairs(node), (node.name, node.log()[-3000:])
+        assert not node.events("receipt_deadline"), (node.name, node.log()[-3000:])
         # Shard 0 (a's, members sorted) was skipped in every round: by a and b, which had it,
         # after reading c's receipt, and by c, which never got it.
-        assert set(map(int, SKIPPED_SHARDS.findall(log))) == {0, 1, 2}, (name, log[-3000:])
-    per_node = {name: {int(r): d for r, _, d, _ in ROUND_LINE.findall(log)} for name, log in logs.items()}
+        assert skipped_shard_0(node) == {0, 1, 2}, (node.name, node.log()[-3000:])
+    per_node = {n.name: {r: e["param_digest"] for r, e in done(n).items()} for n in nodes}
     for r in (1, 2, 3):
         assert len({per_node[name][r] for name in per_node}) == 1, (r, per_node)
     assert len({n.status()["param_digest"] for n in nodes}) == 1
@@ -224,11 +228,12 @@ def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tm
     a, b, c = start_cut_trio(tmp_path)
 
     def round_1_results() -> dict[str, str]:
-        return {n.name: d for n in (b, c) for r, _, d, _ in ROUND_LINE.findall(n.log()) if int(r) == 2}
+        return {n.name: done(n)[2]["param_digest"] for n in (b, c) if 2 in done(n)}
 
     try:
         def shard_reached_b() -> bool:
-            return "round 1: sent our averaged shard to b" in a.log()
+            return any(e["round_id"] == 1 and e["peer_id"] == "b" and e["phase"] == "averaged"
+                       for e in a.events("pushed"))
 
         # a's averaged shard is all at b (its stream to c broke after the first chunk): kill a.
         poll("a's round-1 averaged shard to reach b", shard_reached_b, timeout_s=180,
@@ -239,10 +244,10 @@ def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tm
     finally:
         for node in (a, b, c):
             node.kill()
-    logs = {n.name: n.log() for n in (b, c)}
-    for name, log in logs.items():
-        assert "diverged from the swarm" not in log, (name, log[-3000:])
-        assert "round 1: no averaged shard from a" in log, (name, log[-3000:])
-    assert "round 1: shards [0] did not reach every member" in logs["b"], logs["b"][-3000:]  # b had it
+    for node in (b, c):
+        assert not repairs(node), (node.name, node.log()[-3000:])
+        assert any(e["round_id"] == 1 and e["reducers"] == ["a"] for e in node.events("shard_missing")), \
+            (node.name, node.log()[-3000:])
+    assert any(e["round_id"] == 1 and e["shards"] == [0] for e in b.events("shards_skipped")), b.log()[-3000:]  # b had it
     results = round_1_results()
     assert results["b"] == results["c"], results

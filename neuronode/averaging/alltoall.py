@@ -13,6 +13,7 @@ import torch
 from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.codec import Contribution, Phase
+from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class AllToAll(Averaging):
         started = time.perf_counter()
         book.add_own(own)
         logger.info("round %d: %s ready, sending to %d peers", round_id, own.phase.label,
-                    len(self.transport.alive()), extra={"event": "contribution_ready", "round_id": round_id})
+                    len(self.transport.alive()), extra=fields("contribution_ready", round_id=round_id, phase=own.phase.name.lower(),
+                                 peers=len(self.transport.alive())))
         sending = self.transport.send(round_id, Phase.WHOLE, own)
         got = await book.collect(
             round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id) | {self.cfg.node_id},

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
+from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +129,11 @@ class RoundBook:
                 if len(have) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors",
                                    round_id, ", ".join(sorted(missing)), len(have),
-                                   extra={"event": "deadline", "round_id": round_id})
+                                   extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have)))
                     break
                 logger.warning("round %d: %d of --min-peers %d contributors; waiting %.0f s more",
                                round_id, len(have), min_contributors, timeout_s,
-                               extra={"event": "waiting_for_peers", "round_id": round_id})
+                               extra=fields("waiting_for_peers", round_id=round_id))
                 deadline = now + timeout_s
                 if on_extend is not None:
                     on_extend()  # keep pushing our contribution to peers that join meanwhile
@@ -161,7 +162,7 @@ def same_lineage(got: dict[str, Contribution], lineage: tuple[str, tuple[str, ..
         c = got[sender]
         logger.warning("round %d: not averaging %s's %s: it was made from other parameters or "
                        "another membership; the repair rule will reconcile us", c.round_id, sender,
-                       c.phase.label, extra={"event": "other_lineage", "round_id": c.round_id, "peer_id": sender})
+                       c.phase.label, extra=fields("other_lineage", round_id=c.round_id, peer_id=sender))
     return kept
 
 

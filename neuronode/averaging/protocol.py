@@ -22,6 +22,7 @@ from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
 from neuronode.codec import Contribution, ContributionEncoder, Phase
 from neuronode.codec.contribution import Aggregate
+from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class Averaging:
     async def listened(self, round_id: int, phase: Phase) -> dict[str, Contribution]:
         """What the others sent of a round we only listen to, of the lineage most of them share."""
         logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
-                    round_id, phase.label, round_id + 1, extra={"event": "listening", "round_id": round_id})
+                    round_id, phase.label, round_id + 1, extra=fields("listening", round_id=round_id, phase=phase.name.lower()))
         got = await self.transport.book.collect(round_id, phase=phase, timeout_s=self.cfg.sync_timeout_s,
                                                 expected=lambda: self.transport.round_peers(round_id),
                                                 min_contributors=0)
@@ -97,7 +98,7 @@ class Averaging:
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,
-                       extra={"event": "zero_average", "round_id": round_id})
+                       extra=fields("zero_average", round_id=round_id))
         return Average(vector=torch.zeros(self.cfg.n_elements), contributors=[], fewest=0)
 
 

@@ -22,6 +22,7 @@ from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.averaging.transport import MemberView
 from neuronode.codec import Contribution, Phase, shard_ranges
+from neuronode.events import fields
 from neuronode.memory import empty_floats
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def assemble(averaged: dict[str, Contribution], members: tuple[str, ...], ranges
             avg[start:stop].zero_()
     if missing:
         logger.warning("round %d: no averaged shard from %s; those parameters get no update this round",
-                       round_id, ", ".join(missing), extra={"event": "shard_missing", "round_id": round_id})
+                       round_id, ", ".join(missing), extra=fields("shard_missing", round_id=round_id, reducers=missing))
     return avg, sorted(contributors)
 
 
@@ -93,7 +94,7 @@ class ReduceScatter(Averaging):
             if not said:
                 logger.warning("round %d: %d of --min-peers %d members; waiting for more", round_id,
                                len(members), self.cfg.min_contributors,
-                               extra={"event": "waiting_for_members", "round_id": round_id})
+                               extra=fields("waiting_for_members", round_id=round_id))
                 said = True
             await self.clock.wait(changed, MEMBERS_POLL_S)
 
@@ -129,7 +130,7 @@ class ReduceScatter(Averaging):
         book.add_own(own)
         targets = set(members) - {me}
         logger.info("round %d: %s ready, sending to %d peers", round_id, own.phase.label, len(targets),
-                    extra={"event": "contribution_ready", "round_id": round_id})
+                    extra=fields("contribution_ready", round_id=round_id, phase=own.phase.name.lower(), peers=len(targets)))
         sending = self.transport.send(round_id, own.phase, outs, members=members)
         got = await book.collect(
             round_id, phase=own.phase, expected=lambda: (targets & self.transport.alive()) | {me},
@@ -155,13 +156,13 @@ class ReduceScatter(Averaging):
             if now >= deadline:
                 logger.warning("round %d: no shard receipt from %s by the deadline; applying the shards "
                                "the others received", round_id, ", ".join(waiting),
-                               extra={"event": "receipt_deadline", "round_id": round_id})
+                               extra=fields("receipt_deadline", round_id=round_id, waiting=waiting))
                 break
             await self.clock.wait(changed, deadline - now)
         if agreed != have:
             logger.warning("round %d: shards %s did not reach every member; no update for them this round, "
                            "on every member alike", round_id, sorted(have - agreed),
-                           extra={"event": "shards_skipped", "round_id": round_id})
+                           extra=fields("shards_skipped", round_id=round_id, shards=sorted(have - agreed)))
         return {k: c for k, c in averaged.items() if c.shard_index in agreed}
 
     async def listen(self, round_id: int) -> Average:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from neuronode.averaging import NodePhase, RoundState
 from neuronode.codec import ContributionEncoder
 from neuronode.config import NodeConfig
-from neuronode.events import Throttled
+from neuronode.events import Throttled, fields
 from neuronode.node.pools import Pools
 from neuronode.node.trainer import Trainer
 from neuronode.swarm.membership import CatchUp as Plan
@@ -56,7 +56,8 @@ class CatchUp:
         logger.info("%s (round %d, swarm at round %d): downloading the global state from %s",
                     "behind the swarm" if plan.reason == "behind" else "diverged from the swarm",
                     self.state.round, plan.target_round, ", ".join(plan.donors[:3]),
-                    extra={"event": "catching_up", "round_id": self.state.round})
+                    extra=fields("catching_up", round_id=self.state.round, reason=plan.reason,
+                                 target_round=plan.target_round, donors=plan.donors[:3]))
         got = await self.swarm.fetch_state(plan.donors)
         if got is None:
             logger.warning("no donor delivered the state; training on and trying again next round")
@@ -77,5 +78,5 @@ class CatchUp:
         await self.save()
         logger.info("adopted the swarm's state at round %d in %.1fs (digest %s, val_loss %.4f)",
                     got.round, time.monotonic() - started, digest[:12], self.trainer.val_loss,
-                    extra={"event": "adopted", "round_id": got.round})
+                    extra=fields("adopted", round_id=got.round, param_digest=digest, val_loss=self.trainer.val_loss))
         return got.round

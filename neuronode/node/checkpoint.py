@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from neuronode.errors import CheckpointError
+from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ def load_latest(data_dir: str | Path, *, meta_only: bool = False) -> Loaded | No
         try:
             meta, state = decode(path.read_bytes(), name=str(path), meta_only=meta_only)
         except (CheckpointError, OSError, ValueError, RuntimeError) as exc:
-            logger.error("refusing checkpoint %s: %s; trying the previous one", path, exc)
+            logger.error("refusing checkpoint %s: %s; trying the previous one", path, exc,
+                         extra=fields("checkpoint_refused", checkpoint=path.name, reason=str(exc)))
             continue
         return Loaded(path=path, meta=meta, state=state)
     return None

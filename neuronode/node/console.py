@@ -9,17 +9,14 @@ import sys
 import threading
 from typing import Any
 
-from neuronode.events import FIELDS
+from neuronode.events import record_fields
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
                                  "logger": record.name, "msg": record.getMessage()}
-        for name in FIELDS:
-            value = getattr(record, name, None)
-            if value is not None:
-                entry[name] = value
+        entry.update(record_fields(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)

@@ -21,6 +21,7 @@ from neuronode.averaging import PROTOCOLS, Averaging, AveragingConfig, NodePhase
 from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.config import NodeConfig
 from neuronode.errors import CheckpointError
+from neuronode.events import fields
 from neuronode.node import checkpoint
 from neuronode.node.catchup import CatchUp
 from neuronode.node.console import Progress, attach_progress, progress_line
@@ -77,7 +78,8 @@ class Daemon:
             self.pools.encode.submit(self.encoder.load_state_dict, loaded.state["feedback"]).result()
         self.restored_meta = loaded.meta
         self.last_contributors = list(loaded.meta.get("last_round_contributor_ids", []))
-        logger.info("resumed from %s (round %d)", loaded.path.name, self.engine.round)
+        logger.info("resumed from %s (round %d)", loaded.path.name, self.engine.round,
+                    extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -85,7 +87,7 @@ class Daemon:
 
         def request_stop() -> None:
             if not stopped.is_set():
-                logger.info("stop requested; finishing cleanly", extra={"event": "stopping"})
+                logger.info("stop requested; finishing cleanly", extra=fields("stopping"))
             stopped.set()
             self.stop_flag.set()
 
@@ -94,7 +96,8 @@ class Daemon:
         self.state.start(self.engine.round, await self.pools.run(self.pools.train, self.engine.param_digest))
         if self.engine.round == 0:
             await self.pools.run(self.pools.train, self.trainer.validate)
-            logger.info("round 0: val_loss %.4f before training", self.trainer.val_loss)
+            logger.info("round 0: val_loss %.4f before training", self.trainer.val_loss,
+                        extra=fields("validated", round_id=0, val_loss=self.trainer.val_loss))
         swarm = self.swarm = SwarmNode(self.swarm_config(), executor=self.pools.codec, state=self.state,
                                        status_provider=self.status, state_provider=self.trainer.snapshot,
                                        security=self.security,
@@ -119,7 +122,7 @@ class Daemon:
             await rounds.cancel_pending()
             await self.shutdown(stopped)
         logger.info("stopped at round %d; param_digest %s", self.state.round, self.state.param_digest[:16],
-                    extra={"event": "stopped", "round_id": self.state.round})
+                    extra=fields("stopped", round_id=self.state.round, param_digest=self.state.param_digest))
         return 0
 
     def build_rounds(self, swarm: SwarmNode) -> Rounds:
@@ -184,7 +187,7 @@ class Daemon:
         await self.swarm.set_serving(True)
         logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
                     self.trainer.n_params, self.cfg.task, self.cfg.codec, self.state.round,
-                    f" of {self.cfg.rounds}" if self.cfg.rounds else "", extra={"event": "joined"})
+                    f" of {self.cfg.rounds}" if self.cfg.rounds else "", extra=fields("joined", n_params=self.trainer.n_params))
 
     def on_step(self, trainer: Trainer) -> None:
         """Called in the training thread after each inner step: live progress on a TTY."""

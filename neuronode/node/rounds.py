@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ import torch
 
 from neuronode.averaging import Average, Averaging, Mode, NodePhase, RoundState
 from neuronode.config import NodeConfig
+from neuronode.events import fields
 from neuronode.node.catchup import CatchUp
 from neuronode.node.pools import Pools
 from neuronode.node.trainer import Trainer
@@ -29,6 +31,10 @@ from neuronode.swarm.node import SwarmNode
 
 logger = logging.getLogger(__name__)
 Drill = Callable[[torch.Tensor], torch.Tensor]
+
+
+def finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN
 
 
 def byzantine(scale: float, noise: float) -> Drill | None:
@@ -107,7 +113,7 @@ class Rounds:
             # average those peers applied. Listening gives us exactly theirs (docs/fault-tolerance.md).
             logger.warning("round %d: %s closed it before we could contribute (we joined or trained late); "
                            "listening to it instead", round_id, ", ".join(closed),
-                           extra={"event": "stand_aside", "round_id": round_id})
+                           extra=fields("stand_aside", round_id=round_id, closed_by=closed))
             self.state.stand_aside(round_id)
             return self.averaging.listen(round_id)
         return self.averaging.exchange(await self.prepare(round_id))
@@ -169,5 +175,7 @@ class Rounds:
         logger.info("round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs waited %.1fs digest %s from %s",
                     self.state.round, self.trainer.loss, self.trainer.val_loss, len(average.contributors),
                     self.last_sync_s, time.monotonic() - waited, digest[:12], ",".join(average.contributors),
-                    extra={"event": "round_done", "round_id": round_id})
+                    extra=fields("round_done", round_id=round_id, round=self.state.round, contributors=average.contributors,
+                                 param_digest=digest, loss=finite(self.trainer.loss), val_loss=finite(self.trainer.val_loss),
+                                 sync_s=round(self.last_sync_s, 3)))
         return True

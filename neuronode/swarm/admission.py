@@ -8,6 +8,7 @@ import logging
 import grpc
 
 from neuronode.config import is_loopback_host
+from neuronode.events import fields
 from neuronode.security.tls import peer_common_name
 from neuronode.swarm.context import Context
 from neuronode.swarm.security import caller_id
@@ -71,5 +72,5 @@ class Admission:
             self.ctx.bans.strike(key)
         host = context.peer().rsplit(":", 1)[0]  # not the ephemeral port: one key per caller host
         self.ctx.say(f"refused:{what}:{host}:{exc.code}", logging.WARNING, "refused %s from %s: %s",
-                     what, context.peer(), message, every_s=60.0, extra={"event": "refused"})
+                     what, context.peer(), message, every_s=60.0, extra=fields("refused", what=what, code=exc.code, detail=message))
         await context.abort(STATUS_CODES[exc.code], message)

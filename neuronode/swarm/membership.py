@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from neuronode.averaging.state import RECENT_DIGESTS
 from neuronode.averaging.transport import MemberView
 from neuronode.clock import Clock
+from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,11 @@ class PeerTable:
         fresh = peer is None or not self.is_alive(peer)
         if peer is None:
             peer = self.peers[node_id] = Peer(node_id=node_id, address=address)
-            logger.info("peer %s joined at %s (round %d)", node_id, address, round)
+            logger.info("peer %s joined at %s (round %d)", node_id, address, round,
+                        extra=fields("peer_joined", peer_id=node_id, address=address, round=round))
         elif fresh and not leaving:
-            logger.info("peer %s is back at %s (round %d)", node_id, address, round)
+            logger.info("peer %s is back at %s (round %d)", node_id, address, round,
+                        extra=fields("peer_back", peer_id=node_id, address=address, round=round))
         if address:
             peer.address = address
             self.addresses.add(address)
@@ -79,7 +82,7 @@ class PeerTable:
         if peer is None or peer.left:
             return False
         peer.left = True
-        logger.info("peer %s left the swarm", node_id)
+        logger.info("peer %s left the swarm", node_id, extra=fields("peer_left", peer_id=node_id))
         return True
 
     def mark_failure(self, address: str) -> None:

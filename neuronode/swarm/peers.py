@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
+from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import agreement
@@ -195,7 +196,8 @@ class Peers:
             refused = exc.code() in FINAL_CODES
             self.dial_failed(address, refused=refused)
             if refused:
-                ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details())
+                ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details(),
+                        extra=fields("refused_by", address=address, code=exc.code().name, detail=exc.details()))
             else:
                 logger.debug("hello to %s failed: %s", address, exc.code().name)
             return False
@@ -208,7 +210,8 @@ class Peers:
             ctx.security.check_hello_proof(resp.auth_tag, resp.timestamp_s, resp.info, resp.known_peers)
         except (Refusal, AuthError) as exc:
             self.dial_failed(address, refused=True)
-            ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc)
+            ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
+                    extra=fields("refusing_peer", address=address, detail=str(exc)))
             return False
         self.learn(resp.info, list(resp.known_peers))
         return True
@@ -230,5 +233,5 @@ class Peers:
             log = logger.error if now == "diverged" else logger.info
             log("replica agreement: %s at round %d%s", now, state.round,
                 "; our parameters differ from the swarm's (repair by state transfer follows)"
-                if now == "diverged" else "", extra={"event": "agreement", "round_id": state.round})
+                if now == "diverged" else "", extra=fields("agreement", round_id=state.round, state=now))
             self.agreement = now

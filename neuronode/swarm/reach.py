@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from neuronode.events import fields
 from neuronode.swarm.context import Context
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -34,14 +35,17 @@ class Reach:
                 continue
             self.reachable = "yes" if resp.reachable else "no"
             if resp.reachable:
-                logger.info("reachability: peer %s dialed us back at %s", peer.node_id, resp.address)
+                logger.info("reachability: peer %s dialed us back at %s", peer.node_id, resp.address,
+                            extra=fields("reachability", peer_id=peer.node_id, reachable=True, address=resp.address))
             else:
                 port = ctx.advertise.rpartition(":")[2]
                 logger.error(
                     "reachability: peer %s cannot reach this node at %s (%s). Peers can't send "
                     "us their contributions: forward TCP port %s on your router to this machine, "
                     "allow it in the firewall, and make --advertise the public HOST:PORT",
-                    peer.node_id, resp.address, resp.detail, port)
+                    peer.node_id, resp.address, resp.detail, port,
+                    extra=fields("reachability", peer_id=peer.node_id, reachable=False, address=resp.address,
+                                 detail=resp.detail))
             return
 
     async def dial_back(self, node_id: str) -> pb.ReachResponse:

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from neuronode.config import is_loopback_host
+from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.swarm.admission import Admission, caller_host
 from neuronode.swarm.context import Context
@@ -87,7 +88,7 @@ class NodeService(pb_grpc.NodeServicer):
         except Refusal as exc:
             await self.admission.refuse(context, exc, "state request")
         logger.info("served the global state to %s", request.node_id,
-                    extra={"event": "state_served", "peer_id": request.node_id})
+                    extra=fields("state_served", peer_id=request.node_id))
 
     async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
         await self.admission.admit(context)

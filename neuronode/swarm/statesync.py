@@ -26,6 +26,7 @@ from neuronode.codec import (
     encode_frames,
     get_codec,
 )
+from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
 from neuronode.swarm.context import Context
@@ -205,17 +206,20 @@ class StateFetch:
                                        executor=ctx.executor, security=ctx.security)
             except grpc.aio.AioRpcError as exc:
                 logger.warning("state transfer from %s failed (%s: %s); trying another donor",
-                               donor_id, exc.code().name, exc.details())
+                               donor_id, exc.code().name, exc.details(),
+                               extra=fields("donor_failed", peer_id=donor_id, code=exc.code().name))
                 continue
             except (Refusal, AuthError) as exc:
-                logger.warning("state from %s refused: %s; trying another donor", donor_id, exc)
+                logger.warning("state from %s refused: %s; trying another donor", donor_id, exc,
+                               extra=fields("donor_rejected", peer_id=donor_id, reason=str(exc)[:200]))
                 continue
             ctx.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
             expected = self.published_digest(state.round, donor_id, donors)
             if expected is not None and state.param_digest != expected:
                 logger.warning("state from %s is not the swarm's: its round-%d parameters hash to %s, but "
                                "that round's published param_digest is %s; trying another donor",
-                               donor_id, state.round, state.param_digest[:12], expected[:12])
+                               donor_id, state.round, state.param_digest[:12], expected[:12],
+                               extra=fields("donor_rejected", peer_id=donor_id, reason="not the published digest"))
                 continue
             self.transfers += 1
             return state

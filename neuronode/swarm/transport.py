@@ -34,6 +34,7 @@ from neuronode.codec import (
     ContributionDigest,
     Phase,
 )
+from neuronode.events import fields
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context
 from neuronode.swarm.faults import FaultInjected
@@ -300,13 +301,13 @@ class GrpcTransport:
                 finally:
                     ctx.upload_meter.end(ctx.clock.now(), sent)
                 logger.debug("round %d: sent our %s to %s", out.round_id, out.phase.label, peer_id,
-                             extra={"event": "pushed", "round_id": out.round_id, "peer_id": peer_id})
+                             extra=fields("pushed", round_id=out.round_id, peer_id=peer_id, phase=out.phase.name.lower()))
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in FINAL_CODES:
                     logger.warning("round %d: peer %s refused our contribution: %s", out.round_id, peer_id,
-                                   exc.details(), extra={"event": "push_refused", "round_id": out.round_id,
-                                                         "peer_id": peer_id})
+                                   exc.details(), extra=fields("push_refused", round_id=out.round_id, peer_id=peer_id,
+                                                                code=exc.code().name))
                     return
                 if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == EARLY_STATUS_BUG:
                     hidden += 1
@@ -357,7 +358,8 @@ class GrpcTransport:
         """Give contributions still streaming to peers up to `timeout_s` to finish."""
         pushes = self.ctx.tasks.named("push-")
         if pushes:
-            logger.info("waiting up to %.0f s for %d pushes still in flight", timeout_s, len(pushes))
+            logger.info("waiting up to %.0f s for %d pushes still in flight", timeout_s, len(pushes),
+                        extra=fields("draining", pushes=len(pushes)))
             await asyncio.wait(pushes, timeout=timeout_s)
 
     # ---- receiving --------------------------------------------------------------------------
