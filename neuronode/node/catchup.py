@@ -22,15 +22,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class CatchUp:
+    """Decides, before a round, whether to move to the swarm's state, and moves there."""
+
+    last_repair_round: int = -(10**9)  # repairs (not catch-ups) wait --repair-cooldown rounds
+    say: Throttled = field(default_factory=lambda: Throttled(logger))
     cfg: NodeConfig
     trainer: Trainer
     encoder: ContributionEncoder
+    """Its error feedback restarts at zero once we adopt a state (on the encoder's own thread)."""
     state: RoundState
     swarm: SwarmNode
     pools: Pools
     save: Callable[[], Awaitable[None]]  # a checkpoint once we adopted the swarm's state
-    last_repair_round: int = -(10**9)
-    say: Throttled = field(default_factory=lambda: Throttled(logger))
 
     def plan(self) -> Plan | None:
         """Where the swarm is, if we should move there now."""

@@ -102,8 +102,8 @@ class Daemon:
                                        status_provider=self.status, state_provider=self.trainer.snapshot,
                                        security=self.security,
                                        loopback_only=not self.cfg.authenticated and not self.cfg.open)
-        swarm.counters.bytes_sent = int(self.restored_meta.get("bytes_sent", 0))
-        swarm.counters.bytes_received = int(self.restored_meta.get("bytes_received", 0))
+        swarm.restore_counters(bytes_sent=int(self.restored_meta.get("bytes_sent", 0)),
+                               bytes_received=int(self.restored_meta.get("bytes_received", 0)))
         rounds = self.rounds = self.build_rounds(swarm)
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.listen.rpartition(":")[0].strip("[]"), self.cfg.metrics_port)
@@ -224,15 +224,13 @@ class Daemon:
     def metrics_snapshot(self) -> Snapshot:
         """Read at scrape time, from the metrics thread: plain attribute reads and dict copies."""
         swarm, status = self.swarm, self.status()
-        counters = swarm.counters if swarm is not None else None
+        sent, received, refusals = swarm.traffic() if swarm is not None else ({}, {}, {})
         return Snapshot(
             rounds=self.state.round, inner_steps=self.engine.inner_steps_total,
             loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=self.trainer.tokens_per_s,
             contributors=status["last_round_contributors"], utilization=status["utilization"],
             peers_alive=swarm.alive_count() if swarm is not None else 0,
-            bytes_sent=dict(counters.per_peer_sent) if counters else {},
-            bytes_received=dict(counters.per_peer_received) if counters else {},
-            refusals=dict(counters.refusals) if counters else {},
+            bytes_sent=sent, bytes_received=received, refusals=refusals,
         )
 
     async def save_checkpoint(self) -> None:

@@ -125,11 +125,8 @@ class Rounds:
                                             weight=self.trainer.weight(), give_up=self.stop.is_set)
 
     def drill(self) -> Drill | None:
-        faults = self.swarm.ctx.faults
-        if not faults.path:
-            return None
-        plan = faults.refresh()
-        return byzantine(plan.byzantine_scale, plan.byzantine_noise)
+        plan = self.swarm.fault_plan()
+        return byzantine(plan.byzantine_scale, plan.byzantine_noise) if plan is not None else None
 
     def start(self, round_id: int, sync: Awaitable[Average]) -> asyncio.Task[Average]:
         started = time.monotonic()

@@ -21,6 +21,7 @@ from neuronode.clock import Clock
 from neuronode.state import GlobalState
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context, SwarmConfig
+from neuronode.swarm.faults import FaultPlan
 from neuronode.swarm.membership import CatchUp, PeerTable, plan_catch_up
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.reach import Reach
@@ -145,6 +146,20 @@ class SwarmNode:
 
     def alive_count(self) -> int:
         return len(self.table.alive())
+
+    def restore_counters(self, *, bytes_sent: int, bytes_received: int) -> None:
+        """Continue the byte counters of a previous run (from its checkpoint)."""
+        self.counters.bytes_sent, self.counters.bytes_received = bytes_sent, bytes_received
+
+    def traffic(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Copies of bytes sent and received by peer, and refusals by reason (for metrics)."""
+        c = self.counters
+        return dict(c.per_peer_sent), dict(c.per_peer_received), dict(c.refusals)
+
+    def fault_plan(self) -> FaultPlan | None:
+        """The fault file's current plan (tests and drills), None without --fault-file."""
+        faults = self.ctx.faults
+        return faults.refresh() if faults.path else None
 
     def status(self) -> dict[str, Any]:
         return {**self.status_provider(), **self.snapshot()}
