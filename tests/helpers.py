@@ -224,12 +224,13 @@ class Nodes:
         await asyncio.gather(*(n.stop(grace_s=0.5) for n in nodes), return_exceptions=True)
 
 
-def encode(node_id: str, x: Any, *, round_id: int = 0, weight: float = 1.0, chunk_bytes: int = 4096) -> Any:
+def encode(node_id: str, x: Any, *, round_id: int = 0, weight: float = 1.0, chunk_bytes: int = 4096,
+           base_digest: str = "") -> Any:
     """What a node's encoder makes of `x` for one round (fp32, zstd 1, no error feedback)."""
     from neuronode.codec import VectorEncoder
 
     encoder = VectorEncoder(codec="fp32", chunk_bytes=chunk_bytes, zstd_level=1, byte_shuffle=False)
-    return encoder.encode(x, 0.0, weight=weight, round_id=round_id, sender_id=node_id)
+    return encoder.encode(x, 0.0, weight=weight, round_id=round_id, sender_id=node_id, base_digest=base_digest)
 
 
 def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b"") -> list[Any]:
@@ -248,5 +249,6 @@ def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b""
     return [pb.ContributionChunk(
         round_id=c.round_id, sender_id=sender_id, swarm_id=swarm_id, chunk_index=f.index, chunk_count=f.count,
         codec=CODEC_TO_PB[c.codec], compressed=f.compressed, payload=f.data, contribution_digest=c.digest,
-        weight=c.weight, total_elements=c.n_elements, chunk_elements=c.chunk_elements, auth_tag=tag)
+        weight=c.weight, total_elements=c.n_elements, chunk_elements=c.chunk_elements, auth_tag=tag,
+        base_digest=c.base_digest)
         for f in c.frames]

@@ -215,3 +215,24 @@ def test_sigterm_cuts_short_the_final_drain_to_an_unreachable_peer(tmp_path: Pat
         for node in (a, b):
             node.kill()
     assert rounds(a)[2][0] == 1  # b was cut off: a closed its last round alone
+
+
+def test_sigterm_interrupts_a_state_download(tmp_path: Path) -> None:
+    """b downloads a's state at 1 Mbit/s (a's upload cap: about a minute for the parameters and
+    the momentum); SIGTERM during the download ends b within a few seconds, not after it."""
+    a = Node(tmp_path, "a", *COMMON, "--node-id", "a", "--max-upload-mbps", "1")
+    b = Node(tmp_path, "b", *COMMON, "--node-id", "b", "--peers", a.address)
+    try:
+        a.start()
+        poll("a's first round", lambda: done_round(a) >= 1, timeout_s=120)
+        b.start()
+        poll("b downloading a's state", lambda: b.events("catching_up"), timeout_s=120)
+        assert b.proc is not None and b.proc.poll() is None
+        started = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        assert b.wait(30) == 0, b.log()[-2000:]
+        assert time.monotonic() - started < 10, b.log()[-2000:]
+    finally:
+        for node in (a, b):
+            node.kill()
+    assert not b.events("adopted")

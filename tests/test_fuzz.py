@@ -47,16 +47,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuronode.codec import get_codec
+from neuronode.config import NodeConfig
 from neuronode.node import checkpoint
 from neuronode.node.status import from_data_dir as status_of
 from neuronode.security import auth
+from neuronode.swarm.context import Settings
 from neuronode.swarm.inbound import bound_digest
 from neuronode.swarm.security import AUTH_KEY, Security
-from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION
+from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig()))  # what nodes started with defaults run
 
 NODE_ID = "fuzzed"
 SWARM = "fuzz-swarm"
@@ -120,7 +123,7 @@ class Pacer(pb_grpc.NodeServicer):
         info = pb.NodeInfo(node_id=PACER, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
                            manifest_hash=request.info.manifest_hash, advertise=self.address,
                            round=request.info.round + (0 if held else 2),
-                           leaving=self.leaving.is_set())
+                           leaving=self.leaving.is_set(), settings=request.info.settings)
         tag, ts = self.security.hello_proof(info, [])
         return pb.HelloResponse(info=info, auth_tag=tag, timestamp_s=ts)
 
@@ -177,7 +180,7 @@ class Target:
     def hello(self, node_id: str, **fields: Any) -> pb.HelloRequest:
         """A Hello the node accepts (unless `fields` spoil it), from a peer at the sink."""
         info = pb.NodeInfo(node_id=node_id, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
-                           manifest_hash=self.manifest, advertise=self.fakes[0])
+                           manifest_hash=self.manifest, advertise=self.fakes[0], settings=NODE_SETTINGS)
         for name, value in fields.items():
             setattr(info, name, value)
         req = pb.HelloRequest(info=info)
@@ -360,7 +363,7 @@ def hello_requests(draw: st.DrawFn, t: Target) -> pb.HelloRequest:
         protocol_version=draw(st.one_of(st.just(PROTOCOL_VERSION), UINT32)),
         manifest_hash=draw(st.one_of(st.just(t.manifest), TEXT)),
         advertise=draw(st.one_of(st.sampled_from(t.addresses), TEXT)), round=draw(UINT64),
-        param_digest=draw(TEXT), leaving=draw(st.booleans()),
+        param_digest=draw(TEXT), leaving=draw(st.booleans()), settings=NODE_SETTINGS,
     )
     for _ in range(draw(st.sampled_from([0, 1, 3, 12, 64, 65]))):
         info.recent_digests.add(round=draw(UINT64), param_digest=draw(TEXT),

@@ -24,9 +24,10 @@ import torch
 from helpers import Node, chunks_of, encode, free_port, hides_refusal, poll, run_neuronode
 
 from neuronode import cli
+from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.security import Security
-from neuronode.swarm.wire import PROTOCOL_VERSION
+from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -219,7 +220,7 @@ class Member:
         self.security = Security(node_id=node_id, swarm_id=SWARM, secret=secret or b"")
 
     def info(self, node_id: str = "") -> pb.NodeInfo:
-        return pb.NodeInfo(node_id=node_id or self.node_id, swarm_id=SWARM,
+        return pb.NodeInfo(node_id=node_id or self.node_id, swarm_id=SWARM, settings=settings_to_pb(Settings()),
                            protocol_version=PROTOCOL_VERSION, manifest_hash=MANIFEST,
                            advertise=self.advertise)
 
@@ -498,18 +499,19 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
                        advertise="127.0.0.1:1", round=3, param_digest="p", contributes_from=2)
     info.recent_digests.add(round=2, param_digest="q", contributors=4)
     info.shards_received.add(round=2, shards=[0, 2])
+    info.settings.aggregator = "mean"
     known = [pb.PeerRecord(node_id="b", address="127.0.0.1:2")]
     base = hello_body(info, known)
-    # Every field, and every field of every message in a repeated field (each has one element).
+    # Every field, and every field of every message in it (a repeated one has one element).
     targets: list[tuple[Any, Any]] = [(known[0], f) for f in pb.PeerRecord.DESCRIPTOR.fields]
     for field in info.DESCRIPTOR.fields:
-        if field.is_repeated and field.message_type is not None:
-            element = getattr(info, field.name)[0]
+        if field.message_type is not None:  # every field of a message in it (one element of a repeated one)
+            element = getattr(info, field.name)[0] if field.is_repeated else getattr(info, field.name)
             targets += [(element, f) for f in element.DESCRIPTOR.fields]
         else:
             targets.append((info, field))
     assert {f.name for _, f in targets} >= {"node_id", "round", "leaving", "contributes_from", "contributors",
-                                            "shards"}
+                                            "shards", "codec", "outer_lr", "overlap"}
     for message, field in targets:
         if field.is_repeated:  # a repeated scalar: one more element
             getattr(message, field.name).append(7)

@@ -91,4 +91,5 @@ async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCa
     assert got is not None and got.param_digest == good.param_digest
     assert torch.equal(got.params, honest)
     rejected = [record_fields(r) for r in caplog.records if getattr(r, "event", "") == "donor_rejected"]
-    assert [(r["peer_id"], r["reason"]) for r in rejected] == [("a-liar", "not the published digest")]
+    assert [r["peer_id"] for r in rejected] == ["a-liar"]
+    assert rejected[0]["reason"].startswith("its round-7 parameters hash to"), rejected

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -24,8 +25,9 @@ from helpers import Nodes, chunks_of, encode, hides_refusal, swarm_config, wait_
 from neuronode.averaging import AllToAll, Average, AveragingConfig, Prepared, ReduceScatter
 from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
+from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmNode
-from neuronode.swarm.wire import PROTOCOL_VERSION
+from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -119,7 +121,7 @@ class Client:
     def info(self, **overrides: Any) -> pb.NodeInfo:
         fields: dict[str, Any] = dict(
             node_id=ROGUE, swarm_id=SWARM, protocol_version=PROTOCOL_VERSION,
-            manifest_hash=MANIFEST, advertise=self.advertise,
+            manifest_hash=MANIFEST, advertise=self.advertise, settings=settings_to_pb(Settings()),
         )
         fields.update(overrides)
         return pb.NodeInfo(**fields)
@@ -237,7 +239,8 @@ async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(
     for node in (a, b):
         node.state.adopted(0, "d0", listen=False)
     await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
-    got = await asyncio.gather(exchange(a, encode("a", make_vector(1))), exchange(b, encode("b", make_vector(2))))
+    got = await asyncio.gather(exchange(a, encode("a", make_vector(1), base_digest="d0")),
+                               exchange(b, encode("b", make_vector(2), base_digest="d0")))
     assert got[0].contributors == ["a", "b"]
     expected = got[0].vector
     for node in (a, b):
@@ -250,7 +253,7 @@ async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(
     assert e.closed_without_us(1) == []  # they have not closed round 1
     assert e.closed_without_us(0) == ["a", "b"]
     e.state.stand_aside(0)
-    heard = await asyncio.wait_for(averager(e).listen(0), timeout=20)
+    heard = await asyncio.wait_for(averager(e).listen(0, base_digest="d0"), timeout=20)
     assert heard.contributors == ["a", "b"]
     assert torch.equal(heard.vector, expected)
     await wait_until(lambda: any(p.node_id == "e" and p.contributes_from == 1 for p in a.table.alive()),
@@ -334,6 +337,7 @@ REFUSED_STREAMS = [
     pytest.param(every(total_elements=N_ELEMENTS - 1), Code.INVALID_ARGUMENT, id="total-elements"),
     pytest.param(every(codec=pb.CODEC_UNSPECIFIED), Code.INVALID_ARGUMENT, id="codec-unspecified"),
     pytest.param(every(codec=99), Code.INVALID_ARGUMENT, id="codec-unknown"),
+    pytest.param(every(codec=pb.CODEC_BF16), Code.INVALID_ARGUMENT, id="codec-not-the-swarms"),
     pytest.param(every(chunk_count=N_CHUNKS + 1), Code.INVALID_ARGUMENT, id="chunk-count"),
     pytest.param(every(chunk_elements=2048), Code.INVALID_ARGUMENT, id="chunk-elements"),
     pytest.param(every(chunk_elements=1000), Code.INVALID_ARGUMENT, id="chunk-elements-lengths"),
@@ -471,6 +475,17 @@ async def test_undecodable_request_is_invalid_argument(client: Client, method: s
                  "shard receipts", id="too-many-receipts"),
     pytest.param({"shards_received": [pb.ShardReceipt(round=1, shards=[256])]}, Code.INVALID_ARGUMENT,
                  "shard receipts", id="shard-index-too-big"),
+    pytest.param({"round": 2**64 - 1}, Code.INVALID_ARGUMENT, "below 2^53", id="round-beyond-2^53"),
+    pytest.param({"recent_digests": [pb.RoundDigest(round=2**60, param_digest="p")]}, Code.INVALID_ARGUMENT,
+                 "below 2^53", id="digest-round-beyond-2^53"),
+    pytest.param({"recent_digests": [pb.RoundDigest(round=1, param_digest="p" * 129)]}, Code.INVALID_ARGUMENT,
+                 "128 characters", id="digest-too-long"),
+] + [  # the settings every member must share: refused naming the flag and both values
+    pytest.param({"settings": settings_to_pb(replace(Settings(), **change))}, Code.FAILED_PRECONDITION, flag,
+                 id=f"settings-{flag}")
+    for change, flag in [({"codec": "int8"}, "--codec int8"), ({"averaging": "reduce-scatter"}, "--averaging"),
+                         ({"aggregator": "median"}, "--aggregator"), ({"outer_lr": 0.5}, "--outer-lr"),
+                         ({"outer_momentum": 0.8}, "--outer-momentum"), ({"overlap": True}, "--overlap")]
 ])
 async def test_mismatched_hello_is_refused(
     client: Client, override: dict[str, Any], code: Code, keyword: str,

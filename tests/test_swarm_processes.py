@@ -251,3 +251,28 @@ def test_reduce_scatter_reducer_killed_mid_gather_leaves_the_others_identical(tm
     assert any(e["round_id"] == 1 and e["shards"] == [0] for e in b.events("shards_skipped")), b.log()[-3000:]  # b had it
     results = round_1_results()
     assert results["b"] == results["c"], results
+
+
+def test_a_member_with_another_codec_is_refused_at_hello_and_the_others_finish(tmp_path: Path) -> None:
+    """Reduce-scatter, a model whose size splits unevenly into 64-element blocks: c runs --codec
+    int8, a and b fp32. Shard bounds depend on the codec, so c's slices crashed the reducers
+    ("contribution has 189760 elements, expected 189800"); c is now refused at Hello, naming
+    --codec, and a and b average as two."""
+    common = ("--rounds", "3", "--inner-steps", "3", "--batch-size", "4", "--seq-len", "32",
+              "--averaging", "reduce-scatter", "--d-model", "120", "--n-layers", "3", "--n-heads", "4",
+              "--sync-timeout", "20")
+    a = Node(tmp_path, "a", *common, "--codec", "fp32", "--node-id", "a", "--min-peers", "2")
+    b = Node(tmp_path, "b", *common, "--codec", "fp32", "--node-id", "b", "--min-peers", "2", "--peers", a.address)
+    c = Node(tmp_path, "c", *common, "--codec", "int8", "--node-id", "c", "--peers", a.address)
+    nodes = [a, b, c]
+    try:
+        for node in nodes:
+            node.start()
+        finish(nodes, 300)
+    finally:
+        for node in nodes:
+            node.kill()
+    assert any("--codec fp32" in r and "--codec int8" in r for r in refusals(c)), c.log()[-3000:]
+    statuses = [n.status() for n in (a, b)]
+    assert all(s["round"] == 3 for s in statuses) and statuses[0]["param_digest"] == statuses[1]["param_digest"]
+    assert all(e["contributors"] == ["a", "b"] for n in (a, b) for e in n.events("round_done"))

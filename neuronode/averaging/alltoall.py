@@ -49,9 +49,9 @@ class AllToAll(Averaging):
         return Average(vector=vector, contributors=sorted(got), fewest=len(got), encode_s=prepared.encode_s,
                        exchange_s=waited, average_s=elapsed(started), sent=[own])
 
-    async def listen(self, round_id: int) -> Average:
+    async def listen(self, round_id: int, *, base_digest: str) -> Average:
         """The others' contributions to a round we only listen to, averaged."""
-        got = await self.listened(round_id, Phase.WHOLE)
+        got = await self.listened(round_id, Phase.WHOLE, base_digest)
         if not got:
             return self.nothing_heard(round_id)
         return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got))

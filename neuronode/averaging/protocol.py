@@ -84,17 +84,20 @@ class Averaging:
     async def exchange(self, prepared: Prepared) -> Average:
         raise NotImplementedError
 
-    async def listen(self, round_id: int) -> Average:
+    async def listen(self, round_id: int, *, base_digest: str) -> Average:
+        """The average of a round we only listen to, whose parameters at its start (param_digest)
+        we hold ourselves: only contributions made from those count, whatever anyone claims."""
         raise NotImplementedError
 
-    async def listened(self, round_id: int, phase: Phase) -> dict[str, Contribution]:
-        """What the others sent of a round we only listen to, of the lineage most of them share."""
+    async def listened(self, round_id: int, phase: Phase, base_digest: str) -> dict[str, Contribution]:
+        """What the others sent of a round we only listen to, made from `base_digest` (the
+        parameters we know the round started from), for the members most of them name."""
         logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",
                     round_id, phase.label, round_id + 1, extra=fields("listening", round_id=round_id, phase=phase.name.lower()))
         got = await self.transport.book.collect(round_id, phase=phase, timeout_s=self.cfg.sync_timeout_s,
                                                 expected=lambda: self.transport.round_peers(round_id),
                                                 min_contributors=0)
-        return majority_lineage(got)
+        return majority_lineage(got, base_digest)
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,

@@ -112,6 +112,7 @@ class NodeWorker:
 
     async def run(self) -> dict[str, Any]:
         from neuronode.security.auth import load_secret
+        from neuronode.swarm.context import Settings
         from neuronode.swarm.node import SwarmConfig, SwarmNode
         from neuronode.swarm.security import Security
 
@@ -126,6 +127,7 @@ class NodeWorker:
             node_id=self.node_id, swarm_id="bench", manifest_hash=f"bench-{self.cfg.params}",
             n_elements=self.cfg.params, listen="127.0.0.1:0", advertise="", peers=peers,
             sync_timeout_s=self.cfg.round_timeout_s, min_contributors=self.cfg.nodes, heartbeat_s=HEARTBEAT_S,
+            settings=Settings(codec=self.cfg.codec, averaging=self.cfg.averaging),
         ), executor=self.codec_pool, security=Security(node_id=self.node_id, swarm_id="bench", secret=secret))
         address = await node.start()
         try:

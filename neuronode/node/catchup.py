@@ -3,10 +3,12 @@ downloads the global state from its members and continues from there (docs/fault
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from neuronode.averaging import NodePhase, RoundState
 from neuronode.codec import ContributionEncoder
@@ -14,10 +16,31 @@ from neuronode.config import NodeConfig
 from neuronode.events import Throttled, fields
 from neuronode.node.pools import Pools
 from neuronode.node.trainer import Trainer
+from neuronode.state import GlobalState
 from neuronode.swarm.membership import CatchUp as Plan
 from neuronode.swarm.node import SwarmNode
 
 logger = logging.getLogger(__name__)
+
+
+PLAUSIBLE_FACTOR = 10.0  # a donated state's norms against ours (training moves them far less)
+T = TypeVar("T")
+
+
+async def until_stopped(work: Awaitable[T], stopped: asyncio.Event | None) -> T | None:
+    """`work`'s result, or None at once if `stopped` is set first (the work is cancelled)."""
+    task = asyncio.ensure_future(work)
+    if stopped is None:
+        return await task
+    stop_wait = asyncio.ensure_future(stopped.wait())
+    await asyncio.wait({task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        logger.info("stop requested: state transfer abandoned")
+        return None
+    return task.result()
 
 
 @dataclass(kw_only=True)
@@ -48,9 +71,21 @@ class CatchUp:
             return False
         return True
 
-    async def maybe(self) -> int | None:
+    def plausible(self, state: GlobalState) -> str | None:
+        """Our own check of a donated state (in a worker thread), beyond what members vouch for:
+        its parameters' norm within PLAUSIBLE_FACTOR of ours, its momentum not absurdly larger
+        than the parameters (finite values are checked as it is decoded). A reason, or None."""
+        ours = self.trainer.global_norm()
+        params = float(state.params.norm())
+        if not ours / PLAUSIBLE_FACTOR <= params <= ours * PLAUSIBLE_FACTOR:
+            return f"its parameters' norm {params:.4g} is implausible against ours ({ours:.4g})"
+        if state.momentum is not None and not float(state.momentum.norm()) <= params * PLAUSIBLE_FACTOR:
+            return f"its outer momentum's norm {float(state.momentum.norm()):.4g} is implausible (parameters {params:.4g})"
+        return None
+
+    async def maybe(self, stopped: asyncio.Event | None = None) -> int | None:
         """Download and adopt the swarm's state if we are behind or diverged; the round we
-        adopted, or None."""
+        adopted, or None. A stop request interrupts the download."""
         plan = self.plan()
         if plan is None:
             return None
@@ -61,7 +96,9 @@ class CatchUp:
                     self.state.round, plan.target_round, ", ".join(plan.donors[:3]),
                     extra=fields("catching_up", round_id=self.state.round, reason=plan.reason,
                                  target_round=plan.target_round, donors=plan.donors[:3]))
-        got = await self.swarm.fetch_state(plan.donors)
+        got = await until_stopped(self.swarm.fetch_state(plan.donors, verify=self.plausible), stopped)
+        if stopped is not None and stopped.is_set():
+            return None
         if got is None:
             logger.warning("no donor delivered the state; training on and trying again next round")
             return None

@@ -29,6 +29,7 @@ from neuronode.node.metrics import Metrics, Snapshot
 from neuronode.node.pools import Pools
 from neuronode.node.rounds import Rounds
 from neuronode.node.trainer import Trainer, make_aggregator
+from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.security import Security
 
@@ -181,7 +182,9 @@ class Daemon:
             await asyncio.gather(contact, stop_wait, return_exceptions=True)
             if stopped.is_set():
                 return
-            await self.rounds.maybe_catch_up()
+            await self.rounds.maybe_catch_up(stopped)
+            if stopped.is_set():
+                return
             if self.cfg.advertise:
                 await self.swarm.check_reachable()
         await self.swarm.set_serving(True)
@@ -207,6 +210,7 @@ class Daemon:
             peers=self.cfg.peers, sync_timeout_s=self.cfg.sync_timeout, min_contributors=self.cfg.min_peers,
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, round_lag=2 if self.cfg.overlap else 1,
+            settings=Settings.from_config(self.cfg),
         )
 
     def status(self) -> dict[str, Any]:

@@ -71,7 +71,9 @@ class Rounds:
         if self.pending is not None and self.catch_up.plan() is not None:
             await self.cancel_pending()  # --overlap: our sync in flight belongs to a lineage we leave
         if self.pending is None:
-            await self.maybe_catch_up()
+            await self.maybe_catch_up(stopped)
+            if stopped.is_set():
+                return False
         round_id = self.state.training_round
         started = time.monotonic()
         self.state.phase = NodePhase.TRAINING
@@ -97,17 +99,17 @@ class Rounds:
         self.utilization = train_s / max(time.monotonic() - started, 1e-9)
         return True
 
-    async def maybe_catch_up(self) -> None:
+    async def maybe_catch_up(self, stopped: asyncio.Event | None = None) -> None:
         """Adopt the swarm's state if we are behind or apart; under --overlap we then listen
         to the round we adopted (catchup.py says why)."""
-        adopted = await self.catch_up.maybe()
+        adopted = await self.catch_up.maybe(stopped)
         if adopted is not None and self.cfg.overlap:
-            self.begin_pending(adopted, self.averaging.listen(adopted))
+            self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=self.state.param_digest))
 
     async def sync(self, round_id: int) -> Awaitable[Average]:
         """What averages `round_id` for us, by how we take part in it."""
         if self.state.mode(round_id) == Mode.LISTEN:  # we adopted this round (catch-up)
-            return self.averaging.listen(round_id)
+            return self.averaging.listen(round_id, base_digest=self.state.param_digest)
         if closed := self.swarm.closed_without_us(round_id):
             # Contributing now would leave us, or the members still in the round, outside the
             # average those peers applied. Listening gives us exactly theirs (docs/fault-tolerance.md).
@@ -115,7 +117,7 @@ class Rounds:
                            "listening to it instead", round_id, ", ".join(closed),
                            extra=fields("stand_aside", round_id=round_id, closed_by=closed))
             self.state.stand_aside(round_id)
-            return self.averaging.listen(round_id)
+            return self.averaging.listen(round_id, base_digest=self.state.param_digest)
         return self.averaging.exchange(await self.prepare(round_id))
 
     async def prepare(self, round_id: int) -> Any:

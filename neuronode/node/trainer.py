@@ -176,6 +176,11 @@ class Trainer:
             self.engine.load_flat_global(self.engine.flat_global())
             self.engine.steps_this_round = self.engine.samples_this_round = 0
 
+    def global_norm(self) -> float:
+        """L2 norm of the global parameters (what a donated state is judged against)."""
+        with self.global_lock:
+            return float(self.engine.flat_global().norm())
+
     def snapshot(self) -> GlobalState:
         """The global state for a joiner (called from a worker thread while we may train)."""
         with self.global_lock:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from neuronode.averaging import RoundBook, RoundState
 from neuronode.clock import Clock
+from neuronode.config import NodeConfig
 from neuronode.events import Throttled
 from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import Faults
@@ -21,6 +22,40 @@ from neuronode.swarm.security import Security
 from neuronode.swarm.server import Channels, Counters
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every member of a swarm must run alike besides the model (NodeInfo.settings): a
+    member with other settings is refused at Hello, naming the flag and both values."""
+
+    codec: str = "fp32"
+    averaging: str = "all-to-all"
+    aggregator: str = "mean"  # canonical: name, then ":" and sorted K=V options
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    overlap: bool = False
+
+    FLAGS: ClassVar[dict[str, str]] = {"codec": "--codec", "averaging": "--averaging", "aggregator": "--aggregator/--aggregator-option",
+             "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap"}
+
+    @classmethod
+    def from_config(cls, cfg: NodeConfig) -> Settings:
+        return cls(codec=cfg.codec, averaging=cfg.averaging,
+                   aggregator=canonical_aggregator(cfg.aggregator, cfg.aggregator_option),
+                   outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, overlap=cfg.overlap)
+
+    def mismatch(self, theirs: Settings) -> tuple[str, str, str] | None:
+        """(flag, their value, ours) of the first setting that differs, else None."""
+        for name, flag in self.FLAGS.items():
+            if getattr(theirs, name) != getattr(self, name):
+                return flag, str(getattr(theirs, name)), str(getattr(self, name))
+        return None
+
+
+def canonical_aggregator(name: str, options: tuple[str, ...]) -> str:
+    """One string for an aggregator and its options, equal on nodes that aggregate alike."""
+    return f"{name}:{','.join(sorted(options))}" if options else name
 
 
 @dataclass(frozen=True)
@@ -43,6 +78,7 @@ class SwarmConfig:
     # How far a peer's reported round may trail a round it will still contribute to: 1, or 2
     # under --overlap (a node contributes to round r while round r-1's sync is still in flight).
     round_lag: int = 1
+    settings: Settings = Settings()
 
 
 class Tasks:
@@ -62,6 +98,24 @@ class Tasks:
         if not task.cancelled() and task.exception() is not None:
             logger.error("background task %s failed: %r", task.get_name(), task.exception(),
                          exc_info=task.exception())
+
+    def supervise(self, factory: Callable[[], Coroutine[Any, Any, Any]], name: str, *,
+                  restart_after_s: float = 1.0) -> asyncio.Task[Any]:
+        """A task that must not stop (heartbeats): when it fails it is logged and started again."""
+
+        async def keep_running() -> None:
+            while True:
+                try:
+                    await factory()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - logged; one bad input must not end heartbeats
+                    logger.error("%s failed (%r); restarting it in %.0f s", name, exc, restart_after_s,
+                                 exc_info=exc)
+                    await asyncio.sleep(restart_after_s)
+
+        return self.spawn(keep_running(), name)
 
     def named(self, prefix: str) -> list[asyncio.Task[Any]]:
         return [t for t in self._tasks if t.get_name().startswith(prefix)]

@@ -76,12 +76,15 @@ class Inbound:
             raise Refusal("UNAVAILABLE", "fault injected: sender is cut off")
         if chunk.codec not in PB_TO_CODEC:
             raise Refusal("INVALID_ARGUMENT", f"unknown codec {chunk.codec}")
+        codec = cfg.settings.codec  # the swarm's: it fixes shard geometry, never a chunk's own codec
+        if PB_TO_CODEC[chunk.codec] != codec:
+            raise Refusal("INVALID_ARGUMENT", f"contribution encoded as {PB_TO_CODEC[chunk.codec]}, but this swarm's "
+                          f"--codec is {codec}; every member needs the same --codec")
         if chunk.total_elements != cfg.n_elements:
             raise Refusal("INVALID_ARGUMENT", f"contribution has {chunk.total_elements} elements, the model has "
                           f"{cfg.n_elements}")
         if not (chunk.weight > 0 and chunk.weight < 1e15):
             raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count")
-        codec = PB_TO_CODEC[chunk.codec]
         assembler = receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
                               chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
                               shuffled=chunk.shuffled)

@@ -132,6 +132,24 @@ def member_views(table: PeerTable, round_id: int, members: tuple[str, ...]) -> l
     return views
 
 
+# A member more than this many rounds ahead of the most advanced other member is not believed:
+# honest members close rounds together (at most 2 apart under --overlap), so only a liar, or a
+# member that trained alone, is further ahead of everyone else.
+MAX_LEAD = 3
+
+
+def believable(peers: list[Peer], *, max_lead: int = MAX_LEAD) -> list[Peer]:
+    """`peers` less any whose claimed round is more than `max_lead` ahead of every other peer
+    that has trained (fresh joiners at round 0 are no evidence; with no such other peer nobody
+    can tell, and the claim stands)."""
+    out = []
+    for peer in peers:
+        others = [p.round for p in peers if p is not peer and p.round > 0]
+        if not others or peer.round <= max(others) + max_lead:
+            out.append(peer)
+    return out
+
+
 def same_lineage(a: dict[int, str], b: dict[int, str]) -> bool | None:
     """Do two digest histories agree at their newest common round? None: no common round."""
     common = set(a) & set(b)
@@ -160,10 +178,13 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
     """Group ourselves and live peers that published digests into lineages.
 
     Two nodes share a lineage when their digests agree at their newest common round. The
-    winner is the group with the most members, then the highest round, then the smallest
-    digest at that round (docs/fault-tolerance.md). Everyone applies the same rule to the same
-    reports, so after a partition heals every node picks the same side.
+    winner is the group with the most members that have trained (fresh joiners at round 0 vote
+    for no lineage), then the highest round, then the smallest digest at that round
+    (docs/fault-tolerance.md). Everyone applies the same rule to the same reports, so after a
+    partition heals every node picks the same side. A peer claiming a round far ahead of every
+    other peer is not believed (`believable`) and counts nowhere.
     """
+    peers = believable(peers)
     histories = {self_id: own} | {p.node_id: p.digests for p in peers if p.digests}
     rounds = {self_id: own_round} | {p.node_id: p.round for p in peers if p.digests}
     ids = sorted(histories)
@@ -185,7 +206,7 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
     def rank(group: list[str]) -> tuple[int, int, str]:
         top = max(rounds[i] for i in group)
         holder = min(i for i in group if rounds[i] == top)
-        return (-len(group), -top, histories[holder].get(top, ""))
+        return (-sum(rounds[i] > 0 for i in group), -top, histories[holder].get(top, ""))
 
     return Lineages(groups=sorted(grouped.values(), key=rank), rounds=rounds)
 
@@ -200,10 +221,15 @@ class CatchUp:
 
 
 def plan_catch_up(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> CatchUp | None:
-    """Behind the winning lineage, or outside it: download from its most advanced members."""
+    """Behind the winning lineage, or outside it: download from its most advanced members
+    (whose state is only adopted if other members vouch for it: neuronode.swarm.trust)."""
+    peers = believable(peers)
     lin = lineages(self_id, own_round, own, peers)
     winner = lin.winner
-    top = lin.top_round(winner)
+    # Where the swarm is: the round at least two of its members (every one, if fewer) reached,
+    # so one member claiming a round more moves nobody.
+    others = sorted((lin.rounds[i] for i in winner if i != self_id), reverse=True)
+    top = others[min(2, len(others)) - 1] if others else own_round
     if self_id in winner:
         if own_round >= top:
             return None

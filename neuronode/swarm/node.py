@@ -28,8 +28,9 @@ from neuronode.swarm.reach import Reach
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
-from neuronode.swarm.statesync import Donor, StateFetch, StateProvider
+from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, Verify
 from neuronode.swarm.transport import GrpcTransport
+from neuronode.swarm.trust import closed_without_us
 from neuronode.swarm.wire import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class SwarmNode:
             ctx.advertise = f"{adv_host}:{bound}"
         ctx.faults.self_address = ctx.advertise
         ctx.started = True
-        ctx.tasks.spawn(self.peers.heartbeats(), "heartbeats")
+        ctx.tasks.supervise(self.peers.heartbeats, "heartbeats")
         logger.info("node %s serving on %s (advertised as %s)", ctx.cfg.node_id,
                     ctx.cfg.listen.replace(":0", f":{bound}"), ctx.advertise)
         return ctx.advertise
@@ -134,15 +135,14 @@ class SwarmNode:
     def catch_up_plan(self) -> CatchUp | None:
         return plan_catch_up(self.cfg.node_id, self.state.round, self.state.digests, self.table.alive())
 
-    async def fetch_state(self, donors: list[str]) -> GlobalState | None:
-        return await self.fetcher.fetch(donors)
+    async def fetch_state(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
+        return await self.fetcher.fetch(donors, verify=verify)
 
     def closed_without_us(self, round_id: int) -> list[str]:
         """Peers of our lineage (same parameters at the start of `round_id`) that already closed
-        `round_id`, so averaged it without us: we joined, or trained, too late for it."""
-        ours = self.state.digests.get(round_id)
-        return sorted(p.node_id for p in self.table.alive()
-                      if ours is not None and p.round == round_id + 1 and p.digests.get(round_id) == ours)
+        `round_id`, so averaged it without us (we joined, or trained, too late for it), when
+        enough of them say so (neuronode.swarm.trust.closed_without_us)."""
+        return closed_without_us(round_id, self.state.digests.get(round_id), self.table.alive())
 
     def alive_count(self) -> int:
         return len(self.table.alive())

@@ -12,7 +12,7 @@ import grpc
 
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
-from neuronode.swarm.context import Context
+from neuronode.swarm.context import Context, Settings
 from neuronode.swarm.membership import agreement
 from neuronode.swarm.transport import FINAL_CODES
 from neuronode.swarm.wire import (
@@ -21,6 +21,8 @@ from neuronode.swarm.wire import (
     MAX_PEERS_LISTED,
     PROTOCOL_VERSION,
     Refusal,
+    settings_fields,
+    settings_to_pb,
 )
 from neuronode.v1 import node_pb2 as pb
 
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RECEIPTS = 4  # NodeInfo.shards_received: rounds a node keeps its receipts for
 MAX_KNOWN_ADDRESSES = 1024
+MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact in a double)
 
 
 class Peers:
@@ -52,7 +55,7 @@ class Peers:
             manifest_hash=ctx.cfg.manifest_hash, advertise=ctx.advertise, round=state.round,
             contributes_from=state.contributes_from, param_digest=state.param_digest,
             recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
-            leaving=ctx.leaving)
+            leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings))
         for r, shards in sorted(self.receipts.items()):
             info.shards_received.add(round=r, shards=sorted(shards))
         return info
@@ -82,12 +85,18 @@ class Peers:
         if (not info.node_id or len(info.node_id) > MAX_ID_CHARS or len(info.swarm_id) > MAX_ID_CHARS
                 or len(info.advertise) > MAX_ADDRESS_CHARS or len(info.manifest_hash) > MAX_ID_CHARS
                 or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64
+                or any(len(d.param_digest) > MAX_ID_CHARS for d in info.recent_digests)
                 or len(info.shards_received) > MAX_RECEIPTS
                 or any(len(r.shards) > MAX_PEERS_LISTED or any(i >= MAX_PEERS_LISTED for i in r.shards)
-                       for r in info.shards_received)):
+                       for r in info.shards_received)
+                or len(info.settings.averaging) > MAX_ID_CHARS or len(info.settings.aggregator) > MAX_ID_CHARS):
             raise Refusal("INVALID_ARGUMENT", "hello needs a node id and swarm id of at most 128 characters, "
                           f"an address of at most 256, at most 64 recent digests and at most {MAX_RECEIPTS} "
                           f"shard receipts of shard indexes below {MAX_PEERS_LISTED}")
+        rounds = [info.round, info.contributes_from, *(d.round for d in info.recent_digests),
+                  *(r.round for r in info.shards_received)]
+        if max(rounds) >= MAX_ROUND:
+            raise Refusal("INVALID_ARGUMENT", f"hello names round {max(rounds)}; rounds are below 2^53")
         if info.swarm_id != cfg.swarm_id:
             raise Refusal("FAILED_PRECONDITION",
                           f"swarm id mismatch: {info.node_id} is in swarm '{info.swarm_id}', this node "
@@ -101,6 +110,12 @@ class Peers:
                           f"model manifest mismatch: {info.node_id} trains another model "
                           f"({info.manifest_hash[:12]} vs {cfg.manifest_hash[:12]} here); "
                           "use the same --task and model-size flags on every node")
+        differs = cfg.settings.mismatch(Settings(**settings_fields(info.settings)))
+        if differs is not None:
+            flag, theirs, ours = differs
+            raise Refusal("FAILED_PRECONDITION",
+                          f"settings mismatch: {info.node_id[:MAX_ID_CHARS]} runs {flag} {theirs[:64]}, this node "
+                          f"({cfg.node_id}) {flag} {ours}; every member of a swarm needs the same {flag}")
         if info.node_id == cfg.node_id and info.advertise != self.ctx.advertise:
             raise Refusal("ALREADY_EXISTS",
                           f"node id {info.node_id} is already used by the node at {self.ctx.advertise}; "

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
 from neuronode.events import fields
 from neuronode.swarm.context import Context
+from neuronode.swarm.trust import reachability
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -24,16 +26,21 @@ class Reach:
         self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
 
     async def check(self) -> None:
-        """Ask live peers to dial us back at our advertised address; say plainly if they can't."""
+        """Ask up to three live peers to dial us back at our advertised address; the verdict
+        needs a quorum of them (neuronode.swarm.trust.reachability), and we say plainly if they
+        can't reach us."""
         ctx = self.ctx
-        for peer in ctx.table.alive()[:3]:
-            try:
-                resp = await ctx.channels.stub(peer.address).CheckReachable(
-                    pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id), timeout=15,
-                    metadata=ctx.security.metadata("CheckReachable"))
-            except grpc.aio.AioRpcError:
+        asked = ctx.table.alive()[:3]
+        answers = await asyncio.gather(*(self.ask(p.address) for p in asked))
+        said = [(peer, resp) for peer, resp in zip(asked, answers, strict=True) if resp is not None]
+        self.reachable = reachability(resp.reachable for _, resp in said)
+        if self.reachable == "unknown" and said:
+            logger.warning("reachability: peers disagree whether they can dial us back at %s (%s); not deciding",
+                           ctx.advertise, ", ".join(f"{p.node_id}: {'yes' if r.reachable else 'no'}" for p, r in said),
+                           extra=fields("reachability", reachable=None, address=ctx.advertise))
+        for peer, resp in said:
+            if resp.reachable != (self.reachable == "yes") or self.reachable == "unknown":
                 continue
-            self.reachable = "yes" if resp.reachable else "no"
             if resp.reachable:
                 logger.info("reachability: peer %s dialed us back at %s", peer.node_id, resp.address,
                             extra=fields("reachability", peer_id=peer.node_id, reachable=True, address=resp.address))
@@ -47,6 +54,15 @@ class Reach:
                     extra=fields("reachability", peer_id=peer.node_id, reachable=False, address=resp.address,
                                  detail=resp.detail))
             return
+
+    async def ask(self, address: str) -> pb.ReachResponse | None:
+        ctx = self.ctx
+        try:
+            return await ctx.channels.stub(address).CheckReachable(
+                pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id), timeout=15,
+                metadata=ctx.security.metadata("CheckReachable"))
+        except grpc.aio.AioRpcError:
+            return None
 
     async def dial_back(self, node_id: str) -> pb.ReachResponse:
         """Serve CheckReachable: dial a known peer at the address it advertised (never any

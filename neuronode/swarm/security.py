@@ -242,5 +242,7 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
               info.round, info.param_digest, [[d.round, d.param_digest, d.contributors] for d in info.recent_digests],
               info.leaving, info.contributes_from,
               [[r.round, list(r.shards)] for r in info.shards_received],
+              [info.settings.codec, info.settings.averaging, info.settings.aggregator, info.settings.outer_lr,
+               info.settings.outer_momentum, info.settings.overlap],
               [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 
@@ -31,6 +30,7 @@ from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
 from neuronode.swarm.context import Context
 from neuronode.swarm.security import Security
+from neuronode.swarm.trust import witnesses
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -124,9 +124,10 @@ class StateReceiver:
 
 async def download(
     stream: AsyncIterator[pb.StateChunk], *, n_elements: int, manifest_hash: str, executor: Executor,
-    security: Security | None = None,
+    security: Security | None = None, accept: Callable[[pb.StateHeader], str | None] = lambda _: None,
 ) -> GlobalState:
-    """Read a FetchState stream into a verified GlobalState (raises Refusal or AioRpcError)."""
+    """Read a FetchState stream into a verified GlobalState (raises Refusal or AioRpcError).
+    `accept` judges the header before anything else is read: a reason to refuse it, or None."""
     loop = asyncio.get_running_loop()
     receiver: StateReceiver | None = None
     async for msg in stream:
@@ -138,6 +139,9 @@ async def download(
                 security.check_state(h.auth_tag, round_id=h.round, param_digest=h.param_digest,
                                      momentum_digest=h.momentum_digest, n_elements=h.n_elements,
                                      inner_steps_total=h.inner_steps_total, manifest_hash=h.manifest_hash)
+            refused = accept(msg.header)
+            if refused:
+                raise Refusal("FAILED_PRECONDITION", refused)
             receiver = StateReceiver(msg.header, n_elements=n_elements, manifest_hash=manifest_hash)
             continue
         try:
@@ -146,7 +150,10 @@ async def download(
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
     if receiver is None:
         raise Refusal("DATA_LOSS", "empty state stream")
-    return await loop.run_in_executor(executor, receiver.finish)
+    try:  # decoding refuses NaN and Inf: a donor's data never reaches our parameters unchecked
+        return await loop.run_in_executor(executor, receiver.finish)
+    except ValueError as exc:
+        raise Refusal("INVALID_ARGUMENT", f"state values: {exc}") from None
 
 
 class Donor:
@@ -183,27 +190,28 @@ class Donor:
             self.active -= 1
 
 
+Verify = Callable[[GlobalState], str | None]  # the node's own checks on a state: a reason to refuse it
+
+
 class StateFetch:
-    """The joiner's side: download the global state from the first donor that delivers a
-    verified copy of the swarm's state."""
+    """The joiner's side: download the global state from the first donor that delivers a copy
+    the swarm vouches for (neuronode.swarm.trust.witnesses) and that passes our own checks."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.transfers = 0
 
-    async def fetch(self, donors: list[str]) -> GlobalState | None:
+    async def fetch(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
         ctx = self.ctx
         for donor_id in donors:
             peer = ctx.table.peers.get(donor_id)
             if peer is None or not ctx.table.is_alive(peer):
                 continue
             try:
-                ctx.faults.before_call(peer.address)
-                call = ctx.channels.stub(peer.address).FetchState(
-                    pb.StateRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id),
-                    timeout=max(60.0, ctx.cfg.sync_timeout_s), metadata=ctx.security.metadata("FetchState"))
-                state = await download(call, n_elements=ctx.cfg.n_elements, manifest_hash=ctx.cfg.manifest_hash,
-                                       executor=ctx.executor, security=ctx.security)
+                state = await self.fetch_from(donor_id, peer.address)
+                refused = await asyncio.get_running_loop().run_in_executor(ctx.executor, verify, state)
+                if refused:
+                    raise Refusal("FAILED_PRECONDITION", refused)
             except grpc.aio.AioRpcError as exc:
                 logger.warning("state transfer from %s failed (%s: %s); trying another donor",
                                donor_id, exc.code().name, exc.details(),
@@ -213,26 +221,37 @@ class StateFetch:
                 logger.warning("state from %s refused: %s; trying another donor", donor_id, exc,
                                extra=fields("donor_rejected", peer_id=donor_id, reason=str(exc)[:200]))
                 continue
-            ctx.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
-            expected = self.published_digest(state.round, donor_id, donors)
-            if expected is not None and state.param_digest != expected:
-                logger.warning("state from %s is not the swarm's: its round-%d parameters hash to %s, but "
-                               "that round's published param_digest is %s; trying another donor",
-                               donor_id, state.round, state.param_digest[:12], expected[:12],
-                               extra=fields("donor_rejected", peer_id=donor_id, reason="not the published digest"))
+            except Exception as exc:  # noqa: BLE001 - whatever a donor's data does, it never kills the node
+                logger.error("state from %s could not be used (%r); trying another donor", donor_id, exc,
+                             extra=fields("donor_rejected", peer_id=donor_id, reason=repr(exc)[:200]))
                 continue
             self.transfers += 1
             return state
         return None
 
-    def published_digest(self, round_id: int, donor_id: str, lineage: list[str]) -> str | None:
-        """The param_digest a downloaded state of `round_id` must have: what most other members
-        of the donor's lineage published for that round, else what the donor itself published.
-        A donor's own header is never enough: a lying donor would vouch for its own state."""
-        table = self.ctx.table
-        others = Counter(p.digests[round_id] for p in table.alive()
-                         if p.node_id in lineage and p.node_id != donor_id and round_id in p.digests)
-        if others:
-            return min(others, key=lambda d: (-others[d], d))
-        donor = table.peers.get(donor_id)
-        return donor.digests.get(round_id) if donor is not None else None
+    async def fetch_from(self, donor_id: str, address: str) -> GlobalState:
+        ctx = self.ctx
+        ctx.faults.before_call(address)
+        call = ctx.channels.stub(address).FetchState(
+            pb.StateRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id),
+            timeout=max(60.0, ctx.cfg.sync_timeout_s), metadata=ctx.security.metadata("FetchState"))
+        state = await download(call, n_elements=ctx.cfg.n_elements, manifest_hash=ctx.cfg.manifest_hash,
+                               executor=ctx.executor, security=ctx.security,
+                               accept=lambda header: self.vouched(header.round, header.param_digest, donor_id))
+        ctx.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
+        return state
+
+    def vouched(self, round_id: int, param_digest: str, donor_id: str) -> str | None:
+        """Why a donor's (round, param_digest) is not the swarm's, or None when it is: other
+        members published it (a quorum, more than published another), or none but the donor is
+        alive at all. A donor's own word is never enough when anyone else can speak."""
+        seen = witnesses(round_id, param_digest, donor_id, self.ctx.table.alive())
+        if seen.accepted:
+            return None
+        if seen.others == 0:
+            logger.warning("only %s can vouch for its state of round %d (no other member is alive): adopting it "
+                           "on its word; a swarm of two has no second witness", donor_id, round_id,
+                           extra=fields("unvouched_state", peer_id=donor_id, round_id=round_id))
+            return None
+        return (f"its round-{round_id} parameters hash to {param_digest[:12]}, which {len(seen.agree)} of "
+                f"{seen.others} other members published ({len(seen.disagree)} published another digest)")

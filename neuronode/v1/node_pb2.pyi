@@ -41,7 +41,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "shards_received")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "shards_received", "settings")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class NodeInfo(_message.Message):
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTES_FROM_FIELD_NUMBER: _ClassVar[int]
     SHARDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -64,7 +65,24 @@ class NodeInfo(_message.Message):
     leaving: bool
     contributes_from: int
     shards_received: _containers.RepeatedCompositeFieldContainer[ShardReceipt]
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., shards_received: _Optional[_Iterable[_Union[ShardReceipt, _Mapping]]] = ...) -> None: ...
+    settings: SwarmSettings
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., shards_received: _Optional[_Iterable[_Union[ShardReceipt, _Mapping]]] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ...) -> None: ...
+
+class SwarmSettings(_message.Message):
+    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    averaging: str
+    aggregator: str
+    outer_lr: float
+    outer_momentum: float
+    overlap: bool
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class ShardReceipt(_message.Message):
     __slots__ = ("round", "shards")

@@ -1,0 +1,160 @@
+"""An adversary harness: real nodes (real grpc.aio, valid credentials) whose protocol behaviour a
+test scripts, to show that one lying member changes nothing (SECURITY.md, "Lying members").
+
+In process: `claim` makes a SwarmNode's Hellos claim other rounds or digests, `lie_about_reach`
+makes it answer every dial-back request with a lie, and `nan_frames` lets a donor stream NaN
+(our own donor refuses to encode it; a hostile one need not).
+
+As a process: `Liar` is a `neuronode start` (forked from the warm server, like helpers.Node)
+that runs one of BEHAVIOURS and is otherwise an honest member: it trains, contributes and
+answers like everyone else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from helpers import FORKS, Forked, Node, run_cli
+
+from neuronode.codec import ContributionDigest, Frame
+from neuronode.state import GlobalState
+from neuronode.v1 import node_pb2 as pb
+
+FAKE_DIGEST = "f" * 64
+
+
+# ---- in process ------------------------------------------------------------------------------
+
+
+def claim(node: Any, *, round_offset: int = 0, digests: dict[int, str] | None = None) -> None:
+    """From now on `node`'s Hellos claim `round_offset` more completed rounds than it has, and
+    add `digests` ({round: param_digest}) to its recent digests."""
+    honest = node.peers.node_info
+
+    def lying() -> pb.NodeInfo:
+        info = honest()
+        info.round += round_offset
+        for round_id, digest in sorted((digests or {}).items()):
+            info.recent_digests.add(round=round_id, param_digest=digest)
+        return info
+
+    node.peers.node_info = lying
+
+
+def lie_about_reach(node: Any, *, reachable: bool) -> None:
+    """`node` answers every CheckReachable with `reachable`, without dialing anyone."""
+
+    async def lying(node_id: str) -> pb.ReachResponse:
+        peer = node.table.peers.get(node_id)
+        return pb.ReachResponse(reachable=reachable, address=peer.address if peer else "", detail="a lie")
+
+    node.reach.dial_back = lying
+
+
+def nan_frames(vector: torch.Tensor, *, zstd_level: int) -> tuple[list[Frame], str]:
+    """statesync.part_frames without the finiteness check: raw fp32 frames of `vector`."""
+    raw = vector.contiguous().numpy().astype("<f4").tobytes()
+    step = 1 << 20
+    pieces = [raw[i:i + step] for i in range(0, len(raw), step)]
+    digest = ContributionDigest(sha256=True)
+    for piece in pieces:
+        digest.update(piece)
+    return [Frame(index=i, count=len(pieces), compressed=False, data=p, raw_len=len(p))
+            for i, p in enumerate(pieces)], digest.hexdigest()
+
+
+def sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.numpy().astype("<f4").tobytes()).hexdigest()
+
+
+def state(params: torch.Tensor, *, round_id: int = 7, momentum: torch.Tensor | None = None) -> GlobalState:
+    """A state whose header digest matches its parameters (a liar's donation is self-consistent)."""
+    return GlobalState(round=round_id, param_digest=sha256(params), params=params, momentum=momentum,
+                       inner_steps_total=10 * round_id)
+
+
+# ---- as a process ------------------------------------------------------------------------------
+
+
+def doctor(snapshot: Callable[[Any], GlobalState], change: Callable[[GlobalState], GlobalState]) -> Callable[[Any], GlobalState]:
+    def lying(trainer: Any) -> GlobalState:
+        return change(snapshot(trainer))
+
+    return lying
+
+
+def _doctored(s: GlobalState) -> GlobalState:
+    params = s.params + 0.5  # finite, plausible in norm, not the swarm's
+    return GlobalState(s.round, sha256(params), params, s.momentum, s.inner_steps_total)
+
+
+def _nan(s: GlobalState) -> GlobalState:
+    params = s.params.clone()
+    params[::97] = float("nan")
+    return GlobalState(s.round, sha256(params), params, s.momentum, s.inner_steps_total)
+
+
+def _huge_momentum(s: GlobalState) -> GlobalState:
+    return GlobalState(s.round, s.param_digest, s.params, torch.full_like(s.params, 1e30), s.inner_steps_total)
+
+
+def apply(behaviour: str) -> None:
+    """Patch this (forked) process so its node lies as `behaviour` says."""
+    from neuronode.node.trainer import Trainer
+    from neuronode.swarm import statesync
+    from neuronode.swarm.peers import Peers
+
+    honest_info = Peers.node_info
+
+    def claiming(round_offset: int, fake: bool) -> Callable[[Peers], pb.NodeInfo]:
+        def lying(self: Peers) -> pb.NodeInfo:
+            info = honest_info(self)
+            info.round += round_offset
+            if fake:  # the swarm's history, then a newest round nobody else has
+                info.recent_digests.add(round=info.round, param_digest=FAKE_DIGEST)
+            return info
+
+        return lying
+
+    if behaviour == "claim-rounds":  # 1000 rounds ahead, in the swarm's own lineage
+        Peers.node_info = claiming(1000, fake=True)  # type: ignore[method-assign]
+    elif behaviour == "claim-closed":  # "I closed your round already": stand aside and listen to me
+        Peers.node_info = claiming(1, fake=False)  # type: ignore[method-assign]
+    elif behaviour in ("doctored-state", "nan-state", "huge-momentum"):
+        change = {"doctored-state": _doctored, "nan-state": _nan, "huge-momentum": _huge_momentum}[behaviour]
+        Trainer.snapshot = doctor(Trainer.snapshot, change)  # type: ignore[method-assign]
+        statesync.part_frames = nan_frames  # a hostile donor encodes what it likes
+    elif behaviour not in ("codec", "outer-lr"):  # those two only run with other flags
+        raise ValueError(f"unknown behaviour {behaviour}")
+
+
+def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
+    apply(behaviour)
+    run_cli(argv, log_path)
+
+
+BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr")
+FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
+
+
+class Liar(Node):
+    """A member that lies as `behaviour` says (see BEHAVIOURS); otherwise a helpers.Node."""
+
+    def __init__(self, *args: Any, behaviour: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.behaviour = behaviour
+        self.extra += list(FLAGS.get(behaviour, ()))
+
+    def start(self, *more: str) -> Liar:
+        from helpers import NODE_DEFAULTS
+
+        args = ["start", "--data-dir", str(self.data_dir), "--listen", self.address, *NODE_DEFAULTS,
+                *self.extra, *more]
+        process = FORKS.Process(target=run_liar, args=(args, str(self.log_path), self.behaviour),
+                                name=f"neuronode-liar-{self.name}")
+        process.start()
+        self.proc = Forked(process)
+        return self

@@ -1,0 +1,104 @@
+"""Four honest members and one liar, all with the same credentials, one lie at a time (the
+adversary harness, tests/adversary.py): the honest members finish their rounds with one digest,
+val_loss within 5% of the same swarm without the liar, no crash, and no round waiting out a
+deadline more than once because of the liar.
+
+Lies about the swarm (claimed rounds, a claimed round close, another --codec or --outer-lr)
+run with the four honest members from the start; lies in a donated state (doctored, NaN, an
+absurd momentum) need a joiner, so the fourth honest member joins late, through the liar.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from adversary import Liar
+from helpers import Node, finish, poll
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+SYNC_TIMEOUT_S = 20
+ARGS = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
+        "--rounds", "6", "--sync-timeout", str(SYNC_TIMEOUT_S), "--swarm-id", "lies", "--device", "cpu")
+HONEST = ("h1", "h2", "h3", "h4")
+LIAR = "a-liar"  # sorts first: the first donor a joiner tries, the first peer it asks
+SWARM_LIES = ("claim-rounds", "claim-closed", "codec", "outer-lr")
+REFUSED = ("codec", "outer-lr")  # refused at Hello: never a member
+STATE_LIES = ("doctored-state", "nan-state", "huge-momentum")
+
+
+def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
+    """The swarm, with the liar when `behaviour` is given; with `joiner` h4 joins after round 2
+    through the liar (or through h1 without one)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Every round waits for every member that starts with the swarm (the liar too, unless it is
+    # refused), so nobody trains ahead while the others start.
+    accepted = behaviour is not None and behaviour not in REFUSED
+    # A joiner needs rounds long enough to join the running swarm (about 1 s each here).
+    args = (*ARGS, "--inner-steps", "100" if joiner else "4")
+    min_peers = ("--min-peers", str((3 if joiner else 4) + accepted))
+    h1 = Node(tmp, "h1", *args, *min_peers, "--node-id", "h1")
+    nodes: dict[str, Node] = {"h1": h1}
+    for name in HONEST[1:3] if joiner else HONEST[1:]:
+        nodes[name] = Node(tmp, name, *args, *min_peers, "--node-id", name, "--peers", h1.address)
+    if behaviour:
+        nodes[LIAR] = Liar(tmp, LIAR, *args, "--node-id", LIAR, "--peers", h1.address, behaviour=behaviour)
+    try:
+        for node in nodes.values():
+            node.start()
+        if joiner:
+            poll("h1 at round 2", lambda: any(e["round"] >= 2 for e in h1.events("round_done")), timeout_s=120)
+            via = nodes[LIAR] if behaviour else h1
+            nodes["h4"] = Node(tmp, "h4", *args, *min_peers, "--node-id", "h4", "--peers", via.address).start()
+        finish(list(nodes.values()), 240)
+    finally:
+        for node in nodes.values():
+            node.kill()
+    return nodes
+
+
+@cache
+def reference(tmp: Path, joiner: bool) -> float:
+    """The honest swarm's val_loss at the end, without the liar."""
+    nodes = run(tmp / f"reference-{joiner}", None, joiner=joiner)
+    return check_honest(nodes)
+
+
+def check_honest(nodes: dict[str, Node]) -> float:
+    statuses = {name: nodes[name].status() for name in HONEST}
+    assert all(s["round"] == 6 for s in statuses.values()), statuses
+    assert len({s["param_digest"] for s in statuses.values()}) == 1, statuses
+    for name in HONEST:  # at most one round waited out its deadline, whatever the liar did
+        waited = {e["round_id"] for e in nodes[name].events("deadline")}
+        assert len(waited) <= 1, (name, waited)
+    return float(statuses["h1"]["val_loss"])
+
+
+def rejected_donors(node: Node) -> list[Any]:
+    return [e["peer_id"] for e in node.events("donor_rejected")]
+
+
+@pytest.mark.parametrize("behaviour", SWARM_LIES + STATE_LIES)
+def test_one_liar_among_four_honest_members_changes_nothing(tmp_path_factory: pytest.TempPathFactory,
+                                                            behaviour: str) -> None:
+    base = tmp_path_factory.getbasetemp() / "adversary-swarm"
+    joiner = behaviour in STATE_LIES
+    nodes = run(base / behaviour, behaviour, joiner=joiner)
+    val_loss = check_honest(nodes)
+    assert abs(val_loss - reference(base, joiner)) <= 0.05 * reference(base, joiner)
+    honest = [nodes[name] for name in HONEST]
+    if behaviour in ("codec", "outer-lr"):  # refused at Hello, never averaged
+        flag = "--codec int8" if behaviour == "codec" else "--outer-lr 0.5"
+        assert any(flag in e["detail"] for e in nodes[LIAR].events("refused_by")), nodes[LIAR].log()[-3000:]
+        assert all(LIAR not in e["contributors"] for n in honest for e in n.events("round_done"))
+    elif behaviour == "claim-rounds":  # nobody believed the 1000 rounds or caught up to them
+        assert not any(n.events("catching_up") for n in honest)
+    elif behaviour == "claim-closed":  # nobody stood aside on the liar's word
+        assert not any(n.events("stand_aside") for n in honest)
+    else:  # the joiner refused the liar's state, then adopted a vouched one
+        h4 = nodes["h4"]
+        assert rejected_donors(h4)[:1] == [LIAR], h4.log()[-3000:]
+        assert h4.events("adopted"), h4.log()[-3000:]
