@@ -60,6 +60,7 @@ from neuronode.v1 import node_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig()))  # what nodes started with defaults run
+NODE_CODEC = NodeConfig().codec
 
 NODE_ID = "fuzzed"
 SWARM = "fuzz-swarm"
@@ -289,12 +290,15 @@ def parse(method: str, blob: bytes) -> Message | None:
 
 def hello_verdict(t: Target, req: pb.HelloRequest) -> set[Code]:
     info, refusals = req.info, set()
-    ids = (info.node_id, info.swarm_id, info.manifest_hash, info.param_digest)
+    ids = (info.node_id, info.swarm_id, info.manifest_hash, info.param_digest,
+           *(d.param_digest for d in info.recent_digests))
+    rounds = (info.round, info.contributes_from, *(d.round for d in info.recent_digests),
+              *(r.round for r in info.shards_received))
     if (not info.node_id or max(map(len, ids)) > 128 or len(info.advertise) > 256
-            or len(info.recent_digests) > 64):
+            or len(info.recent_digests) > 64 or max(rounds) >= 2**53):
         refusals.add(Code.INVALID_ARGUMENT)
     if (info.swarm_id != SWARM or info.protocol_version != PROTOCOL_VERSION
-            or info.manifest_hash != t.manifest):
+            or info.manifest_hash != t.manifest or info.settings != NODE_SETTINGS):
         refusals.add(Code.FAILED_PRECONDITION)
     if info.node_id == NODE_ID and info.advertise != t.node.address:
         refusals.add(Code.ALREADY_EXISTS)
@@ -560,7 +564,8 @@ class Plan:
     def codes(self) -> set[Code]:
         # Whatever else is wrong, the round may also close while the stream is sent.
         kinds = [d.kind for d in self.defects] + ([self.structural.kind] if self.structural else [])
-        return set().union(*(CODES[k] for k in kinds)) | {Code.FAILED_PRECONDITION}
+        other_codec = {Code.INVALID_ARGUMENT} if self.codec != NODE_CODEC else set()  # not the swarm's
+        return set().union(*(CODES[k] for k in kinds)) | {Code.FAILED_PRECONDITION} | other_codec
 
 
 PLANS = st.builds(Plan, codec=st.sampled_from(sorted(CODEC_TO_PB)), n_chunks=st.integers(2, 4),
@@ -891,7 +896,7 @@ def test_closed_node_bans_a_member_that_keeps_sending_garbage(nodes: Fuzzed) -> 
     """Bans key on the proven node id in a closed swarm, so they apply even from loopback."""
     t = nodes.closed
     t.hello_as("member-banned")
-    broken = Plan("fp32", 2, False, 5, (Defect("digest"),), None)
+    broken = Plan(NODE_CODEC, 2, False, 5, (Defect("digest"),), None)
     codes = []
     for _ in range(7):
         chunks = hostile_stream(t, broken, sender_id="member-banned")
@@ -908,7 +913,7 @@ def test_closed_node_blames_the_proven_caller_not_the_claimed_sender(nodes: Fuzz
     strikes itself: the member it names is never banned for it."""
     t = nodes.closed
     t.hello_as("victim")
-    broken = Plan("fp32", 2, False, 7, (Defect("digest"),), None)
+    broken = Plan(NODE_CODEC, 2, False, 7, (Defect("digest"),), None)
     forged = [c.SerializeToString() for c in hostile_stream(t, broken, sender_id="victim")]
     bad_hello = t.hello("victim", advertise="a" * 300).SerializeToString()
     for _ in range(6):

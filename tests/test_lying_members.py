@@ -98,19 +98,23 @@ async def test_a_state_no_other_member_vouches_for_is_refused(nodes: Nodes, exec
     accepted any state whose round no other member had a digest for."""
     honest = torch.randn(N, generator=torch.Generator().manual_seed(1))
     good, bad = state(honest, round_id=7), state(honest + 0.1, round_id=8)
-    joiner, b, c = await swarm(nodes, ["joiner", "b", "c"])
-    liar = SwarmNode(replace(joiner.cfg, node_id="a-liar", peers=(b.advertise,)), executor=executor,
+    joiner = await nodes.start("joiner", n_elements=N)
+    b, c = (SwarmNode(replace(joiner.cfg, node_id=name, peers=(joiner.advertise,)), executor=executor,
+                      state_provider=lambda: good) for name in ("b", "c"))
+    liar = SwarmNode(replace(joiner.cfg, node_id="a-liar", peers=(joiner.advertise,)), executor=executor,
                      state_provider=lambda: bad)
-    await liar.start()
-    nodes.running.append(liar)
+    for node in (b, c, liar):
+        await node.start()
+        nodes.running.append(node)
     for node in (b, c):
         node.state.adopted(7, good.param_digest, listen=False)
     liar.state.adopted(8, bad.param_digest, listen=False)
     await seen(joiner, lambda p: {"a-liar", "b", "c"} <= set(p) and 7 in p["b"].digests and 8 in p["a-liar"].digests,
                "the joiner to hear everyone's digests")
-    assert await joiner.fetch_state(["a-liar"]) is None
+    got = await joiner.fetch_state(["a-liar", "b", "c"])  # the liar first, as if it led the lineage
+    assert got is not None and got.round == 7 and got.param_digest == good.param_digest
     [rejected] = events(caplog, "donor_rejected")
-    assert rejected["peer_id"] == "a-liar" and "0 of 2 other members published" in str(rejected["reason"])
+    assert rejected["peer_id"] == "a-liar" and "0 of 2 other members of its lineage published" in str(rejected["reason"])
 
 
 async def test_reachability_rests_on_more_than_one_peer(nodes: Nodes) -> None:

@@ -49,7 +49,7 @@ class AllToAll(Averaging):
         return Average(vector=vector, contributors=sorted(got), fewest=len(got), encode_s=prepared.encode_s,
                        exchange_s=waited, average_s=elapsed(started), sent=[own])
 
-    async def listen(self, round_id: int, *, base_digest: str) -> Average:
+    async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
         """The others' contributions to a round we only listen to, averaged."""
         got = await self.listened(round_id, Phase.WHOLE, base_digest)
         if not got:

@@ -166,13 +166,13 @@ def same_lineage(got: dict[str, Contribution], lineage: tuple[str, tuple[str, ..
     return kept
 
 
-def majority_lineage(got: dict[str, Contribution], base_digest: str) -> dict[str, Contribution]:
+def majority_lineage(got: dict[str, Contribution], base_digest: str | None) -> dict[str, Contribution]:
     """A round we listen to: contributions made from `base_digest` (the parameters we hold for
-    its start; a member claiming another start counts nowhere), for the membership most of them
-    name (reduce-scatter)."""
+    its start; a member claiming another start counts nowhere), or with None from the start
+    most senders share; for the membership most of them name (reduce-scatter)."""
     counts: dict[tuple[str, tuple[str, ...]], int] = {}
     for c in got.values():
-        if c.base_digest == base_digest:
+        if base_digest is None or c.base_digest == base_digest:
             counts[c.lineage] = counts.get(c.lineage, 0) + 1
-    best = min(counts, key=lambda k: (-counts[k], k)) if counts else (base_digest, ())
+    best = min(counts, key=lambda k: (-counts[k], k)) if counts else (base_digest or "", ())
     return same_lineage(got, best)

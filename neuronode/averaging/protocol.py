@@ -84,12 +84,14 @@ class Averaging:
     async def exchange(self, prepared: Prepared) -> Average:
         raise NotImplementedError
 
-    async def listen(self, round_id: int, *, base_digest: str) -> Average:
-        """The average of a round we only listen to, whose parameters at its start (param_digest)
-        we hold ourselves: only contributions made from those count, whatever anyone claims."""
+    async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
+        """The average of a round we only listen to. With `base_digest` (the parameters at its
+        start, which we hold ourselves) only contributions made from those count, whatever
+        anyone claims; None (--overlap: the round started before the state we adopted) follows
+        the start most senders share."""
         raise NotImplementedError
 
-    async def listened(self, round_id: int, phase: Phase, base_digest: str) -> dict[str, Contribution]:
+    async def listened(self, round_id: int, phase: Phase, base_digest: str | None) -> dict[str, Contribution]:
         """What the others sent of a round we only listen to, made from `base_digest` (the
         parameters we know the round started from), for the members most of them name."""
         logger.info("round %d: listening to the swarm's %s (we contribute from round %d on)",

@@ -165,7 +165,7 @@ class ReduceScatter(Averaging):
                            extra=fields("shards_skipped", round_id=round_id, shards=sorted(have - agreed)))
         return {k: c for k, c in averaged.items() if c.shard_index in agreed}
 
-    async def listen(self, round_id: int, *, base_digest: str) -> Average:
+    async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
         """The averaged shards of a round we only listen to (reducers send them to listeners)."""
         got = await self.listened(round_id, Phase.AVERAGED, base_digest)
         if not got:

@@ -104,7 +104,8 @@ class Rounds:
         to the round we adopted (catchup.py says why)."""
         adopted = await self.catch_up.maybe(stopped)
         if adopted is not None and self.cfg.overlap:
-            self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=self.state.param_digest))
+            # The swarm's round-R contributions started before the state we adopted (catchup.py).
+            self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=None))
 
     async def sync(self, round_id: int) -> Awaitable[Average]:
         """What averages `round_id` for us, by how we take part in it."""

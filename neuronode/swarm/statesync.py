@@ -208,7 +208,7 @@ class StateFetch:
             if peer is None or not ctx.table.is_alive(peer):
                 continue
             try:
-                state = await self.fetch_from(donor_id, peer.address)
+                state = await self.fetch_from(donor_id, peer.address, donors)
                 refused = await asyncio.get_running_loop().run_in_executor(ctx.executor, verify, state)
                 if refused:
                     raise Refusal("FAILED_PRECONDITION", refused)
@@ -229,7 +229,7 @@ class StateFetch:
             return state
         return None
 
-    async def fetch_from(self, donor_id: str, address: str) -> GlobalState:
+    async def fetch_from(self, donor_id: str, address: str, lineage: list[str]) -> GlobalState:
         ctx = self.ctx
         ctx.faults.before_call(address)
         call = ctx.channels.stub(address).FetchState(
@@ -237,21 +237,24 @@ class StateFetch:
             timeout=max(60.0, ctx.cfg.sync_timeout_s), metadata=ctx.security.metadata("FetchState"))
         state = await download(call, n_elements=ctx.cfg.n_elements, manifest_hash=ctx.cfg.manifest_hash,
                                executor=ctx.executor, security=ctx.security,
-                               accept=lambda header: self.vouched(header.round, header.param_digest, donor_id))
+                               accept=lambda header: self.vouched(header.round, header.param_digest, donor_id,
+                                                                   lineage))
         ctx.counters.bytes_received += state.params.numel() * 4 * (2 if state.momentum is not None else 1)
         return state
 
-    def vouched(self, round_id: int, param_digest: str, donor_id: str) -> str | None:
-        """Why a donor's (round, param_digest) is not the swarm's, or None when it is: other
-        members published it (a quorum, more than published another), or none but the donor is
-        alive at all. A donor's own word is never enough when anyone else can speak."""
-        seen = witnesses(round_id, param_digest, donor_id, self.ctx.table.alive())
+    def vouched(self, round_id: int, param_digest: str, donor_id: str, lineage: list[str]) -> str | None:
+        """Why a donor's (round, param_digest) is not the swarm's, or None when it is: the other
+        members of its lineage (`lineage`, the donors) published it (a quorum, more than
+        published another), or none but the donor is alive. A donor's own word is never enough
+        when anyone else can speak."""
+        members = [p for p in self.ctx.table.alive() if p.node_id in lineage]
+        seen = witnesses(round_id, param_digest, donor_id, members)
         if seen.accepted:
             return None
         if seen.others == 0:
-            logger.warning("only %s can vouch for its state of round %d (no other member is alive): adopting it "
-                           "on its word; a swarm of two has no second witness", donor_id, round_id,
+            logger.warning("only %s can vouch for its state of round %d (no other member of its lineage is alive): "
+                           "adopting it on its word; a lineage of one has no second witness", donor_id, round_id,
                            extra=fields("unvouched_state", peer_id=donor_id, round_id=round_id))
             return None
         return (f"its round-{round_id} parameters hash to {param_digest[:12]}, which {len(seen.agree)} of "
-                f"{seen.others} other members published ({len(seen.disagree)} published another digest)")
+                f"{seen.others} other members of its lineage published ({len(seen.disagree)} published another digest)")

@@ -41,9 +41,11 @@ class Witnesses:
 
     @property
     def accepted(self) -> bool:
-        """A quorum of the other members published the donor's digest, and none more published
-        another. With no other member at all, nobody can vouch: the caller decides."""
-        return len(self.agree) >= max(1, quorum(self.others)) and len(self.agree) > len(self.disagree)
+        """A quorum of the other members that published a digest for the round published the
+        donor's, and more of them than published another. With nobody else to speak, nobody can
+        vouch: the caller decides."""
+        published = len(self.agree) + len(self.disagree)
+        return len(self.agree) >= max(1, quorum(published)) and len(self.agree) > len(self.disagree)
 
 
 def witnesses(round_id: int, param_digest: str, donor_id: str, peers: list[Peer]) -> Witnesses:
