@@ -127,7 +127,9 @@ def test_overlap_late_joiner_listens_to_its_join_round_then_matches(tmp_path: Pa
             node.kill()
     joined = b.events("adopted")
     assert joined, b.log()
-    assert joined[0]["round_id"] in [e["round_id"] for e in b.events("listening")]
+    # A download that ends after a moved on is followed by a second one (b is behind again and
+    # drops the first listen); the state b kept is the last it adopted, and it listened there.
+    assert joined[-1]["round_id"] in [e["round_id"] for e in b.events("listening")]
     statuses = [n.status() for n in (a, b)]
     assert all(s["round"] == 20 for s in statuses)
     assert statuses[0]["param_digest"] == statuses[1]["param_digest"]
