@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
-from neuronode.averaging.book import DuplicateContribution, RoundBook, RoundClosed, RoundTooFar
+from neuronode.averaging.book import BufferFull, DuplicateContribution, RoundBook, RoundClosed, RoundTooFar
 from neuronode.averaging.local import LocalSwarm
 from neuronode.averaging.reducescatter import RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock
@@ -104,6 +104,76 @@ def test_book_refuses_closed_far_and_duplicate_rounds_per_phase() -> None:
     book.reset(10)
     with pytest.raises(RoundClosed):
         book.check_open(9, "b", Phase.AVERAGED)
+
+
+def test_book_reserves_each_stream_and_refuses_a_member_over_its_bound() -> None:
+    book = RoundBook(first_round=3, max_sender_bytes=100)
+    book.begin(3, "a", reserved_bytes=60)
+    with pytest.raises(BufferFull, match="at most 100 per member"):
+        book.begin(4, "a", reserved_bytes=60)  # a second contribution would put a over its bound
+    book.begin(4, "b", reserved_bytes=60)  # the bound is per member
+    assert (book.buffered_bytes, book.sender_bytes("a")) == (120, 60)
+    book.abort(3, "a")  # a's stream broke off: its reservation is freed
+    book.begin(4, "a", reserved_bytes=60)
+    assert book.buffered_bytes == 120
+
+
+def test_streams_of_a_closed_round_are_aborted_and_every_buffer_freed() -> None:
+    book = RoundBook(first_round=3)
+    aborted: list[str] = []
+    book.begin(3, "a", reserved_bytes=50, abort=aborted.append)  # stalls before its last chunk
+    book.begin(3, "b", reserved_bytes=50, abort=aborted.append)
+    book.finish(record("b", 3))  # type: ignore[arg-type]
+    book.begin(4, "b", reserved_bytes=50, abort=aborted.append)  # the next round, buffered
+    assert book.buffered_bytes == 150
+    assert set(book.close(3)) == {"b"}  # b's is the caller's now; a's stream is cut off
+    assert len(aborted) == 1 and "round 3" in aborted[0] and "from a" in aborted[0] and "closed" in aborted[0]
+    assert book.buffered_bytes == 50 and book.sender_bytes("a") == 0
+    book.reset(10)  # a state transfer: everything before round 10 goes, streams included
+    assert book.buffered_bytes == 0 and len(aborted) == 2
+
+
+def test_a_stream_that_stops_sending_is_aborted_after_the_idle_limit() -> None:
+    clock = ManualClock()
+    book = RoundBook(first_round=0, clock=clock, idle_s=30.0)
+    aborted: list[str] = []
+    book.begin(0, "a", reserved_bytes=10, abort=aborted.append)
+    clock.advance(29.0)
+    book.touch(0, "a")  # a chunk arrived: the idle time starts again
+    clock.advance(29.0)
+    assert book.expire() == 0 and not aborted
+    clock.advance(1.0)
+    assert book.expire() == 1 and "no chunk for 30 s" in aborted[0]
+    assert book.buffered_bytes == 0
+
+
+async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delivers(pools) -> None:  # noqa: ANN001
+    """One member that stalls costs one deadline, not one every round; once a contribution of
+    its arrives whole, rounds wait for it again."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abc":
+        swarm.join(name)
+    rounds = [asyncio.ensure_future(swarm.round(n, 0)) for n in "ab"]  # c is alive but sends nothing
+    await until("a and b waiting on the clock", lambda: swarm.clock.waiting == 2)
+    swarm.clock.advance(TIMEOUT_S)
+    await until("round 0 to close at its deadline", lambda: all(r.done() for r in rounds))
+    late = await asyncio.gather(*(swarm.round(n, 1) for n in "ab"))  # no time passes: c is late
+    assert [r.contributors for r in late] == [["a", "b"]] * 2
+    books = [swarm.local.members[n].book for n in "ab"]
+    for member in swarm.local.members.values():
+        member.state.round = 2  # where the daemon's round state would be (peers send to who is there)
+    back = asyncio.ensure_future(swarm.round("c", 2))
+    await until("c's round-2 contribution to reach a and b", lambda: all("c" in b.contributors(2) for b in books))
+    again = await asyncio.gather(*(swarm.round(n, 2) for n in "ab"))
+    assert [r.contributors for r in again] == [["a", "b", "c"]] * 2
+    back.cancel()  # c's own book never closed rounds 0 and 1: its round 2 is not the point here
+    for member in swarm.local.members.values():
+        member.state.round = 3
+    rounds = [asyncio.ensure_future(swarm.round(n, 3)) for n in "ab"]
+    await until("a and b to wait for c again", lambda: swarm.clock.waiting == 2)
+    assert not any(r.done() for r in rounds)
+    swarm.clock.advance(TIMEOUT_S)
+    await until("round 3 to close", lambda: all(r.done() for r in rounds))
 
 
 async def test_round_closes_once_every_expected_peer_contributed_without_time_passing(pools) -> None:  # noqa: ANN001

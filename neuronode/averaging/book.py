@@ -9,11 +9,16 @@ Rules (docs/protocol.md repeats them):
   before we finish this one.
 - A round closes when every expected peer's contribution has arrived, or at the deadline if at
   least `min_contributors` have; with fewer the node keeps waiting (one more deadline at a time).
-- A contribution still streaming when its round closes is discarded.
+- A contribution still streaming when its round closes is discarded: its stream is aborted and
+  its buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
+- A sender whose contribution was missing when a round closed at its deadline is late: no round
+  waits for it again until a contribution of its arrives complete (it still counts if it arrives
+  before a round closes). One member that stalls costs the swarm one deadline, not one a round.
 
-Memory: at most `window` rounds x (peers) complete contributions per phase, each stored in its
-encoded (wire) form, i.e. P x bytes-per-parameter of its codec; partial streams add at most
-one chunk each beyond what they already stored.
+Memory (`buffered_bytes`): every stream reserves its whole payload (in its encoded form, P x
+bytes-per-parameter of its codec, or one shard of it) when it opens, and keeps it until its round
+closes or the stream is discarded. A sender holds at most `max_sender_bytes` at once, so the
+book holds at most that times the number of live members (docs/protocol.md gives the formula).
 
 The book is also the node's change signal: the transport calls `notify()` when membership
 changes (a peer joined, left, moved to another round, published a receipt), so every wait here
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
@@ -51,16 +57,56 @@ class DuplicateContribution(RoundRefused):
     code = "ALREADY_EXISTS"
 
 
+class BufferFull(RoundRefused):
+    code = "RESOURCE_EXHAUSTED"
+
+
+Abort = Callable[[str], None]  # stops one stream (a reason a person can read)
+
+
+@dataclass
+class Stream:
+    """A contribution still streaming in: its reservation and when it last moved."""
+
+    reserved_bytes: int
+    last_active: float
+    abort: Abort | None = None
+
+
 class RoundBook:
     """Per-(phase, round) contribution store with deadline-bounded collection."""
 
-    def __init__(self, *, first_round: int, window: int = 2, clock: Clock | None = None) -> None:
+    def __init__(self, *, first_round: int, window: int = 2, clock: Clock | None = None,
+                 max_sender_bytes: int = 0, idle_s: float = 60.0) -> None:
         self.window = window
         self.clock = clock or Clock()
+        self.max_sender_bytes = max_sender_bytes  # 0: unbounded (in-process swarms, tests)
+        self.idle_s = idle_s
         self._closed_below = {phase: first_round for phase in Phase}
         self._complete: dict[tuple[Phase, int], dict[str, Contribution]] = {}
-        self._streaming: set[tuple[Phase, int, str]] = set()
+        self._streaming: dict[tuple[Phase, int, str], Stream] = {}
+        self._held: dict[tuple[Phase, int, str], int] = {}  # complete contributions' reservations
+        self._by_sender: dict[str, int] = {}
+        self.late: set[tuple[Phase, str]] = set()
         self._changed = asyncio.Event()
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes reserved by streams in flight and complete contributions not yet taken."""
+        return sum(self._by_sender.values())
+
+    def sender_bytes(self, sender_id: str) -> int:
+        return self._by_sender.get(sender_id, 0)
+
+    def _reserve(self, sender_id: str, nbytes: int) -> None:
+        self._by_sender[sender_id] = self._by_sender.get(sender_id, 0) + nbytes
+
+    def _release(self, sender_id: str, nbytes: int) -> None:
+        left = self._by_sender.get(sender_id, 0) - nbytes
+        if left > 0:
+            self._by_sender[sender_id] = left
+        else:
+            self._by_sender.pop(sender_id, None)
 
     def closed_below(self, phase: Phase = Phase.WHOLE) -> int:
         return self._closed_below[phase]
@@ -79,21 +125,65 @@ class RoundBook:
         if sender_id in self._complete.get((phase, round_id), {}) or (phase, round_id, sender_id) in self._streaming:
             raise DuplicateContribution(f"round {round_id} already has a contribution from {sender_id}")
 
-    def begin(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
+    def begin(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE, *,
+              reserved_bytes: int = 0, abort: Abort | None = None) -> None:
+        """Open a stream's slot, reserving `reserved_bytes` (its whole payload); `abort` is
+        called if the round closes, or the stream idles, before it finishes."""
         self.check_open(round_id, sender_id, phase)
-        self._streaming.add((phase, round_id, sender_id))
+        held = self.sender_bytes(sender_id)
+        if self.max_sender_bytes and held + reserved_bytes > self.max_sender_bytes:
+            raise BufferFull(f"round {round_id}: {sender_id} already has {held} bytes buffered here (at most "
+                             f"{self.max_sender_bytes} per member); send the next contribution once a round closed")
+        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort)
+        self._reserve(sender_id, reserved_bytes)
+
+    def touch(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
+        """A chunk of the stream arrived: it is not idle."""
+        stream = self._streaming.get((phase, round_id, sender_id))
+        if stream is not None:
+            stream.last_active = self.clock.now()
 
     def abort(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
-        self._streaming.discard((phase, round_id, sender_id))
+        """Forget a stream that ended without finishing (its reservation is freed)."""
+        stream = self._streaming.pop((phase, round_id, sender_id), None)
+        if stream is not None:
+            self._release(sender_id, stream.reserved_bytes)
 
     def finish(self, contribution: Contribution) -> None:
         """Store a complete contribution whose stream `begin` opened."""
         c = contribution
-        self._streaming.discard((c.phase, c.round_id, c.sender_id))
+        key = (c.phase, c.round_id, c.sender_id)
+        stream = self._streaming.pop(key, None)
+        reserved = stream.reserved_bytes if stream is not None else 0
         if c.round_id < self._closed_below[c.phase]:
+            self._release(c.sender_id, reserved)
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
         self._complete.setdefault((c.phase, c.round_id), {})[c.sender_id] = c
+        self._held[key] = reserved
+        self.late.discard((c.phase, c.sender_id))
         self.notify()
+
+    def expire(self) -> int:
+        """Abort streams that sent nothing for `idle_s`; how many were aborted."""
+        now = self.clock.now()
+        idle = [(k, s) for k, s in self._streaming.items() if now - s.last_active >= self.idle_s]
+        for (phase, round_id, sender), stream in idle:
+            self._stop(phase, round_id, sender, stream, f"no chunk for {self.idle_s:.0f} s")
+        return len(idle)
+
+    def _stop(self, phase: Phase, round_id: int, sender_id: str, stream: Stream, why: str) -> None:
+        self.abort(round_id, sender_id, phase)
+        if stream.abort is not None:
+            stream.abort(f"round {round_id}: {phase.label} stream from {sender_id} aborted: {why}")
+
+    def _discard_below(self, phase: Phase | None, below: int) -> None:
+        """Drop what is buffered for rounds below `below` (of `phase`, or all phases)."""
+        for key in [k for k in self._complete if (phase is None or k[0] == phase) and k[1] < below]:
+            for sender in self._complete.pop(key):
+                self._release(sender, self._held.pop((key[0], key[1], sender), 0))
+        for (ph, round_id, sender), stream in list(self._streaming.items()):
+            if (phase is None or ph == phase) and round_id < below:
+                self._stop(ph, round_id, sender, stream, "its round closed before it finished")
 
     def add_own(self, contribution: Contribution) -> None:
         c = contribution
@@ -121,15 +211,17 @@ class RoundBook:
         while True:
             changed = self._changed
             have = self.contributors(round_id, phase)
-            missing = expected() - have
+            missing = expected() - have - {sender for ph, sender in self.late if ph == phase}
             now = self.clock.now()
             if not missing and len(have) >= min_contributors:
                 break
             if now >= deadline:
                 if len(have) >= min_contributors:
-                    logger.warning("round %d: deadline passed without %s; closing with %d contributors",
+                    logger.warning("round %d: deadline passed without %s; closing with %d contributors "
+                                   "(no round waits for them again until one of their contributions arrives whole)",
                                    round_id, ", ".join(sorted(missing)), len(have),
                                    extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have)))
+                    self.late |= {(phase, sender) for sender in missing}
                     break
                 logger.warning("round %d: %d of --min-peers %d contributors; waiting %.0f s more",
                                round_id, len(have), min_contributors, timeout_s,
@@ -143,16 +235,16 @@ class RoundBook:
     def close(self, round_id: int, phase: Phase = Phase.WHOLE) -> dict[str, Contribution]:
         """Close `round_id` of `phase` (and everything before it); return its contributions."""
         self._closed_below[phase] = max(self._closed_below[phase], round_id + 1)
-        below = self._closed_below[phase]
         result = self._complete.pop((phase, round_id), {})
-        for key in [k for k in self._complete if k[0] == phase and k[1] < below]:
-            del self._complete[key]
+        for sender in result:  # the caller holds them now
+            self._release(sender, self._held.pop((phase, round_id, sender), 0))
+        self._discard_below(phase, self._closed_below[phase])
         return result
 
     def reset(self, first_round: int) -> None:
         """Jump to another round (after a state transfer): drop everything buffered before it."""
         self._closed_below = dict.fromkeys(Phase, first_round)
-        self._complete = {k: c for k, c in self._complete.items() if k[1] >= first_round}
+        self._discard_below(None, first_round)
 
 
 def same_lineage(got: dict[str, Contribution], lineage: tuple[str, tuple[str, ...]]) -> dict[str, Contribution]:

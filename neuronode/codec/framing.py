@@ -284,6 +284,11 @@ class Assembler:
         return len(self._chunks) == self.count
 
     @property
+    def size_bytes(self) -> int:
+        """Bytes of payload once complete."""
+        return sum(self._raw_lens)
+
+    @property
     def held_bytes(self) -> int:
         """Bytes of payload held so far (for memory accounting)."""
         return self._held_bytes

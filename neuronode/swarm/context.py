@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from neuronode.averaging import RoundBook, RoundState
 from neuronode.clock import Clock
+from neuronode.codec import get_codec, shard_ranges
 from neuronode.config import NodeConfig
 from neuronode.events import Throttled
 from neuronode.swarm.bans import Bans
@@ -127,6 +128,26 @@ class Tasks:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# A contribution stream that sends no chunk for this long (or --sync-timeout, if longer) is
+# aborted and its buffer freed; so is one still streaming when its round closes.
+STREAM_IDLE_MIN_S = 10.0
+MAX_MEMBERS = 1024  # the peer table holds at most this many node ids (neuronode.swarm.membership)
+
+
+def sender_bytes_bound(n_elements: int, codec: str, *, window: int) -> int:
+    """The most one member may have buffered here: `window` rounds of one whole contribution,
+    or of its slice and averaged shard under reduce-scatter (two shards of two members, the
+    largest pair), in the codec's encoded form."""
+    c = get_codec(codec)
+    (a, b), (_, d) = shard_ranges(n_elements, 2, codec) if n_elements >= 2 else ((0, n_elements), (0, n_elements))
+    return window * max(c.payload_bytes(n_elements), c.payload_bytes(b - a) + c.payload_bytes(d - b))
+
+
+def buffered_bytes_bound(cfg: SwarmConfig, members: int) -> int:
+    """What the round book may hold at most with `members` live members (docs/protocol.md)."""
+    return sender_bytes_bound(cfg.n_elements, cfg.settings.codec, window=2) * min(members, MAX_MEMBERS)
+
+
 @dataclass
 class Context:
     cfg: SwarmConfig
@@ -142,7 +163,9 @@ class Context:
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock)
-        self.book = RoundBook(first_round=self.state.round, clock=self.clock)
+        self.book = RoundBook(first_round=self.state.round, clock=self.clock,
+                              max_sender_bytes=sender_bytes_bound(cfg.n_elements, cfg.settings.codec, window=2),
+                              idle_s=max(STREAM_IDLE_MIN_S, cfg.sync_timeout_s))
         self.channels = Channels(self.security)
         self.faults = Faults(cfg.fault_file or None, self_address=cfg.advertise)
         self.upload = UploadLimiter(cfg.max_upload_mbps)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from neuronode.averaging.book import Abort
 from neuronode.codec import Assembler, Phase, receiving, shard_ranges
 from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Context
@@ -64,14 +65,16 @@ class Inbound:
         except AuthError as exc:
             raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
 
-    def open_stream(self, chunk: Any) -> Assembler:
-        """Check the header of a new stream and open its slot in the round book."""
+    def open_stream(self, chunk: Any, abort: Abort | None = None) -> Assembler:
+        """Check the header of a new stream and open its slot in the round book (reserving its
+        whole payload; `abort` stops the stream if its round closes first or it idles)."""
         cfg = self.ctx.cfg
         if chunk.swarm_id != cfg.swarm_id:
             raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{cfg.swarm_id}'")
         peer = self.ctx.table.peers.get(chunk.sender_id)
-        if peer is None or peer.left:
-            raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
+        if peer is None or not self.ctx.table.is_alive(peer):
+            raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello "
+                          "first (contributions are taken from live members only)")
         if self.ctx.faults.path and self.ctx.faults.cut_off(peer.address):
             raise Refusal("UNAVAILABLE", "fault injected: sender is cut off")
         if chunk.codec not in PB_TO_CODEC:
@@ -88,7 +91,8 @@ class Inbound:
         assembler = receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
                               chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
                               shuffled=chunk.shuffled)
-        self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase))
+        self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase),
+                            reserved_bytes=assembler.size_bytes, abort=abort)
         peer.last_seen = self.ctx.clock.now()
         return assembler
 

@@ -20,7 +20,7 @@ from neuronode.averaging import RoundBook, RoundState
 from neuronode.clock import Clock
 from neuronode.state import GlobalState
 from neuronode.swarm.admission import Admission
-from neuronode.swarm.context import Context, SwarmConfig
+from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
 from neuronode.swarm.membership import CatchUp, PeerTable, plan_catch_up
 from neuronode.swarm.peers import Peers
@@ -91,6 +91,7 @@ class SwarmNode:
         ctx.faults.self_address = ctx.advertise
         ctx.started = True
         ctx.tasks.supervise(self.peers.heartbeats, "heartbeats")
+        ctx.tasks.supervise(self.watch_streams, "stream-watch")
         logger.info("node %s serving on %s (advertised as %s)", ctx.cfg.node_id,
                     ctx.cfg.listen.replace(":0", f":{bound}"), ctx.advertise)
         return ctx.advertise
@@ -109,6 +110,12 @@ class SwarmNode:
         await ctx.tasks.stop()
         await self.server.stop(grace_s)
         await ctx.channels.close_all()
+
+    async def watch_streams(self) -> None:
+        """Abort contribution streams that stopped sending (the round book's idle limit)."""
+        while True:
+            self.ctx.book.expire()
+            await self.ctx.clock.sleep(1.0)
 
     async def drain(self, *, timeout_s: float) -> None:
         await self.transport.drain(timeout_s=timeout_s)
@@ -173,6 +180,8 @@ class SwarmNode:
             "state_transfers": self.fetcher.transfers, "states_served": self.donor.served,
             "reachable": self.reach.reachable,
             "bytes_sent": ctx.counters.bytes_sent, "bytes_received": ctx.counters.bytes_received,
+            "buffered_bytes": ctx.book.buffered_bytes,
+            "buffered_bytes_bound": buffered_bytes_bound(ctx.cfg, len(self.table.alive())),
             "peers": [
                 {"node_id": p.node_id, "address": p.address, "alive": self.table.is_alive(p),
                  "last_seen_s": round(now - p.last_seen, 3) if p.last_seen else -1.0}

@@ -389,13 +389,20 @@ class GrpcTransport:
         digest = ContributionDigest()
         loop, book = asyncio.get_running_loop(), self.ctx.book
         next_index = 0
+        task, aborted = asyncio.current_task(), []
+
+        def abort(reason: str) -> None:  # the book ends a stream whose round closed, or that idles
+            aborted.append(reason)
+            if task is not None:
+                task.cancel()
+
         try:
             async for data in chunks:
                 chunk = parse_chunk(data, next_index)
                 header = chunk.header if isinstance(chunk, ChunkView) else chunk
                 if first is None:
                     self.inbound.check_sender(header, proven_id, certified_id)
-                    assembler = self.inbound.open_stream(header)
+                    assembler = self.inbound.open_stream(header, abort)
                     first, first_key = header, stream_key(header)
                 else:
                     check_same_stream(first_key, header)
@@ -405,6 +412,7 @@ class GrpcTransport:
                                   f"{chunk.chunk_index} where chunk {next_index} was due; chunks go in order, once each")
                 next_index += 1
                 await loop.run_in_executor(self.ctx.executor, take, assembler, chunk, digest)
+                book.touch(first.round_id, first.sender_id, Phase(first.phase))
                 self.ctx.counters.received(chunk.sender_id, chunk.ByteSize())
             if first is None or assembler is None:
                 raise Refusal("INVALID_ARGUMENT", "empty contribution stream")
@@ -425,6 +433,11 @@ class GrpcTransport:
             raise Refusal(exc.code, str(exc)) from None
         except ValueError as exc:  # CodecError and friends: malformed payloads
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+        except asyncio.CancelledError:
+            if not aborted or task is None:
+                raise
+            task.uncancel()  # our own abort, not the server's: answer it
+            raise Refusal("ABORTED", f"{aborted[0]}; its buffer is freed") from None
         finally:
             if first is not None:
                 book.abort(first.round_id, first.sender_id, Phase(first.phase))

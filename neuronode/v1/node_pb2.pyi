@@ -277,7 +277,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,8 @@ class StatusResponse(_message.Message):
     STATES_SERVED_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_BOUND_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -320,4 +322,6 @@ class StatusResponse(_message.Message):
     states_served: int
     utilization: float
     reachable: str
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ...) -> None: ...
+    buffered_bytes: int
+    buffered_bytes_bound: int
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ...) -> None: ...
