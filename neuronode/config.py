@@ -106,6 +106,7 @@ class NodeConfig:
     heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
     metrics_port: int = opt(0, "serve Prometheus metrics on this port of the --listen host (0: off)")
     keep_checkpoints: int = opt(3, "checkpoints kept in the data dir")
+    max_ids_per_host: int = opt(16, "live node ids one host (IP address) may hold in this node's peer table")
     repair_cooldown: int = opt(3, "rounds between two repairs of a diverged replica (catching up is never delayed)")
     fault_file: str = opt("", "testing only: JSON fault plan for the transport (docs/fault-tolerance.md)", metavar="FILE")
     log_format: str = opt("text", "log line format", choices=LOG_FORMATS)
@@ -167,6 +168,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "max_upload_mbps": (lambda v: v >= 0, "0 (no cap) or more"),
     "metrics_port": (lambda v: 0 <= v <= 65535, "a port between 1 and 65535, or 0 (off)"),
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
+    "max_ids_per_host": (lambda v: v >= 1, "1 or more"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
 }
 

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
-from neuronode.averaging.book import BufferFull, DuplicateContribution, RoundBook, RoundClosed, RoundTooFar
+from neuronode.averaging.book import (
+    BufferFull,
+    DuplicateContribution,
+    RoundBook,
+    RoundClosed,
+    RoundTooFar,
+)
 from neuronode.averaging.local import LocalSwarm
 from neuronode.averaging.reducescatter import RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock

@@ -73,6 +73,7 @@ NODE_ARGS = (
     "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64", "--batch-size", "8",
     "--inner-steps", "5", "--rounds", str(ROUNDS), "--node-id", NODE_ID, "--swarm-id", SWARM,
     "--sync-timeout", str(SYNC_TIMEOUT_S), "--device", "cpu",  # bit-identical twins need the CPU
+    "--max-ids-per-host", "100000",  # every id the fuzzer makes up calls from 127.0.0.1
 )
 RPC_TIMEOUT_S = 20.0
 # The fuzzer reads whatever a refusal says, however long (grpc's client would cut it at 8 kB).
@@ -152,6 +153,7 @@ class Target:
     manifest: str = ""
     n_params: int = 0
     members: set[str] = field(default_factory=set)  # ids the node took as peers (Hello OK)
+    rogue_seen: float = 0.0  # when the rogue last said Hello
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -165,6 +167,8 @@ class Target:
         """Send raw request bytes to `method`; (status, details, raw responses)."""
         path = f"/neuronode.v1.Node/{method}"
         md = tuple(metadata) if metadata is not None else None
+        if method == "PushContribution" and ROGUE in self.members and time.monotonic() - self.rogue_seen > 1.0:
+            self.hello_as(ROGUE)  # contributions are read from live members only: keep the rogue one
         try:
             if method == "PushContribution":
                 out = [self.channel.stream_unary(path)(iter(blobs), timeout=RPC_TIMEOUT_S,
@@ -196,6 +200,8 @@ class Target:
                                      metadata=self.proof(node_id, "Hello"))
         assert code == OK, f"{self.name} refused a good Hello from {node_id}: {code} {details}"
         self.members.add(node_id)
+        if node_id == ROGUE:
+            self.rogue_seen = time.monotonic()
 
     def assert_alive(self) -> pb.StatusResponse:
         """The node runs, answers Status, is still training, and averaged only itself."""
@@ -317,11 +323,15 @@ def verdict(t: Target, method: str, msg: Message) -> set[Code]:
                 Code.DATA_LOSS}
     assert isinstance(msg, pb.StateRequest | pb.ReachRequest)
     member = msg.node_id in t.members | {PACER}
+    # Only the pacer surely is alive: a member the fuzzer greeted once is dead a few seconds later
+    # (state and dial-backs go to live members only), and one transfer runs per member at a time.
+    gone = set() if msg.node_id == PACER else {Code.FAILED_PRECONDITION}
     if method == "FetchState":
-        return {OK} if msg.swarm_id == SWARM and member else {Code.FAILED_PRECONDITION}
+        return {OK, Code.RESOURCE_EXHAUSTED} | gone if msg.swarm_id == SWARM and member else {Code.FAILED_PRECONDITION}
     if msg.swarm_id != SWARM:
         return {Code.PERMISSION_DENIED}
-    return {OK, Code.RESOURCE_EXHAUSTED} if member else {Code.FAILED_PRECONDITION}
+    # A dial-back goes only to the host the call comes from: a member advertising another is refused.
+    return {OK, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED} | gone if member else {Code.FAILED_PRECONDITION}
 
 
 def check_answer(t: Target, method: str, blobs: Sequence[bytes], code: Code, details: str,

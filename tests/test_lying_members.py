@@ -109,7 +109,8 @@ async def test_a_state_no_other_member_vouches_for_is_refused(nodes: Nodes, exec
     for node in (b, c):
         node.state.adopted(7, good.param_digest, listen=False)
     liar.state.adopted(8, bad.param_digest, listen=False)
-    await seen(joiner, lambda p: {"a-liar", "b", "c"} <= set(p) and 7 in p["b"].digests and 8 in p["a-liar"].digests,
+    await seen(joiner, lambda p: {"a-liar", "b", "c"} <= set(p) and 7 in p["b"].digests and 7 in p["c"].digests
+               and 8 in p["a-liar"].digests,
                "the joiner to hear everyone's digests")
     got = await joiner.fetch_state(["a-liar", "b", "c"])  # the liar first, as if it led the lineage
     assert got is not None and got.round == 7 and got.param_digest == good.param_digest

@@ -21,6 +21,7 @@ import grpc
 import helpers
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import Node, chunks_of, encode, free_port, hides_refusal, poll, run_neuronode
 
 from neuronode import cli
@@ -430,6 +431,13 @@ async def test_protected_mode_admits_loopback_callers_only() -> None:
             for method in ("Status", *METHODS):
                 code, details = await member.call(method)
                 assert code == Code.PERMISSION_DENIED and "loopback" in details, (method, details)
+            # The standard health service is under the same rule (it answered anyone before).
+            with pytest.raises(grpc.aio.AioRpcError) as health:
+                await health_pb2_grpc.HealthStub(remote).Check(health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT_S)
+            assert health.value.code() == Code.PERMISSION_DENIED and "loopback" in (health.value.details() or "")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as local:
+            answer = await health_pb2_grpc.HealthStub(local).Check(health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT_S)
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING  # local health checks work
         assert node.table.peers == {}
     finally:
         await node.stop(grace_s=0.5)

@@ -210,7 +210,7 @@ class Daemon:
             peers=self.cfg.peers, sync_timeout_s=self.cfg.sync_timeout, min_contributors=self.cfg.min_peers,
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, round_lag=2 if self.cfg.overlap else 1,
-            settings=Settings.from_config(self.cfg),
+            settings=Settings.from_config(self.cfg), max_ids_per_host=self.cfg.max_ids_per_host,
         )
 
     def status(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import grpc
 
 from neuronode.config import is_loopback_host
 from neuronode.events import fields
+from neuronode.security.auth import AuthError
 from neuronode.security.tls import peer_common_name
 from neuronode.swarm.context import Context
 from neuronode.swarm.security import caller_id
@@ -60,6 +61,16 @@ class Admission:
         if left > 0:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"banned for {left:.0f} more seconds after repeated invalid input")
+
+    async def admit_local_or_member(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Status and health: open to local callers (health checks), members only from elsewhere
+        in a closed swarm, loopback only in protected mode, never a banned caller."""
+        await self.admit(context)
+        if self.ctx.security.secret and not is_loopback_host(caller_host(context)):
+            try:
+                self.ctx.security.verify_metadata(context.invocation_metadata(), method)
+            except AuthError as exc:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
     async def refuse(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str) -> None:
         """Answer `exc` (always raises): count it, strike the caller for bad input, log once a minute."""

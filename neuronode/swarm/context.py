@@ -17,7 +17,7 @@ from neuronode.config import NodeConfig
 from neuronode.events import Throttled
 from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import Faults
-from neuronode.swarm.membership import PeerTable
+from neuronode.swarm.membership import MAX_IDS_PER_HOST, MAX_MEMBERS, PeerTable
 from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Channels, Counters
@@ -80,6 +80,7 @@ class SwarmConfig:
     # under --overlap (a node contributes to round r while round r-1's sync is still in flight).
     round_lag: int = 1
     settings: Settings = Settings()
+    max_ids_per_host: int = MAX_IDS_PER_HOST
 
 
 class Tasks:
@@ -131,7 +132,6 @@ class Tasks:
 # A contribution stream that sends no chunk for this long (or --sync-timeout, if longer) is
 # aborted and its buffer freed; so is one still streaming when its round closes.
 STREAM_IDLE_MIN_S = 10.0
-MAX_MEMBERS = 1024  # the peer table holds at most this many node ids (neuronode.swarm.membership)
 
 
 def sender_bytes_bound(n_elements: int, codec: str, *, window: int) -> int:
@@ -162,7 +162,8 @@ class Context:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock)
+        self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock,
+                               max_ids_per_host=cfg.max_ids_per_host)
         self.book = RoundBook(first_round=self.state.round, clock=self.clock,
                               max_sender_bytes=sender_bytes_bound(cfg.n_elements, cfg.settings.codec, window=2),
                               idle_s=max(STREAM_IDLE_MIN_S, cfg.sync_timeout_s))

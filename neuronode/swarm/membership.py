@@ -6,6 +6,7 @@ A peer is alive while we heard from it within `dead_after_s` and it has not said
 
 from __future__ import annotations
 
+import heapq
 import logging
 from dataclasses import dataclass, field
 
@@ -17,12 +18,22 @@ from neuronode.events import fields
 logger = logging.getLogger(__name__)
 
 
+MAX_MEMBERS = 1024  # node ids the table holds at most (peers long dead are pruned first)
+MAX_IDS_PER_HOST = 16  # live node ids one host (the address a peer calls from) may hold
+PRUNE_AFTER_DEAD_S = 600.0  # a peer dead (or gone) this long is forgotten
+
+
+class TableFull(Exception):
+    """A new node id the table cannot take; the message says why."""
+
+
 @dataclass
 class Peer:
     """What we know of one peer."""
 
     node_id: str
     address: str
+    host: str = ""  # the IP it last called us from, or that we reached it at
     round: int = 0
     param_digest: str = ""
     contributes_from: int = 0  # first round it contributes to (see NodeInfo.contributes_from)
@@ -36,35 +47,70 @@ class Peer:
 class PeerTable:
     """Peers by node id, plus bootstrap addresses whose id we don't know yet."""
 
-    def __init__(self, *, self_id: str, dead_after_s: float, clock: Clock | None = None) -> None:
+    def __init__(self, *, self_id: str, dead_after_s: float, clock: Clock | None = None,
+                 max_members: int = MAX_MEMBERS, max_ids_per_host: int = MAX_IDS_PER_HOST) -> None:
         self.self_id = self_id
         self.dead_after_s = dead_after_s
         self.clock = clock or Clock()
+        self.max_members = max_members
+        self.max_ids_per_host = max_ids_per_host
         self.peers: dict[str, Peer] = {}
         self.addresses: set[str] = set()  # every address worth dialing
+        self.bootstrap: set[str] = set()  # --peers: kept whatever happens
 
-    def add_address(self, address: str) -> None:
+    def add_address(self, address: str, *, bootstrap: bool = False) -> None:
         self.addresses.add(address)
+        if bootstrap:
+            self.bootstrap.add(address)
+
+    def admit(self, node_id: str, host: str) -> None:
+        """Raise TableFull unless a new `node_id` calling from `host` may join the table."""
+        if node_id in self.peers or node_id == self.self_id:
+            return
+        if len(self.peers) >= self.max_members:
+            self.prune()
+        if len(self.peers) >= self.max_members:
+            raise TableFull(f"this node already knows {len(self.peers)} members, its most; try again later")
+        same_host = sum(1 for p in self.peers.values() if host and p.host == host and self.is_alive(p))
+        if host and same_host >= self.max_ids_per_host:
+            raise TableFull(f"{same_host} live members already call from {host}, the most one host may "
+                            f"run (--max-ids-per-host {self.max_ids_per_host})")
+
+    def prune(self) -> int:
+        """Forget peers dead or gone for PRUNE_AFTER_DEAD_S; how many were forgotten."""
+        now = self.clock.now()
+        gone = [i for i, p in self.peers.items()
+                if not self.is_alive(p) and now - p.last_seen >= max(PRUNE_AFTER_DEAD_S, 2 * self.dead_after_s)]
+        for node_id in gone:
+            del self.peers[node_id]
+        return len(gone)
 
     def heard_from(
         self, node_id: str, address: str, *, round: int, param_digest: str,
         digests: dict[int, str], leaving: bool, contributes_from: int = 0,
-        receipts: dict[int, frozenset[int]] | None = None,
+        receipts: dict[int, frozenset[int]] | None = None, host: str = "",
     ) -> bool:
-        """Record a message from a peer; True when the peer is new or came back."""
+        """Record a message from a peer; True when the peer is new or came back. A new peer
+        must pass `admit` (raises TableFull)."""
         if node_id == self.self_id:
             return False
         peer = self.peers.get(node_id)
         fresh = peer is None or not self.is_alive(peer)
         if peer is None:
+            self.admit(node_id, host)
             peer = self.peers[node_id] = Peer(node_id=node_id, address=address)
             logger.info("peer %s joined at %s (round %d)", node_id, address, round,
                         extra=fields("peer_joined", peer_id=node_id, address=address, round=round))
         elif fresh and not leaving:
             logger.info("peer %s is back at %s (round %d)", node_id, address, round,
                         extra=fields("peer_back", peer_id=node_id, address=address, round=round))
-        if address:
+        if host:
+            peer.host = host
+        if address and address != peer.address:
+            if peer.address not in self.bootstrap:  # one address per member: a flood of them goes nowhere
+                self.addresses.discard(peer.address)
             peer.address = address
+        if address:
             self.addresses.add(address)
         peer.round, peer.param_digest = round, param_digest
         peer.contributes_from = contributes_from
@@ -141,11 +187,12 @@ MAX_LEAD = 3
 def believable(peers: list[Peer], *, max_lead: int = MAX_LEAD) -> list[Peer]:
     """`peers` less any whose claimed round is more than `max_lead` ahead of every other peer
     that has trained (fresh joiners at round 0 are no evidence; with no such other peer nobody
-    can tell, and the claim stands)."""
+    can tell, and the claim stands). Linear: only the two highest trained rounds matter."""
+    top = heapq.nlargest(2, ((p.round, n) for n, p in enumerate(peers) if p.round > 0))
     out = []
-    for peer in peers:
-        others = [p.round for p in peers if p is not peer and p.round > 0]
-        if not others or peer.round <= max(others) + max_lead:
+    for n, peer in enumerate(peers):
+        best_other = next((r for r, m in top if m != n), None)
+        if best_other is None or peer.round <= best_other + max_lead:
             out.append(peer)
     return out
 
@@ -165,6 +212,7 @@ class Lineages:
 
     groups: list[list[str]]  # each sorted; winner first
     rounds: dict[str, int]
+    work: int = field(default=0, compare=False)  # digest lookups and unions made (tests count them)
 
     @property
     def winner(self) -> list[str]:
@@ -177,30 +225,52 @@ class Lineages:
 def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> Lineages:
     """Group ourselves and live peers that published digests into lineages.
 
-    Two nodes share a lineage when their digests agree at their newest common round. The
-    winner is the group with the most members that have trained (fresh joiners at round 0 vote
-    for no lineage), then the highest round, then the smallest digest at that round
-    (docs/fault-tolerance.md). Everyone applies the same rule to the same reports, so after a
-    partition heals every node picks the same side. A peer claiming a round far ahead of every
-    other peer is not believed (`believable`) and counts nowhere.
+    Two nodes share a lineage when the one whose history ends first (its newest round is the
+    lower) holds, at its newest round, the digest the other published for that round: they held
+    the same parameters there and neither has since left them (for histories that are windows of
+    recent rounds, as nodes publish, that is agreeing at the newest common round). The relation
+    is closed transitively. The winner is the group with the most members that have trained
+    (fresh joiners at round 0 vote for no lineage), then the highest round, then the smallest
+    digest at that round (docs/fault-tolerance.md). Everyone applies the same rule to the same
+    reports, so after a partition heals every node picks the same side. A peer claiming a round
+    far ahead of every other peer is not believed (`believable`) and counts nowhere.
+
+    Near-linear in the digests published: nodes are taken newest-first, each looks its own
+    newest (round, digest) up among the histories already taken, and a lookup that joins groups
+    leaves one representative behind.
     """
     peers = believable(peers)
     histories = {self_id: own} | {p.node_id: p.digests for p in peers if p.digests}
     rounds = {self_id: own_round} | {p.node_id: p.round for p in peers if p.digests}
-    ids = sorted(histories)
-    parent = {i: i for i in ids}
+    parent = {i: i for i in histories}
+    work = 0
 
     def find(i: str) -> str:
-        while parent[i] != i:
-            i = parent[i]
-        return i
+        root = i
+        while parent[root] != root:
+            root = parent[root]
+        while parent[i] != root:  # path compression
+            parent[i], i = root, parent[i]
+        return root
 
-    for n, i in enumerate(ids):
-        for j in ids[n + 1 :]:
-            if same_lineage(histories[i], histories[j]):
-                parent[find(j)] = find(i)
+    holders: dict[tuple[int, str], list[str]] = {}  # (round, digest) -> nodes taken that hold it
+    newest = {i: max(h) if h else -1 for i, h in histories.items()}
+    for j in sorted(histories, key=lambda i: (-newest[i], i)):
+        history = histories[j]
+        if not history:
+            continue
+        key = (newest[j], history[newest[j]])
+        holding = holders.get(key)
+        if holding:
+            for i in holding:
+                parent[find(i)] = find(j)
+                work += 1
+            holders[key] = []  # all of them are j's group now: j, added below, stands for it
+        for item in history.items():
+            work += 1
+            holders.setdefault(item, []).append(j)
     grouped: dict[str, list[str]] = {}
-    for i in ids:
+    for i in sorted(histories):
         grouped.setdefault(find(i), []).append(i)
 
     def rank(group: list[str]) -> tuple[int, int, str]:
@@ -208,7 +278,7 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
         holder = min(i for i in group if rounds[i] == top)
         return (-sum(rounds[i] > 0 for i in group), -top, histories[holder].get(top, ""))
 
-    return Lineages(groups=sorted(grouped.values(), key=rank), rounds=rounds)
+    return Lineages(groups=sorted(grouped.values(), key=rank), rounds=rounds, work=work)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ class SwarmNode:
         service = NodeService(ctx, admission=admission, peers=self.peers, reach=self.reach, donor=self.donor,
                               status=self.status)
         self.server = Server(ctx.security, servicer=service,
-                             methods={"PushContribution": self.transport.push_method(admission)})
+                             methods={"PushContribution": self.transport.push_method(admission)},
+                             admit=admission.admit_local_or_member)
         self._epoch = self.state.epoch
         self.state.on_change.append(self._state_changed)
         # What tests and the daemon read most (the same objects as the context's).

@@ -7,13 +7,14 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Context, Settings
-from neuronode.swarm.membership import agreement
+from neuronode.swarm.membership import TableFull, agreement
 from neuronode.swarm.transport import FINAL_CODES
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RECEIPTS = 4  # NodeInfo.shards_received: rounds a node keeps its receipts for
 MAX_KNOWN_ADDRESSES = 1024
+OFF_LOOP_PEERS = 256  # with this many live peers, agreement is worked out in a worker thread
 MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact in a double)
 
 
@@ -44,7 +46,7 @@ class Peers:
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
         for address in ctx.cfg.peers:
-            ctx.table.add_address(address)
+            ctx.table.add_address(address, bootstrap=True)
 
     # ---- what we say ---------------------------------------------------------------------
 
@@ -121,13 +123,15 @@ class Peers:
                           f"node id {info.node_id} is already used by the node at {self.ctx.advertise}; "
                           "give every node its own --data-dir or --node-id")
 
-    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord]) -> None:
+    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord], *, host: str) -> None:
+        """Record what a peer (calling from, or reached at, `host`) said; raises TableFull for a
+        new id the table cannot take."""
         table = self.ctx.table
         table.heard_from(
             info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
             leaving=info.leaving, contributes_from=info.contributes_from,
-            receipts={r.round: frozenset(r.shards) for r in info.shards_received})
+            receipts={r.round: frozenset(r.shards) for r in info.shards_received}, host=host)
         for rec in known[:MAX_PEERS_LISTED]:
             if (rec.node_id != self.ctx.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
                     and len(table.addresses) < MAX_KNOWN_ADDRESSES):
@@ -162,7 +166,7 @@ class Peers:
             else:
                 unanswered_since, warned_at = None, 0.0
             self.on_news()  # liveness may have changed: collectors and pushes re-evaluate
-            self.update_agreement()
+            await self.refresh_agreement()
             await ctx.clock.sleep(ctx.cfg.heartbeat_s * random.uniform(0.8, 1.2))
 
     async def wait_first_contact(self, timeout_s: float) -> bool:
@@ -228,7 +232,11 @@ class Peers:
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
                     extra=fields("refusing_peer", address=address, detail=str(exc)))
             return False
-        self.learn(resp.info, list(resp.known_peers))
+        try:
+            self.learn(resp.info, list(resp.known_peers), host=address.rpartition(":")[0].strip("[]"))
+        except TableFull as exc:
+            ctx.say(f"table-full:{address}", logging.WARNING, "not recording the peer at %s: %s", address, exc)
+            return False
         return True
 
     async def leave(self, address: str) -> None:
@@ -241,9 +249,26 @@ class Peers:
         except grpc.aio.AioRpcError:
             pass
 
+    async def refresh_agreement(self) -> None:
+        """update_agreement, off the event loop when the table is large (on copies of what it
+        holds, so the loop may change the table meanwhile)."""
+        alive = self.ctx.table.alive()
+        if len(alive) < OFF_LOOP_PEERS:
+            self.update_agreement()
+            return
+        state = self.ctx.state
+        own_round, own = state.round, dict(state.digests)
+        copies = [replace(p, digests=dict(p.digests)) for p in alive]
+        verdict = await asyncio.get_running_loop().run_in_executor(
+            self.ctx.executor, agreement, self.ctx.cfg.node_id, own_round, own, copies)
+        self.say_agreement(verdict)
+
     def update_agreement(self) -> None:
         state = self.ctx.state
-        now = agreement(self.ctx.cfg.node_id, state.round, state.digests, self.ctx.table.alive())
+        self.say_agreement(agreement(self.ctx.cfg.node_id, state.round, state.digests, self.ctx.table.alive()))
+
+    def say_agreement(self, now: str) -> None:
+        state = self.ctx.state
         if now != self.agreement:
             log = logger.error if now == "diverged" else logger.info
             log("replica agreement: %s at round %d%s", now, state.round,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 
 import grpc
@@ -10,7 +11,7 @@ import grpc
 from neuronode.events import fields
 from neuronode.swarm.context import Context
 from neuronode.swarm.trust import reachability
-from neuronode.swarm.wire import Refusal
+from neuronode.swarm.wire import MAX_ADDRESS_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -47,12 +48,11 @@ class Reach:
             else:
                 port = ctx.advertise.rpartition(":")[2]
                 logger.error(
-                    "reachability: peer %s cannot reach this node at %s (%s). Peers can't send "
+                    "reachability: peer %s cannot reach this node at %s. Peers can't send "
                     "us their contributions: forward TCP port %s on your router to this machine, "
                     "allow it in the firewall, and make --advertise the public HOST:PORT",
-                    peer.node_id, resp.address, resp.detail, port,
-                    extra=fields("reachability", peer_id=peer.node_id, reachable=False, address=resp.address,
-                                 detail=resp.detail))
+                    peer.node_id, resp.address, port,
+                    extra=fields("reachability", peer_id=peer.node_id, reachable=False, address=resp.address))
             return
 
     async def ask(self, address: str) -> pb.ReachResponse | None:
@@ -64,24 +64,44 @@ class Reach:
         except grpc.aio.AioRpcError:
             return None
 
-    async def dial_back(self, node_id: str) -> pb.ReachResponse:
-        """Serve CheckReachable: dial a known peer at the address it advertised (never any
-        other address, and at most once a minute per peer)."""
+    async def dial_back(self, node_id: str, caller_host: str) -> pb.ReachResponse:
+        """Serve CheckReachable: dial a live member back at the address it advertised in its own
+        Hello, only if that address is the host the call came from (never another machine: no
+        scanning through us), at most once a minute per member; answer yes or no, nothing more."""
         ctx = self.ctx
         peer = ctx.table.peers.get(node_id)
-        if peer is None:
-            raise Refusal("FAILED_PRECONDITION", "say Hello first: only members are dialed back")
+        if peer is None or not ctx.table.is_alive(peer):
+            raise Refusal("FAILED_PRECONDITION", "say Hello first: only live members are dialed back")
+        host = peer.address.rpartition(":")[0].strip("[]")
+        if caller_host not in await self.resolve(host):
+            raise Refusal("PERMISSION_DENIED", f"you advertise {peer.address[:MAX_ADDRESS_CHARS]}, but call from "
+                          f"{caller_host}; a node is dialed back only at the host it calls from")
         now = ctx.clock.now()
         if now - self._dialbacks.get(node_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
             raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute")
         self._dialbacks[node_id] = now
+        for old in [k for k, t in self._dialbacks.items() if now - t >= DIAL_BACK_EVERY_S]:
+            del self._dialbacks[old]
         channel = ctx.security.channel(peer.address)
         try:
             await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=5,
                                                    metadata=ctx.security.metadata("Status"))
             return pb.ReachResponse(reachable=True, address=peer.address)
-        except grpc.aio.AioRpcError as exc:
-            return pb.ReachResponse(reachable=False, address=peer.address,
-                                    detail=f"{exc.code().name}: {exc.details()}")
+        except grpc.aio.AioRpcError:
+            return pb.ReachResponse(reachable=False, address=peer.address)
         finally:
             await channel.close()
+
+    @staticmethod
+    async def resolve(host: str) -> set[str]:
+        """The addresses `host` names (itself if it is one), resolved without blocking the loop."""
+        try:
+            ipaddress.ip_address(host)
+            return {host}
+        except ValueError:
+            pass
+        try:
+            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None), timeout=5)
+        except (OSError, TimeoutError):
+            return set()
+        return {str(info[4][0]) for info in infos}

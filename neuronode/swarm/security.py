@@ -14,6 +14,7 @@ Both can be combined. The pure HMAC and certificate code lives in neuronode/secu
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import time
@@ -216,6 +217,12 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         kwargs = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
         if handler.response_streaming and not handler.request_streaming:
             inner_us = handler.unary_stream
+            if not inspect.isasyncgenfunction(inner_us):  # it writes with context.write (FetchState)
+                async def unary_stream_writes(request: Any, context: grpc.aio.ServicerContext) -> None:
+                    await refuse_undecodable(request, context)
+                    await inner_us(request, context)
+
+                return grpc.unary_stream_rpc_method_handler(unary_stream_writes, **kwargs)
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 await refuse_undecodable(request, context)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,11 @@ from neuronode.v1 import node_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 NODE_SERVICE = "neuronode.v1.Node"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# Calls served at once; beyond it grpc answers RESOURCE_EXHAUSTED. A member has at most a few
+# open at a time (Hello, one contribution stream per phase and buffered round, a state
+# transfer), so this leaves room for about a thousand members (docs/protocol.md).
+MAX_CONCURRENT_RPCS = 4096
 
 
 @dataclass
@@ -76,20 +81,41 @@ class Channels:
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
 
+Admit = Callable[[grpc.aio.ServicerContext, str], Awaitable[None]]  # aborts a caller it refuses
+
+
+class AdmittedHealth(health.aio.HealthServicer):
+    """The standard health service under the node's admission rules (protected mode, bans,
+    membership from outside the host in a closed swarm)."""
+
+    def __init__(self, admit: Admit) -> None:
+        super().__init__()
+        self.admit = admit
+
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        await self.admit(context, HEALTH_PREFIX + "Check")
+        return await super().Check(request, context)
+
+    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        await self.admit(context, HEALTH_PREFIX + "Watch")
+        await super().Watch(request, context)
+
+
 class Server:
     """The grpc.aio server with its handlers and the health service (NOT_SERVING until told)."""
 
     def __init__(self, security: Security, *, servicer: pb_grpc.NodeServicer,
-                 methods: Mapping[str, grpc.RpcMethodHandler]) -> None:
+                 methods: Mapping[str, grpc.RpcMethodHandler], admit: Admit) -> None:
         self.security = security
         self.servicer = servicer
         self.methods = dict(methods)  # override the servicer's (PushContribution reads raw bytes)
-        self.health = health.aio.HealthServicer()
+        self.health = AdmittedHealth(admit)
         self.server: grpc.aio.Server | None = None
 
     async def start(self, listen: str) -> int:
         """Bind `listen` and serve; returns the bound port."""
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self.security.interceptors())
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=self.security.interceptors(),
+                                 maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         pb_grpc.add_NodeServicer_to_server(self.servicer, server)
         server.add_registered_method_handlers(NODE_SERVICE, self.methods)  # registered last: they win
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -5,16 +5,16 @@ a message a person can act on. PushContribution is served by the transport itsel
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from neuronode.config import is_loopback_host
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.swarm.admission import Admission, caller_host
 from neuronode.swarm.context import Context
+from neuronode.swarm.membership import TableFull
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.reach import Reach
 from neuronode.swarm.security import NODE_SERVICE_PREFIX, caller_id
@@ -58,7 +58,10 @@ class NodeService(pb_grpc.NodeServicer):
         except Refusal as exc:
             await self.admission.refuse(context, exc, "hello")
         if info.node_id != ctx.cfg.node_id:
-            self.peers.learn(info, list(request.known_peers))
+            try:
+                self.peers.learn(info, list(request.known_peers), host=caller_host(context))
+            except TableFull as exc:
+                await self.admission.refuse(context, Refusal("RESOURCE_EXHAUSTED", str(exc)), "hello")
         resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers())
         resp.auth_tag, resp.timestamp_s = ctx.security.hello_proof(resp.info, resp.known_peers)
         return resp
@@ -73,18 +76,24 @@ class NodeService(pb_grpc.NodeServicer):
             ctx.book.notify()
         return pb.LeaveResponse()
 
-    async def FetchState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+    async def FetchState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx
         await self.admission.admit(context)
         await self.admission.check_certificate(context, request.node_id)
-        if request.swarm_id != ctx.cfg.swarm_id or request.node_id not in ctx.table.peers:
+        peer = ctx.table.peers.get(request.node_id)
+        if request.swarm_id != ctx.cfg.swarm_id or peer is None or not ctx.table.is_alive(peer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "state is served to members only: say Hello first")
+        if ctx.security.secret and caller_id(context) != request.node_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node fetches the state as itself only")
+
+        async def write(msg: pb.StateChunk) -> None:
+            size = msg.ByteSize()  # state chunks are rare; contributions avoid this
+            await ctx.upload.acquire(size)
+            ctx.counters.bytes_sent += size
+            await context.write(msg)
+
         try:
-            async for msg in self.donor.serve(context):
-                size = msg.ByteSize()  # state chunks are rare; contributions avoid this
-                await ctx.upload.acquire(size)
-                ctx.counters.bytes_sent += size
-                yield msg
+            await self.donor.serve(request.node_id, write)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "state request")
         logger.info("served the global state to %s", request.node_id,
@@ -96,16 +105,13 @@ class NodeService(pb_grpc.NodeServicer):
         try:
             if request.swarm_id != self.ctx.cfg.swarm_id:
                 raise Refusal("PERMISSION_DENIED", "another swarm")
-            return await self.reach.dial_back(request.node_id)
+            if self.ctx.security.secret and caller_id(context) != request.node_id:
+                raise Refusal("PERMISSION_DENIED", "a node asks to be dialed back as itself only")
+            return await self.reach.dial_back(request.node_id, caller_host(context))
         except Refusal as exc:
             await self.admission.refuse(context, exc, "reachability check")
             raise  # unreachable: refuse raises
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        await self.admission.admit(context)
-        if self.ctx.security.secret and not is_loopback_host(caller_host(context)):
-            try:  # Status is open to local health checks, members only from elsewhere
-                self.ctx.security.verify_metadata(context.invocation_metadata(), NODE_SERVICE_PREFIX + "Status")
-            except AuthError as exc:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        await self.admission.admit_local_or_member(context, NODE_SERVICE_PREFIX + "Status")
         return dict_to_status(self.status())

@@ -4,14 +4,15 @@ The state is two flat float32 vectors (parameters, outer momentum) plus the roun
 inner-step counter. Vectors go as fp32 frames of the contribution codec, so decompression is
 bounded the same way; the parameters are checked at the end against the donor's
 `param_digest` (sha256 of their float32 bytes, exactly what every node publishes), the momentum
-against its own digest. Donors serve at most `MAX_CONCURRENT` transfers and keep training.
+against its own digest. Donors serve at most `MAX_CONCURRENT` transfers, one per caller, each
+under a deadline, and keep training.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 
 import grpc
@@ -37,6 +38,9 @@ from neuronode.v1 import node_pb2 as pb
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT = 2
+STALL_S = 30.0  # a FetchState reader that reads nothing this long loses its slot
+MIN_TRANSFER_S = 120.0  # every transfer may take this long, and longer at MIN_TRANSFER_BYTES_PER_S
+MIN_TRANSFER_BYTES_PER_S = 128 * 1024
 TRANSFER_CHUNK_BYTES = 1 << 20
 FP32 = get_codec("fp32")
 
@@ -157,7 +161,9 @@ async def download(
 
 
 class Donor:
-    """Serves FetchState with a bound on concurrent transfers."""
+    """Serves FetchState: at most MAX_CONCURRENT transfers, one per caller, each ended when its
+    reader stops reading for `stall_s` or it outlasts its deadline (a slot is never held by a
+    caller that does not read)."""
 
     def __init__(self, *, provider: StateProvider | None, manifest_hash: str, zstd_level: int,
                  executor: Executor, security: Security | None = None) -> None:
@@ -166,16 +172,21 @@ class Donor:
         self.manifest_hash = manifest_hash
         self.zstd_level = zstd_level if zstd_level >= 0 else 1  # auto: 1 (state moves rarely)
         self.executor = executor
-        self.active = 0
+        self.stall_s = STALL_S
+        self.active: dict[str, int] = {}  # caller -> transfers in flight
         self.served = 0
 
-    async def serve(self, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+    async def serve(self, caller: str, write: Callable[[pb.StateChunk], Awaitable[None]]) -> None:
+        """Stream our state to `caller` (who the admission rules say it is) through `write`."""
         if self.provider is None:
             raise Refusal("UNAVAILABLE", "this node has no state to give yet")
-        if self.active >= MAX_CONCURRENT:
+        if self.active.get(caller):
+            raise Refusal("RESOURCE_EXHAUSTED", "a state transfer to you is already in flight here; "
+                          "finish or cancel it first")
+        if sum(self.active.values()) >= MAX_CONCURRENT:
             raise Refusal("RESOURCE_EXHAUSTED",
-                          f"already serving {self.active} state transfers; try another peer")
-        self.active += 1
+                          f"already serving {sum(self.active.values())} state transfers; try another peer")
+        self.active[caller] = 1
         try:
             loop = asyncio.get_running_loop()
             provider = self.provider
@@ -183,11 +194,21 @@ class Donor:
                 self.executor,
                 lambda: state_frames(provider(), manifest_hash=self.manifest_hash, zstd_level=self.zstd_level,
                                      security=self.security))
+            total = sum(len(m.payload) for m in messages)
+            limit_s = max(MIN_TRANSFER_S, total / MIN_TRANSFER_BYTES_PER_S)
+            deadline = loop.time() + limit_s
             for msg in messages:
-                yield msg
+                remaining = deadline - loop.time()
+                try:
+                    await asyncio.wait_for(write(msg), timeout=max(0.0, min(self.stall_s, remaining)))
+                except TimeoutError:
+                    why = (f"nothing was read for {self.stall_s:.0f} s" if remaining > self.stall_s
+                           else f"it took longer than {limit_s:.0f} s")
+                    raise Refusal("DEADLINE_EXCEEDED", f"state transfer ended: {why}; the slot is freed, "
+                                  "ask again when you can read it") from None
             self.served += 1
         finally:
-            self.active -= 1
+            self.active.pop(caller, None)
 
 
 Verify = Callable[[GlobalState], str | None]  # the node's own checks on a state: a reason to refuse it
