@@ -106,10 +106,11 @@ def add_bench_parser(sub: Any) -> None:
                       help="run the nodes as a closed swarm with this secret, to measure the cost of "
                            "authentication (default: none)")
     sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
-    from neuronode.bench import quality, utilization  # stdlib-only modules: cheap to import
+    from neuronode.bench import quality, stall, utilization  # stdlib-only modules: cheap to import
 
     quality.add_parser(kinds)
     utilization.add_parser(kinds)
+    stall.add_parser(kinds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,12 +165,12 @@ def run_bench(args: argparse.Namespace, parser: Parser) -> int:
         from neuronode.bench.sync import run_sync_bench
 
         result = run_sync_bench(args)
-    elif args.bench in ("quality", "utilization"):
-        from neuronode.bench import quality, utilization
+    elif args.bench in ("quality", "utilization", "stall"):
+        from neuronode.bench import quality, stall, utilization
 
-        result = (quality if args.bench == "quality" else utilization).run(args)
+        result = {"quality": quality, "utilization": utilization, "stall": stall}[args.bench].run(args)
     else:
-        raise UsageError("neuronode bench: choose a benchmark: sync, quality or utilization")
+        raise UsageError("neuronode bench: choose a benchmark: sync, quality, utilization or stall")
     print(json.dumps(result, sort_keys=True))
     return 0
 

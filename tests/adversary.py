@@ -12,10 +12,12 @@ answers like everyone else.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import grpc
 import torch
 from helpers import FORKS, Forked, Node, run_cli
 
@@ -101,6 +103,53 @@ def _huge_momentum(s: GlobalState) -> GlobalState:
     return GlobalState(s.round, s.param_digest, s.params, torch.full_like(s.params, 1e30), s.inner_steps_total)
 
 
+def stalling(chunks: Callable[..., AsyncIterator[bytes]]) -> Callable[..., AsyncIterator[bytes]]:
+    async def lying(self: Any, peer_id: str, address: str, out: Any, wire: Any) -> AsyncIterator[bytes]:
+        sent = 0
+        async for data in chunks(self, peer_id, address, out, wire):
+            sent += 1
+            if sent == len(out.frames):
+                await asyncio.Event().wait()  # keeps the stream open, never finishes it
+            yield data
+
+    return lying
+
+
+def holding(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
+    async def lying(self: Any) -> str:
+        address = await start(self)
+        self.ctx.tasks.spawn(hold_state_slots(self), "hold-state")
+        return address
+
+    return lying
+
+
+async def hold_state_slots(node: Any) -> None:
+    """Keep two FetchState calls open at every live member, reading only their first message;
+    open them again whenever a member ends one."""
+    from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+    held: dict[str, list[Any]] = {}
+    channels: dict[str, Any] = {}
+    request = pb.StateRequest(node_id=node.cfg.node_id, swarm_id=node.cfg.swarm_id)
+    while True:
+        for peer in node.table.alive():
+            if peer.address not in channels:  # no BDP probing: the receive window stays 64 KiB, so
+                channels[peer.address] = grpc.aio.insecure_channel(  # a donor's writes block at once
+                    peer.address, options=[("grpc.http2.bdp_probe", 0)])
+            calls = [c for c in held.get(peer.node_id, []) if not c.done()]
+            while len(calls) < 2:
+                call = pb_grpc.NodeStub(channels[peer.address]).FetchState(
+                    request, metadata=node.ctx.security.metadata("FetchState"))
+                calls.append(call)
+                try:
+                    await call.read()
+                except grpc.aio.AioRpcError:
+                    break
+            held[peer.node_id] = calls
+        await asyncio.sleep(0.5)
+
+
 def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
@@ -127,6 +176,19 @@ def apply(behaviour: str) -> None:
         change = {"doctored-state": _doctored, "nan-state": _nan, "huge-momentum": _huge_momentum}[behaviour]
         Trainer.snapshot = doctor(Trainer.snapshot, change)  # type: ignore[method-assign]
         statesync.part_frames = nan_frames  # a hostile donor encodes what it likes
+    elif behaviour == "stall-streams":  # every contribution stream stops before its last chunk
+        from neuronode.swarm.transport import GrpcTransport
+
+        GrpcTransport.chunks = stalling(GrpcTransport.chunks)  # type: ignore[method-assign]
+    elif behaviour == "hold-state":  # opens state downloads at every member, never reads them, serves none
+        from neuronode.swarm.node import SwarmNode
+        from neuronode.swarm.wire import Refusal
+
+        async def serve_none(self: Any, caller: str, write: Any) -> None:
+            raise Refusal("UNAVAILABLE", "busy")
+
+        SwarmNode.start = holding(SwarmNode.start)  # type: ignore[method-assign]
+        statesync.Donor.serve = serve_none  # type: ignore[method-assign]
     elif behaviour not in ("codec", "outer-lr"):  # those two only run with other flags
         raise ValueError(f"unknown behaviour {behaviour}")
 
@@ -136,7 +198,8 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
     run_cli(argv, log_path)
 
 
-BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr")
+BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
+              "stall-streams", "hold-state")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

@@ -25,9 +25,10 @@ ARGS = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32
         "--rounds", "6", "--sync-timeout", str(SYNC_TIMEOUT_S), "--swarm-id", "lies", "--device", "cpu")
 HONEST = ("h1", "h2", "h3", "h4")
 LIAR = "a-liar"  # sorts first: the first donor a joiner tries, the first peer it asks
-SWARM_LIES = ("claim-rounds", "claim-closed", "codec", "outer-lr")
+SWARM_LIES = ("claim-rounds", "claim-closed", "codec", "outer-lr", "stall-streams")
 REFUSED = ("codec", "outer-lr")  # refused at Hello: never a member
-STATE_LIES = ("doctored-state", "nan-state", "huge-momentum")
+NEVER_DELIVERS = ("stall-streams",)  # a member whose contributions never arrive whole
+STATE_LIES = ("doctored-state", "nan-state", "huge-momentum", "hold-state")
 
 
 def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
@@ -36,9 +37,10 @@ def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
     tmp.mkdir(parents=True, exist_ok=True)
     # Every round waits for every member that starts with the swarm (the liar too, unless it is
     # refused), so nobody trains ahead while the others start.
-    accepted = behaviour is not None and behaviour not in REFUSED
+    accepted = behaviour is not None and behaviour not in REFUSED + NEVER_DELIVERS
     # A joiner needs rounds long enough to join the running swarm (about 1 s each here).
-    args = (*ARGS, "--inner-steps", "100" if joiner else "4")
+    args = (*ARGS, "--inner-steps", "100" if joiner else "4",
+            *(("--chunk-bytes", "4096") if behaviour in NEVER_DELIVERS else ()))  # many chunks: one is kept back
     min_peers = ("--min-peers", str((3 if joiner else 4) + accepted))
     h1 = Node(tmp, "h1", *args, *min_peers, "--node-id", "h1")
     nodes: dict[str, Node] = {"h1": h1}
@@ -74,6 +76,7 @@ def check_honest(nodes: dict[str, Node]) -> float:
     for name in HONEST:  # at most one round waited out its deadline, whatever the liar did
         waited = {e["round_id"] for e in nodes[name].events("deadline")}
         assert len(waited) <= 1, (name, waited)
+        assert statuses[name]["buffered_bytes"] <= statuses[name]["buffered_bytes_bound"], statuses[name]
     return float(statuses["h1"]["val_loss"])
 
 
@@ -98,6 +101,10 @@ def test_one_liar_among_four_honest_members_changes_nothing(tmp_path_factory: py
         assert not any(n.events("catching_up") for n in honest)
     elif behaviour == "claim-closed":  # nobody stood aside on the liar's word
         assert not any(n.events("stand_aside") for n in honest)
+    elif behaviour == "stall-streams":  # its streams were cut when rounds closed, and never averaged
+        assert all(LIAR not in e["contributors"] for n in honest for e in n.events("round_done"))
+    elif behaviour == "hold-state":  # the liar held a slot at every donor; the joiner got the other one
+        assert nodes["h4"].events("adopted"), nodes["h4"].log()[-3000:]
     else:  # the joiner refused the liar's state, then adopted a vouched one
         h4 = nodes["h4"]
         assert rejected_donors(h4)[:1] == [LIAR], h4.log()[-3000:]

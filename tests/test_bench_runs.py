@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import run_neuronode
 
-from neuronode.bench import quality, utilization
+from neuronode.bench import quality, stall, utilization
 from neuronode.errors import ConfigError
 
 TINY_MODEL = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32",
@@ -87,6 +87,26 @@ def test_utilization_tiny() -> None:
     assert result["step_seconds"] == pytest.approx(result["train_seconds"] / 5, rel=0.01)
 
 
+STALL_KEYS = {
+    "rss_bytes_per_round", "reference_rss_bytes_per_round", "peak_rss_bytes", "reference_peak_rss_bytes",
+    "ratio_vs_reference", "rss_growth_bytes", "buffered_bytes_max", "buffered_bytes_after_close",
+    "buffered_bytes_bound", "params", "codec", "rounds", "seconds",
+}
+
+
+@pytest.mark.timeout(120)
+def test_stall_tiny() -> None:
+    """A member stalling every stream for three rounds: the honest node lets go of each."""
+    out = run_neuronode("bench", "stall", "--params", "300000", "--rounds", "3", "--json", timeout_s=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert STALL_KEYS <= result.keys()
+    assert len(result["rss_bytes_per_round"]) == len(result["reference_rss_bytes_per_round"]) == 3
+    assert result["buffered_bytes_after_close"] == 0
+    assert 4 * 300_000 <= result["buffered_bytes_max"] <= result["buffered_bytes_bound"]
+    assert result["ratio_vs_reference"] > 0
+
+
 def test_module_main_refuses_one_node(capsys: pytest.CaptureFixture[str]) -> None:
     assert quality.main(["--nodes", "1", "--json"]) == 2
     assert "--nodes 1" in capsys.readouterr().err
@@ -114,6 +134,11 @@ def parse(module: Any, *flags: str) -> argparse.Namespace:
 def test_bad_flags_are_refused_before_any_process_starts(module: Any, flags: tuple[str, ...], word: str) -> None:
     with pytest.raises(ConfigError, match=word):
         module.spec_from_args(parse(module, *flags))
+
+
+def test_stall_refuses_one_round(capsys: pytest.CaptureFixture[str]) -> None:
+    assert stall.main(["--rounds", "1", "--json"]) == 2
+    assert "--rounds 1" in capsys.readouterr().err
 
 
 def test_node_flags() -> None:

@@ -94,6 +94,19 @@ async def test_a_stream_that_sends_nothing_for_the_idle_limit_is_aborted(nodes: 
     assert a.book.buffered_bytes == 0 and a.book.closed_below() == 0
 
 
+async def test_a_stream_that_never_sends_a_chunk_is_closed_after_the_idle_limit(nodes: Nodes) -> None:
+    a, liar = await pair(nodes)
+    a.book.idle_s = 0.5
+
+    async def silence() -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""  # pragma: no cover - never reached
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await asyncio.wait_for(liar.ctx.channels.push_call(a.advertise)(silence(), timeout=60), timeout=10)
+    assert refused.value.code() == Code.DEADLINE_EXCEEDED and "no chunk for" in (refused.value.details() or "")
+
+
 async def test_a_member_cannot_buffer_more_than_its_bound(nodes: Nodes) -> None:
     """Per-member bytes are bounded: a member's third open stream (rounds 0 and 1 of each phase
     fill its share) is refused RESOURCE_EXHAUSTED."""

@@ -389,6 +389,8 @@ class GrpcTransport:
         digest = ContributionDigest()
         loop, book = asyncio.get_running_loop(), self.ctx.book
         next_index = 0
+        chunk: Any = None
+        data: Any = None
         task, aborted = asyncio.current_task(), []
 
         def abort(reason: str) -> None:  # the book ends a stream whose round closed, or that idles
@@ -396,8 +398,17 @@ class GrpcTransport:
             if task is not None:
                 task.cancel()
 
+        stream = chunks.__aiter__()
         try:
-            async for data in chunks:
+            while True:
+                try:  # a stream that never sends its first chunk is not yet in the book: bound it here
+                    data = await (stream.__anext__() if first is not None
+                                  else asyncio.wait_for(stream.__anext__(), timeout=book.idle_s))
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise Refusal("DEADLINE_EXCEEDED", f"PushContribution: no chunk for {book.idle_s:.0f} s; "
+                                  "send a stream's chunks without pausing") from None
                 chunk = parse_chunk(data, next_index)
                 header = chunk.header if isinstance(chunk, ChunkView) else chunk
                 if first is None:
@@ -441,3 +452,6 @@ class GrpcTransport:
         finally:
             if first is not None:
                 book.abort(first.round_id, first.sender_id, Phase(first.phase))
+            # A refusal's traceback keeps this frame alive until the garbage collector finds the
+            # cycle: do not let it keep a partial contribution (megabytes) alive with it.
+            assembler = chunk = data = None  # noqa: F841
