@@ -56,7 +56,7 @@ class NodeConfig:
     """Everything `neuronode start` needs. Field names map to --flags-with-dashes."""
 
     data_dir: str = opt("neuronode-data", "folder for the node id, checkpoints and state", metavar="DIR")
-    node_id: str = opt("", "this node's id; empty: generated once and kept in the data dir")
+    node_id: str = opt("", "this node's id; empty: the id its key derives (key and id kept in the data dir)")
     swarm_id: str = opt("neuronode-default", "name of the swarm; peers with another swarm id are refused")
     listen: str = opt("127.0.0.1:7420", "address to serve gRPC on (port 0 picks a free port)", metavar="HOST:PORT")
     advertise: str = opt("", "address peers should dial; empty: derived from --listen", metavar="HOST:PORT")

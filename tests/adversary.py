@@ -150,6 +150,56 @@ async def hold_state_slots(node: Any) -> None:
         await asyncio.sleep(0.5)
 
 
+def impersonating(victim: str, honest_info: Callable[[Any], pb.NodeInfo]) -> Callable[[Any], pb.NodeInfo]:
+    def lying(self: Any) -> pb.NodeInfo:
+        info = honest_info(self)
+        if victim in {p.node_id for p in self.ctx.table.alive()}:
+            info.node_id = victim  # signed with our own key: we have no other
+        return info
+
+    return lying
+
+
+GHOSTS = 30
+
+
+def haunting(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
+    async def lying(self: Any) -> str:
+        address = await start(self)
+        ghosts = [await ghost(f"ghost-{n}") for n in range(GHOSTS)]
+        honest_known = self.peers.known_peers
+        self.peers.known_peers = lambda: [*honest_known(), *(pb.PeerRecord(node_id=g, address=a) for g, a, _ in ghosts)]
+        self.ghost_servers = ghosts  # kept alive with the node
+        return address
+
+    return lying
+
+
+async def ghost(node_id: str) -> tuple[str, str, Any]:
+    """A gRPC server that answers Hello as `node_id` (signed with a key of its own) and refuses
+    everything else (UNIMPLEMENTED)."""
+    from neuronode.security.identity import NodeKey
+    from neuronode.swarm.security import Security
+    from neuronode.swarm.wire import PROTOCOL_VERSION
+    from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+    key, server = NodeKey.generate(), grpc.aio.server()
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+
+    class Ghost(pb_grpc.NodeServicer):
+        async def Hello(self, request: pb.HelloRequest, context: Any) -> pb.HelloResponse:  # noqa: N802
+            response = pb.HelloResponse(info=pb.NodeInfo(
+                node_id=node_id, swarm_id=request.info.swarm_id, protocol_version=PROTOCOL_VERSION,
+                manifest_hash=request.info.manifest_hash, advertise=address, settings=request.info.settings,
+                round=request.info.round))
+            Security(node_id=node_id, swarm_id=request.info.swarm_id, key=key).sign_hello(response)
+            return response
+
+    pb_grpc.add_NodeServicer_to_server(Ghost(), server)
+    await server.start()
+    return node_id, address, server
+
+
 def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
@@ -189,6 +239,12 @@ def apply(behaviour: str) -> None:
 
         SwarmNode.start = holding(SwarmNode.start)  # type: ignore[method-assign]
         statesync.Donor.serve = serve_none  # type: ignore[method-assign]
+    elif behaviour == "impersonate":  # once it knows h2, says every Hello as h2 (from its own address)
+        Peers.node_info = impersonating("h2", honest_info)  # type: ignore[method-assign]
+    elif behaviour == "ghosts":  # lists 30 addresses of its host, each answering Hello under a made-up id
+        from neuronode.swarm.node import SwarmNode
+
+        SwarmNode.start = haunting(SwarmNode.start)  # type: ignore[method-assign]
     elif behaviour not in ("codec", "outer-lr"):  # those two only run with other flags
         raise ValueError(f"unknown behaviour {behaviour}")
 
@@ -199,7 +255,7 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
-              "stall-streams", "hold-state")
+              "stall-streams", "hold-state", "impersonate", "ghosts")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

@@ -209,8 +209,11 @@ class Nodes:
 
     async def start(self, node_id: str, *, peers: Iterable[str] = (), **overrides: Any) -> Any:
         from neuronode.swarm.node import SwarmNode
+        from neuronode.swarm.security import Security
 
-        node = SwarmNode(swarm_config(node_id, peers=tuple(peers), **overrides), executor=self.executor)
+        cfg = swarm_config(node_id, peers=tuple(peers), **overrides)
+        node = SwarmNode(cfg, executor=self.executor,
+                         security=Security(node_id=node_id, swarm_id=cfg.swarm_id, key=key_of(node_id)))
         await node.start()
         self.running.append(node)
         return node
@@ -233,22 +236,33 @@ def encode(node_id: str, x: Any, *, round_id: int = 0, weight: float = 1.0, chun
     return encoder.encode(x, 0.0, weight=weight, round_id=round_id, sender_id=node_id, base_digest=base_digest)
 
 
-def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b"") -> list[Any]:
+def key_of(node_id: str) -> Any:
+    """The signing key tests give `node_id` (the same in every test and process: a raw client
+    speaking as an in-process node signs as that node)."""
+    from neuronode.security.identity import NodeKey
+
+    return NodeKey.from_seed(b"neuronode-test-key/" + node_id.encode())
+
+
+def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b"", key: Any = None) -> list[Any]:
     """The ContributionChunk stream that carries contribution `c` (as `sender_id`), tagged with
-    `secret` when given, as the wire protocol defines it."""
+    `secret` when given and signed with `key` (default: key_of(sender_id)), as the wire
+    protocol defines it."""
     from neuronode.swarm.inbound import bound_digest
     from neuronode.swarm.security import Security
     from neuronode.swarm.wire import CODEC_TO_PB
     from neuronode.v1 import node_pb2 as pb
 
     sender_id = sender_id or c.sender_id
-    tag = Security(node_id=sender_id, swarm_id=swarm_id, secret=secret).contribution_tag(
-        round_id=c.round_id, sender_id=sender_id,
-        contribution_digest=bound_digest(c.digest, c.base_digest, c.phase, c.shard_index, c.members, c.contributors),
-        codec=c.codec, weight=c.weight, total_elements=c.n_elements)
+    security = Security(node_id=sender_id, swarm_id=swarm_id, secret=secret, key=key or key_of(sender_id))
+    signed = dict(round_id=c.round_id, sender_id=sender_id,
+                  contribution_digest=bound_digest(c.digest, c.base_digest, c.phase, c.shard_index, c.members,
+                                                   c.contributors),
+                  codec=c.codec, weight=c.weight, total_elements=c.n_elements)
+    tag, signature = security.contribution_tag(**signed), security.sign_contribution(**signed)
     return [pb.ContributionChunk(
         round_id=c.round_id, sender_id=sender_id, swarm_id=swarm_id, chunk_index=f.index, chunk_count=f.count,
         codec=CODEC_TO_PB[c.codec], compressed=f.compressed, payload=f.data, contribution_digest=c.digest,
         weight=c.weight, total_elements=c.n_elements, chunk_elements=c.chunk_elements, auth_tag=tag,
-        base_digest=c.base_digest)
+        base_digest=c.base_digest, signature=signature)
         for f in c.frames]

@@ -25,9 +25,9 @@ ARGS = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32
         "--rounds", "6", "--sync-timeout", str(SYNC_TIMEOUT_S), "--swarm-id", "lies", "--device", "cpu")
 HONEST = ("h1", "h2", "h3", "h4")
 LIAR = "a-liar"  # sorts first: the first donor a joiner tries, the first peer it asks
-SWARM_LIES = ("claim-rounds", "claim-closed", "codec", "outer-lr", "stall-streams")
+SWARM_LIES = ("claim-rounds", "claim-closed", "codec", "outer-lr", "stall-streams", "impersonate", "ghosts")
 REFUSED = ("codec", "outer-lr")  # refused at Hello: never a member
-NEVER_DELIVERS = ("stall-streams",)  # a member whose contributions never arrive whole
+NEVER_DELIVERS = ("stall-streams", "impersonate")  # a member whose contributions never arrive whole (or as itself)
 STATE_LIES = ("doctored-state", "nan-state", "huge-momentum", "hold-state")
 
 
@@ -103,6 +103,11 @@ def test_one_liar_among_four_honest_members_changes_nothing(tmp_path_factory: py
         assert not any(n.events("stand_aside") for n in honest)
     elif behaviour == "stall-streams":  # its streams were cut when rounds closed, and never averaged
         assert all(LIAR not in e["contributors"] for n in honest for e in n.events("round_done"))
+    elif behaviour == "impersonate":  # refused as h2 (its key is not h2's): h2 stayed where it is
+        assert any("bound to another key" in e["detail"] for e in nodes[LIAR].events("refused_by")), \
+            nodes[LIAR].log()[-3000:]
+    elif behaviour == "ghosts":  # at most --max-ids-per-host ids from the liar's host, never averaged
+        assert all(not any(c.startswith("ghost-") for c in e["contributors"]) for n in honest for e in n.events("round_done"))
     elif behaviour == "hold-state":  # the liar held a slot at every donor; the joiner got the other one
         assert nodes["h4"].events("adopted"), nodes["h4"].log()[-3000:]
     else:  # the joiner refused the liar's state, then adopted a vouched one

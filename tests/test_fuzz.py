@@ -42,7 +42,7 @@ import pytest
 import torch
 import zstandard as zstd
 from google.protobuf.message import DecodeError, Message
-from helpers import Node, poll
+from helpers import Node, key_of, poll
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +51,7 @@ from neuronode.config import NodeConfig
 from neuronode.node import checkpoint
 from neuronode.node.status import from_data_dir as status_of
 from neuronode.security import auth
+from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Settings
 from neuronode.swarm.inbound import bound_digest
 from neuronode.swarm.security import AUTH_KEY, Security
@@ -109,7 +110,7 @@ class Pacer(pb_grpc.NodeServicer):
         self.server = grpc.server(ThreadPoolExecutor(2))
         pb_grpc.add_NodeServicer_to_server(self, self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        self.security = Security(node_id=PACER, swarm_id=SWARM, secret=secret)
+        self.security = Security(node_id=PACER, swarm_id=SWARM, secret=secret, key=key_of(PACER))
         self.leaving = threading.Event()
         self.node_info: pb.NodeInfo | None = None  # the node's own, from its latest heartbeat
         self.heard_at = self.first_heard_at = 0.0
@@ -126,8 +127,9 @@ class Pacer(pb_grpc.NodeServicer):
                            manifest_hash=request.info.manifest_hash, advertise=self.address,
                            round=request.info.round + (0 if held else 2),
                            leaving=self.leaving.is_set(), settings=request.info.settings)
-        tag, ts = self.security.hello_proof(info, [])
-        return pb.HelloResponse(info=info, auth_tag=tag, timestamp_s=ts)
+        resp = pb.HelloResponse(info=info)
+        self.security.sign_hello(resp)
+        return resp
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return pb.StatusResponse(node_id=PACER)  # a dial-back (CheckReachable) reaches us
@@ -189,8 +191,7 @@ class Target:
         for name, value in fields.items():
             setattr(info, name, value)
         req = pb.HelloRequest(info=info)
-        member = Security(node_id=node_id, swarm_id=SWARM, secret=self.secret)
-        req.auth_tag, req.timestamp_s = member.hello_proof(info, [])
+        Security(node_id=node_id, swarm_id=SWARM, secret=self.secret, key=key_of(node_id)).sign_hello(req)
         return req
 
     def hello_as(self, node_id: str) -> None:
@@ -308,7 +309,23 @@ def hello_verdict(t: Target, req: pb.HelloRequest) -> set[Code]:
         refusals.add(Code.FAILED_PRECONDITION)
     if info.node_id == NODE_ID and info.advertise != t.node.address:
         refusals.add(Code.ALREADY_EXISTS)
+    if not refusals and not well_signed(req):
+        refusals.add(Code.UNAUTHENTICATED)  # every Hello is signed by the key it carries
     return refusals or {OK}
+
+
+def sign(req: pb.HelloRequest) -> pb.HelloRequest:
+    """`req` signed (now) by its node id's test key, as a member signs what it says."""
+    Security(node_id=req.info.node_id, swarm_id=SWARM, key=key_of(req.info.node_id)).sign_hello(req)
+    return req
+
+
+def well_signed(req: pb.HelloRequest) -> bool:
+    try:
+        Security(node_id=PACER, swarm_id=SWARM).check_hello_signature(req)
+    except AuthError:
+        return False
+    return True
 
 
 def verdict(t: Target, method: str, msg: Message) -> set[Code]:
@@ -389,6 +406,11 @@ def hello_requests(draw: st.DrawFn, t: Target) -> pb.HelloRequest:
     for _ in range(draw(st.integers(0, 6))):
         req.known_peers.add(node_id=draw(ANY_IDS),
                             address=draw(st.one_of(st.sampled_from(t.addresses), TEXT)))
+    signing = draw(st.sampled_from(["signed"] * 8 + ["unsigned", "forged"]))
+    if signing != "unsigned":
+        sign(req)
+    if signing == "forged":  # signed, then a field changed on the way
+        req.info.round ^= 1
     return req
 
 
@@ -443,6 +465,8 @@ def tame(t: Target, method: str, blob: bytes) -> bytes:
             info.node_id = f"fz-{info.node_id}"
         if hello_verdict(t, msg) == {OK} and info.advertise not in (t.node.address, t.fakes[0]):
             info.advertise = t.fakes[0]
+        if well_signed(parse(method, blob)):  # type: ignore[arg-type]
+            sign(msg)  # the tamed Hello is signed as the original was
     else:
         return blob
     tamed = msg.SerializeToString()
@@ -738,9 +762,10 @@ def hostile_stream(t: Target, plan: Plan, *, sender_id: str = ROGUE) -> list[pb.
         else:
             break_header(s, d, current_round=current)
     chunks = s.chunks()
-    if t.secret:  # a member's valid tag over whatever header it claims: only the content is wrong
-        for c in chunks:
+    for c in chunks:  # a member's valid tag and signature over whatever header it claims:
+        if t.secret:  # only the content is wrong
             c.auth_tag = contribution_tag(t, c)
+        c.signature = contribution_signature(c)
     return break_structure(chunks, plan.structural) if plan.structural else chunks
 
 
@@ -755,6 +780,19 @@ def contribution_tag(t: Target, c: pb.ContributionChunk) -> str:
                                      weight=c.weight, total_elements=c.total_elements)
     except ValueError:  # a non-finite weight has no tag
         return "0" * 64
+
+
+def contribution_signature(c: pb.ContributionChunk) -> bytes:
+    """The sender's signature over its chunk header (none for a non-finite weight)."""
+    codec = {v: k for k, v in CODEC_TO_PB.items()}.get(c.codec, "?")
+    digest = bound_digest(c.contribution_digest, c.base_digest, c.phase, c.shard_index, c.members,
+                          c.contributors)
+    try:
+        return Security(node_id=c.sender_id, swarm_id=c.swarm_id, key=key_of(c.sender_id)).sign_contribution(
+            round_id=c.round_id, sender_id=c.sender_id, contribution_digest=digest, codec=codec,
+            weight=c.weight, total_elements=c.total_elements)
+    except (ValueError, TypeError):
+        return b""
 
 
 @settings(FUZZ, max_examples=80)
@@ -796,6 +834,7 @@ def test_handpicked_hostile_requests(nodes: Fuzzed) -> None:
     flood = t.hello("fz-flood")
     flood.known_peers.extend(pb.PeerRecord(node_id=f"fz-{i}", address=f"unix:/nonexistent/flood-{i}")
                              for i in range(10_000))
+    sign(flood)
     cases.append(("Hello", [flood.SerializeToString()], {OK}))
     for method, blobs, want in cases:
         code, details, _ = t.call(method, blobs)

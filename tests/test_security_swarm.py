@@ -22,7 +22,7 @@ import helpers
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import Node, chunks_of, encode, free_port, hides_refusal, poll, run_neuronode
+from helpers import Node, chunks_of, encode, free_port, hides_refusal, key_of, poll, run_neuronode
 
 from neuronode import cli
 from neuronode.swarm.context import Settings
@@ -218,7 +218,7 @@ class Member:
         self.stub = pb_grpc.NodeStub(channel)
         self.node_id = node_id
         self.advertise = advertise
-        self.security = Security(node_id=node_id, swarm_id=SWARM, secret=secret or b"")
+        self.security = Security(node_id=node_id, swarm_id=SWARM, secret=secret or b"", key=key_of(node_id))
 
     def info(self, node_id: str = "") -> pb.NodeInfo:
         return pb.NodeInfo(node_id=node_id or self.node_id, swarm_id=SWARM, settings=settings_to_pb(Settings()),
@@ -228,7 +228,7 @@ class Member:
     def hello(self, node_id: str = "") -> pb.HelloRequest:
         """A Hello as a member sends it: its content bound by the proof."""
         request = pb.HelloRequest(info=self.info(node_id))
-        request.auth_tag, request.timestamp_s = self.security.hello_proof(request.info, [])
+        self.security.sign_hello(request)  # signed with our own key, whatever id it claims
         return request
 
     async def call(self, method: str, *, as_id: str = "",
@@ -499,6 +499,8 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
     def changed(field: Any, value: Any) -> Any:
         if field.type == field.TYPE_STRING:
             return value + "x"
+        if field.type == field.TYPE_BYTES:
+            return value + b"x"
         if field.type == field.TYPE_BOOL:
             return not value
         return value + 1
@@ -519,7 +521,7 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
         else:
             targets.append((info, field))
     assert {f.name for _, f in targets} >= {"node_id", "round", "leaving", "contributes_from", "contributors",
-                                            "shards", "codec", "outer_lr", "overlap"}
+                                            "shards", "codec", "outer_lr", "overlap", "public_key"}
     for message, field in targets:
         if field.is_repeated:  # a repeated scalar: one more element
             getattr(message, field.name).append(7)

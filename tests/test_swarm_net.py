@@ -20,13 +20,14 @@ import grpc
 import pytest
 import torch
 import zstandard as zstd
-from helpers import Nodes, chunks_of, encode, hides_refusal, swarm_config, wait_until
+from helpers import Nodes, chunks_of, encode, hides_refusal, key_of, swarm_config, wait_until
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, Prepared, ReduceScatter
 from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
 from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmNode
+from neuronode.swarm.security import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -127,8 +128,10 @@ class Client:
         return pb.NodeInfo(**fields)
 
     async def hello(self, **overrides: Any) -> pb.HelloResponse:
-        return await self.stub.Hello(pb.HelloRequest(info=self.info(**overrides)),
-                                     timeout=RPC_TIMEOUT_S)
+        request = pb.HelloRequest(info=self.info(**overrides))
+        node_id = request.info.node_id
+        Security(node_id=node_id, swarm_id=SWARM, key=key_of(node_id)).sign_hello(request)
+        return await self.stub.Hello(request, timeout=RPC_TIMEOUT_S)
 
     async def push(self, chunks: Iterable[pb.ContributionChunk]) -> tuple[Code, str, int]:
         """Stream `chunks`; returns (status code, details, chunks the node acknowledged)."""
@@ -270,12 +273,46 @@ async def test_a_node_late_for_a_round_listens_and_averages_what_the_others_did(
 
 
 def every(**fields: Any) -> Callable[[Chunks], Chunks]:
-    """Set header `fields` on every chunk (the stream is consistent, just wrong)."""
+    """Set header `fields` on every chunk (the stream is consistent, just wrong), signed by the
+    sender as it is: a member signs whatever it says."""
 
     def tamper(chunks: Chunks) -> Chunks:
         for chunk in chunks:
             for name, value in fields.items():
                 setattr(chunk, name, value)
+        signature = fields.get("signature", sign_header(chunks[0]))
+        for chunk in chunks:
+            chunk.signature = signature
+        return chunks
+
+    return tamper
+
+
+def sign_header(chunk: pb.ContributionChunk, *, key: Any = None) -> bytes:
+    """The sender's signature over a chunk's header (its old one where the header cannot be
+    signed: a NaN weight is refused before any signature is read)."""
+    from neuronode.swarm.inbound import bound_digest
+    from neuronode.swarm.wire import PB_TO_CODEC
+
+    try:
+        return Security(node_id=chunk.sender_id, swarm_id=chunk.swarm_id, key=key or key_of(chunk.sender_id)) \
+            .sign_contribution(round_id=chunk.round_id, sender_id=chunk.sender_id,
+                               contribution_digest=bound_digest(chunk.contribution_digest, chunk.base_digest,
+                                                                chunk.phase, chunk.shard_index, chunk.members,
+                                                                chunk.contributors),
+                               codec=PB_TO_CODEC.get(chunk.codec, "?"), weight=chunk.weight,
+                               total_elements=chunk.total_elements)
+    except ValueError:
+        return chunk.signature
+
+
+def signed_by(key: Any) -> Callable[[Chunks], Chunks]:
+    """The honest stream, signed by another key than the sender's."""
+
+    def tamper(chunks: Chunks) -> Chunks:
+        signature = sign_header(chunks[0], key=key)
+        for chunk in chunks:
+            chunk.signature = signature
         return chunks
 
     return tamper
@@ -347,6 +384,8 @@ REFUSED_STREAMS = [
     pytest.param(bomb(content_size=True), Code.INVALID_ARGUMENT, id="bomb"),
     pytest.param(bomb(content_size=False), Code.INVALID_ARGUMENT, id="bomb-no-size"),
     pytest.param(every(swarm_id="other"), Code.PERMISSION_DENIED, id="other-swarm"),
+    pytest.param(signed_by(key_of("someone-else")), Code.PERMISSION_DENIED, id="signed-by-another-key"),
+    pytest.param(every(signature=b""), Code.PERMISSION_DENIED, id="unsigned"),
 ] + [
     pytest.param(from_chunk(3, **{name: value}), Code.INVALID_ARGUMENT, id=f"changes-{name}")
     for name, value in [

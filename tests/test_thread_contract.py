@@ -37,6 +37,7 @@ def test_encoder_and_error_feedback_run_on_one_thread_per_node(tmp_path: Path,
     from neuronode.node.daemon import Daemon
     from neuronode.node.run import build_security, run_async
     from neuronode.node.trainer import Trainer
+    from neuronode.security.identity import NodeKey
 
     seen: set[str] = set()
     monkeypatch.setattr(VectorEncoder, "encode", recording(VectorEncoder.encode, seen))
@@ -50,7 +51,7 @@ def test_encoder_and_error_feedback_run_on_one_thread_per_node(tmp_path: Path,
         (tmp_path / name).mkdir()
         daemon = Daemon(cfg, trainer=Trainer(cfg, node_id=cfg.node_id), node_id=cfg.node_id,
                         data_dir=tmp_path / name)
-        daemon.security = build_security(cfg, cfg.node_id)
+        daemon.security = build_security(cfg, cfg.node_id, NodeKey.generate())
         daemons.append(daemon)
 
     async def both() -> list[int]:

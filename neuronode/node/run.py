@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +14,7 @@ from neuronode.errors import ConfigError
 from neuronode.memory import keep_freed_buffers
 from neuronode.node.console import setup_logging
 from neuronode.security.auth import load_secret, permissions_warning
+from neuronode.security.identity import NodeKey
 from neuronode.swarm.security import Security
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,8 @@ def run_daemon(cfg: NodeConfig) -> int:
     cfg.check_exposure()
     data_dir = check_data_dir(cfg.data_dir)
     setup_logging(cfg.log_format, cfg.log_level)
-    node_id = tls_node_id(cfg) or cfg.node_id or load_or_create_node_id(data_dir)
+    key = NodeKey.load_or_create(data_dir)
+    node_id = tls_node_id(cfg) or cfg.node_id or load_or_create_node_id(data_dir, key)
     from neuronode.node.daemon import Daemon
     from neuronode.node.trainer import Trainer
 
@@ -38,7 +39,7 @@ def run_daemon(cfg: NodeConfig) -> int:
             f"anyone who can reach --listen {cfg.listen} may join (--open)" if cfg.open
             else "protected mode, serving loopback callers only")
     daemon = Daemon(cfg, trainer=trainer, node_id=node_id, data_dir=data_dir)
-    daemon.security = build_security(cfg, node_id)
+    daemon.security = build_security(cfg, node_id, key)
     daemon.restore()
     return run_async(daemon.run)
 
@@ -60,7 +61,7 @@ def tls_node_id(cfg: NodeConfig) -> str:
     return name
 
 
-def build_security(cfg: NodeConfig, node_id: str) -> Security:
+def build_security(cfg: NodeConfig, node_id: str, key: NodeKey) -> Security:
     """Load and check the secret and TLS files now, so a mistake stops the start with one line."""
     secret = b""
     if cfg.secret_file:
@@ -80,7 +81,7 @@ def build_security(cfg: NodeConfig, node_id: str) -> Security:
             raise ConfigError(f"--tls-cert is valid for {', '.join(hosts)} but peers will dial "
                               f"{host}; issue a certificate with --host {host}")
         tls = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-    return Security(node_id=node_id, swarm_id=cfg.swarm_id, secret=secret, tls_files=tls)
+    return Security(node_id=node_id, swarm_id=cfg.swarm_id, secret=secret, tls_files=tls, key=key)
 
 
 def run_async(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool | None = None) -> T:
@@ -96,14 +97,15 @@ def run_async(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool | 
     return asyncio.run(main())
 
 
-def load_or_create_node_id(data_dir: Path) -> str:
-    """A node id generated once and kept in the data dir, so restarts keep their identity."""
+def load_or_create_node_id(data_dir: Path, key: NodeKey) -> str:
+    """The node id kept in the data dir, so restarts keep their identity; a new data dir takes
+    the id its key derives (neuronode.security.identity), which no other key can speak as."""
     path = data_dir / "node_id"
     if path.exists():
         node_id = path.read_text().strip()
         if node_id:
             return node_id
-    node_id = f"node-{uuid.uuid4().hex[:12]}"
+    node_id = key.derived_id
     tmp = path.with_suffix(".tmp")
     tmp.write_text(node_id + "\n")
     tmp.replace(path)

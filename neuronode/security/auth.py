@@ -222,6 +222,11 @@ def _compare(tag: str, expected: str, what: str) -> None:
                         "(missing, or made with another swarm secret)")
 
 
+def check_fresh(timestamp_s: int, now_s: float, *, what: str, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
+    """Raise AuthError when `timestamp_s` is more than `max_skew_s` from `now_s`."""
+    _check_fresh(timestamp_s, now_s, max_skew_s, what)
+
+
 def _check_fresh(timestamp_s: int, now_s: float, max_skew_s: float, what: str) -> None:
     skew_s = now_s - timestamp_s
     if abs(skew_s) > max_skew_s:

@@ -16,7 +16,7 @@ from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, PB_TO_CODEC, Re
 
 STREAM_FIELDS = ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest", "weight",
                  "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest",
-                 "phase", "shard_index", "shard_count", "members", "contributors")
+                 "phase", "shard_index", "shard_count", "members", "contributors", "signature")
 
 
 def stream_key(header: Any) -> tuple[Any, ...]:
@@ -72,9 +72,11 @@ class Inbound:
         if chunk.swarm_id != cfg.swarm_id:
             raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{cfg.swarm_id}'")
         peer = self.ctx.table.peers.get(chunk.sender_id)
-        if peer is None or not self.ctx.table.is_alive(peer):
-            raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello "
-                          "first (contributions are taken from live members only)")
+        if peer is None or peer.left:
+            raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
+        if not self.ctx.table.is_alive(peer):  # transient: its next Hello makes it one (the sender retries)
+            raise Refusal("UNAVAILABLE", f"sender '{chunk.sender_id[:MAX_ID_CHARS]}' is not a live member here yet "
+                          "(contributions are taken from live members only); its Hello makes it one")
         if self.ctx.faults.path and self.ctx.faults.cut_off(peer.address):
             raise Refusal("UNAVAILABLE", "fault injected: sender is cut off")
         if chunk.codec not in PB_TO_CODEC:
@@ -91,10 +93,22 @@ class Inbound:
         assembler = receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
                               chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
                               shuffled=chunk.shuffled)
+        self.check_signature(chunk, peer.public_key)  # what the header says is the sender's word
         self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase),
                             reserved_bytes=assembler.size_bytes, abort=abort)
         peer.last_seen = self.ctx.clock.now()
         return assembler
+
+    def check_signature(self, chunk: Any, public_key: bytes) -> None:
+        """The contribution is signed by the key its sender's id is bound to, whoever delivered it."""
+        try:
+            self.ctx.security.check_contribution_signature(
+                public_key, chunk.signature, round_id=chunk.round_id, sender_id=chunk.sender_id,
+                contribution_digest=bound_digest(chunk.contribution_digest, chunk.base_digest, chunk.phase,
+                                                 chunk.shard_index, chunk.members, chunk.contributors),
+                codec=PB_TO_CODEC.get(chunk.codec, "?"), weight=chunk.weight, total_elements=chunk.total_elements)
+        except (AuthError, ValueError, TypeError) as exc:
+            raise Refusal("PERMISSION_DENIED", f"{exc}: not signed by {chunk.sender_id[:MAX_ID_CHARS]!r}'s key") from None
 
     def payload_elements(self, chunk: Any, codec: str) -> int:
         """Elements this stream carries: the model, or one reduce-scatter shard of it."""

@@ -27,6 +27,10 @@ class TableFull(Exception):
     """A new node id the table cannot take; the message says why."""
 
 
+class KeyMismatch(Exception):
+    """A Hello for a node id we know, signed by another key than the one it is bound to."""
+
+
 @dataclass
 class Peer:
     """What we know of one peer."""
@@ -34,6 +38,8 @@ class Peer:
     node_id: str
     address: str
     host: str = ""  # the IP it last called us from, or that we reached it at
+    public_key: bytes = b""  # the key its id is bound to (neuronode.security.identity)
+    verified: bool = True  # spoke as itself: a member; False until then (see PeerTable.heard_from)
     round: int = 0
     param_digest: str = ""
     contributes_from: int = 0  # first round it contributes to (see NodeInfo.contributes_from)
@@ -89,21 +95,31 @@ class PeerTable:
         self, node_id: str, address: str, *, round: int, param_digest: str,
         digests: dict[int, str], leaving: bool, contributes_from: int = 0,
         receipts: dict[int, frozenset[int]] | None = None, host: str = "",
+        public_key: bytes = b"", verified: bool = True,
     ) -> bool:
-        """Record a message from a peer; True when the peer is new or came back. A new peer
-        must pass `admit` (raises TableFull)."""
+        """Record a (verified, signed) message from a peer; True when the peer is new or came
+        back. A new peer must pass `admit` (raises TableFull); its id is bound to `public_key`
+        from then on, and a message for it under another key raises KeyMismatch. `verified`
+        False (a Hello answer whose id a certificate did not prove) records the peer without
+        making it a member (not alive: not expected, not a donor, counted nowhere) until a
+        verified message of its own arrives."""
         if node_id == self.self_id:
             return False
         peer = self.peers.get(node_id)
+        if peer is not None and peer.public_key and public_key != peer.public_key:
+            raise KeyMismatch(f"node id {node_id[:128]!r} is bound to another key here; a node id belongs to "
+                              "one key (give this node its own --node-id, or its old data dir back)")
         fresh = peer is None or not self.is_alive(peer)
         if peer is None:
             self.admit(node_id, host)
-            peer = self.peers[node_id] = Peer(node_id=node_id, address=address)
+            peer = self.peers[node_id] = Peer(node_id=node_id, address=address, public_key=public_key,
+                                              verified=verified)
             logger.info("peer %s joined at %s (round %d)", node_id, address, round,
                         extra=fields("peer_joined", peer_id=node_id, address=address, round=round))
         elif fresh and not leaving:
             logger.info("peer %s is back at %s (round %d)", node_id, address, round,
                         extra=fields("peer_back", peer_id=node_id, address=address, round=round))
+        peer.verified = peer.verified or verified
         if host:
             peer.host = host
         if address and address != peer.address:
@@ -139,6 +155,7 @@ class PeerTable:
     def is_alive(self, peer: Peer) -> bool:
         return (
             not peer.left
+            and peer.verified
             and peer.last_seen > 0
             and self.clock.now() - peer.last_seen < self.dead_after_s
         )

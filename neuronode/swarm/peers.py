@@ -13,8 +13,9 @@ import grpc
 
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
+from neuronode.security.identity import is_derived
 from neuronode.swarm.context import Context, Settings
-from neuronode.swarm.membership import TableFull, agreement
+from neuronode.swarm.membership import KeyMismatch, TableFull, agreement
 from neuronode.swarm.transport import FINAL_CODES
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
@@ -57,7 +58,7 @@ class Peers:
             manifest_hash=ctx.cfg.manifest_hash, advertise=ctx.advertise, round=state.round,
             contributes_from=state.contributes_from, param_digest=state.param_digest,
             recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
-            leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings))
+            leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public)
         for r, shards in sorted(self.receipts.items()):
             info.shards_received.add(round=r, shards=sorted(shards))
         return info
@@ -123,15 +124,17 @@ class Peers:
                           f"node id {info.node_id} is already used by the node at {self.ctx.advertise}; "
                           "give every node its own --data-dir or --node-id")
 
-    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord], *, host: str) -> None:
-        """Record what a peer (calling from, or reached at, `host`) said; raises TableFull for a
-        new id the table cannot take."""
+    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord], *, host: str, verified: bool = True) -> None:
+        """Record what a peer (calling from, or reached at, `host`) said in a Hello whose
+        signature was checked; raises TableFull for a new id the table cannot take and
+        KeyMismatch for a known id under another key."""
         table = self.ctx.table
         table.heard_from(
             info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
             leaving=info.leaving, contributes_from=info.contributes_from,
-            receipts={r.round: frozenset(r.shards) for r in info.shards_received}, host=host)
+            receipts={r.round: frozenset(r.shards) for r in info.shards_received}, host=host,
+            public_key=info.public_key, verified=verified)
         for rec in known[:MAX_PEERS_LISTED]:
             if (rec.node_id != self.ctx.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
                     and len(table.addresses) < MAX_KNOWN_ADDRESSES):
@@ -206,7 +209,7 @@ class Peers:
     async def hello(self, address: str) -> bool:
         ctx = self.ctx
         req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
-        req.auth_tag, req.timestamp_s = ctx.security.hello_proof(req.info, req.known_peers)
+        ctx.security.sign_hello(req)
         try:
             await asyncio.sleep(ctx.faults.before_call(address))
             resp = await ctx.channels.stub(address).Hello(req, timeout=max(1.0, ctx.cfg.heartbeat_s),
@@ -227,13 +230,17 @@ class Peers:
         try:
             self.check_info(resp.info)
             ctx.security.check_hello_proof(resp.auth_tag, resp.timestamp_s, resp.info, resp.known_peers)
-        except (Refusal, AuthError) as exc:
+            ctx.security.check_hello_signature(resp)
+            # Under mutual TLS a named id is a member once its own Hello (whose certificate names
+            # it) reached us; an answer cannot show us the server's certificate name.
+            verified = not ctx.security.tls_files or is_derived(resp.info.node_id)
+            self.learn(resp.info, list(resp.known_peers), host=address.rpartition(":")[0].strip("[]"),
+                       verified=verified)
+        except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
                     extra=fields("refusing_peer", address=address, detail=str(exc)))
             return False
-        try:
-            self.learn(resp.info, list(resp.known_peers), host=address.rpartition(":")[0].strip("[]"))
         except TableFull as exc:
             ctx.say(f"table-full:{address}", logging.WARNING, "not recording the peer at %s: %s", address, exc)
             return False

@@ -19,14 +19,15 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from neuronode.security import auth
+from neuronode.security import auth, identity
 from neuronode.security.auth import AuthError
+from neuronode.security.identity import NodeKey
 from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_PEERS_LISTED
 from neuronode.v1 import node_pb2 as pb
 
@@ -40,12 +41,14 @@ OPEN_METHODS = {NODE_SERVICE_PREFIX + "Status"}  # loopback callers may skip the
 
 @dataclass(frozen=True)
 class Security:
-    """One node's credentials. With neither a secret nor TLS it does nothing."""
+    """One node's credentials: its signing key always; the swarm secret and TLS files when the
+    swarm is closed."""
 
     node_id: str
     swarm_id: str
     secret: bytes = b""
     tls_files: tuple[str, str, str] | None = None  # cert, key, ca
+    key: NodeKey = field(default_factory=NodeKey.generate)
 
     @property
     def enabled(self) -> bool:
@@ -117,6 +120,32 @@ class Security:
             auth.check_hello_tag(self.secret, tag, swarm_id=self.swarm_id, node_id=info.node_id,
                                  advertise=info.advertise, timestamp_s=timestamp_s, now_s=time.time(),
                                  body=hello_body(info, known))
+
+    # ---- signatures (neuronode.security.identity) --------------------------------------------
+
+    def sign_hello(self, msg: pb.HelloRequest | pb.HelloResponse) -> None:
+        """Put our key, the time, the HMAC tag (closed swarm) and our signature on a Hello."""
+        msg.info.public_key = self.key.public
+        msg.auth_tag, msg.timestamp_s = self.hello_proof(msg.info, msg.known_peers)
+        if not msg.timestamp_s:
+            msg.timestamp_s = int(time.time())
+        msg.signature = self.key.sign("hello", self.swarm_id, msg.info.node_id, msg.timestamp_s,
+                                      hello_body(msg.info, msg.known_peers))
+
+    def check_hello_signature(self, msg: pb.HelloRequest | pb.HelloResponse) -> None:
+        """Raise AuthError unless the Hello is signed, recently, by the key it carries, and that
+        key may speak as its node id (a derived id must be the key's)."""
+        info = msg.info
+        identity.check_key(info.node_id, info.public_key)
+        auth.check_fresh(msg.timestamp_s, time.time(), what="hello")
+        identity.verify(info.public_key, msg.signature, "hello", self.swarm_id, info.node_id, msg.timestamp_s,
+                        hello_body(info, msg.known_peers))
+
+    def sign_contribution(self, **fields: Any) -> bytes:
+        return self.key.sign("contribution", *contribution_fields(self.swarm_id, **fields))
+
+    def check_contribution_signature(self, public_key: bytes, signature: bytes, **fields: Any) -> None:
+        identity.verify(public_key, signature, "contribution", *contribution_fields(self.swarm_id, **fields))
 
     def state_tag(self, **fields: Any) -> str:
         return auth.state_tag(self.secret, swarm_id=self.swarm_id, **fields) if self.secret else ""
@@ -241,6 +270,12 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         return handler
 
 
+def contribution_fields(swarm_id: str, *, round_id: int, sender_id: str, contribution_digest: str, codec: str,
+                        weight: float, total_elements: int) -> tuple[Any, ...]:
+    """What a contribution's signature covers (contribution_digest: inbound.bound_digest)."""
+    return (swarm_id, int(round_id), sender_id, codec, float(weight), int(total_elements), contribution_digest)
+
+
 def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
     """Digest of everything a Hello says besides what its tag binds directly, in a canonical
     form: a field added to NodeInfo or PeerRecord must be added here too. Only the peer records
@@ -251,5 +286,6 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
               [[r.round, list(r.shards)] for r in info.shards_received],
               [info.settings.codec, info.settings.averaging, info.settings.aggregator, info.settings.outer_lr,
                info.settings.outer_momentum, info.settings.overlap],
+              info.public_key.hex(),
               [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

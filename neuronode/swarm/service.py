@@ -14,7 +14,7 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.swarm.admission import Admission, caller_host
 from neuronode.swarm.context import Context
-from neuronode.swarm.membership import TableFull
+from neuronode.swarm.membership import KeyMismatch, TableFull
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.reach import Reach
 from neuronode.swarm.security import NODE_SERVICE_PREFIX, caller_id
@@ -55,15 +55,20 @@ class NodeService(pb_grpc.NodeServicer):
             except AuthError as exc:
                 raise Refusal("UNAUTHENTICATED", f"{exc}; the Hello's content does not match its proof "
                               "(rewritten on the way, or another secret)") from None
+            try:
+                ctx.security.check_hello_signature(request)
+            except AuthError as exc:
+                raise Refusal("UNAUTHENTICATED", f"{exc}; every Hello is signed by its node's key") from None
+            if info.node_id != ctx.cfg.node_id:
+                self.peers.learn(info, list(request.known_peers), host=caller_host(context))
+        except KeyMismatch as exc:
+            await self.admission.refuse(context, Refusal("PERMISSION_DENIED", str(exc)), "hello")
+        except TableFull as exc:
+            await self.admission.refuse(context, Refusal("RESOURCE_EXHAUSTED", str(exc)), "hello")
         except Refusal as exc:
             await self.admission.refuse(context, exc, "hello")
-        if info.node_id != ctx.cfg.node_id:
-            try:
-                self.peers.learn(info, list(request.known_peers), host=caller_host(context))
-            except TableFull as exc:
-                await self.admission.refuse(context, Refusal("RESOURCE_EXHAUSTED", str(exc)), "hello")
         resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers())
-        resp.auth_tag, resp.timestamp_s = ctx.security.hello_proof(resp.info, resp.known_peers)
+        ctx.security.sign_hello(resp)
         return resp
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:

@@ -338,18 +338,18 @@ class GrpcTransport:
         header = wire.header
         if header is None:  # the tag and the header fields are the same for every chunk
             cfg = self.ctx.cfg
-            tag = self.ctx.security.contribution_tag(
-                round_id=out.round_id, sender_id=cfg.node_id,
-                contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
-                                                 out.members, out.contributors),
-                codec=out.codec, weight=out.weight, total_elements=out.n_elements)
+            signed = dict(round_id=out.round_id, sender_id=cfg.node_id,
+                          contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
+                                                           out.members, out.contributors),
+                          codec=out.codec, weight=out.weight, total_elements=out.n_elements)
+            tag = self.ctx.security.contribution_tag(**signed)
             header = wire.header = pb.ContributionChunk(
                 round_id=out.round_id, sender_id=cfg.node_id, swarm_id=cfg.swarm_id,
                 chunk_count=len(out.frames), codec=CODEC_TO_PB[out.codec], contribution_digest=out.digest,
                 weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
                 auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest, phase=int(out.phase),  # type: ignore[arg-type]
                 shard_index=out.shard_index, shard_count=len(out.members), members=out.members,
-                contributors=out.contributors)
+                contributors=out.contributors, signature=self.ctx.security.sign_contribution(**signed))
         header.chunk_index = index
         header.compressed = compressed
         return serialize_chunk(header, payload)

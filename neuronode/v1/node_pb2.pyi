@@ -41,7 +41,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "shards_received", "settings")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "shards_received", "settings", "public_key")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class NodeInfo(_message.Message):
     CONTRIBUTES_FROM_FIELD_NUMBER: _ClassVar[int]
     SHARDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -66,7 +67,8 @@ class NodeInfo(_message.Message):
     contributes_from: int
     shards_received: _containers.RepeatedCompositeFieldContainer[ShardReceipt]
     settings: SwarmSettings
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., shards_received: _Optional[_Iterable[_Union[ShardReceipt, _Mapping]]] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ...) -> None: ...
+    public_key: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., shards_received: _Optional[_Iterable[_Union[ShardReceipt, _Mapping]]] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class SwarmSettings(_message.Message):
     __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap")
@@ -111,28 +113,32 @@ class PeerRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s")
+    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s", "signature")
     INFO_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
     AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     info: NodeInfo
     known_peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
     auth_tag: str
     timestamp_s: int
-    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s")
+    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s", "signature")
     INFO_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
     AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     info: NodeInfo
     known_peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
     auth_tag: str
     timestamp_s: int
-    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "swarm_id")
@@ -147,7 +153,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ContributionChunk(_message.Message):
-    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled", "base_digest", "phase", "shard_index", "shard_count", "members", "contributors")
+    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled", "base_digest", "phase", "shard_index", "shard_count", "members", "contributors", "signature")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +174,7 @@ class ContributionChunk(_message.Message):
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     sender_id: str
     chunk_index: int
@@ -188,7 +195,8 @@ class ContributionChunk(_message.Message):
     shard_count: int
     members: _containers.RepeatedScalarFieldContainer[str]
     contributors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ..., base_digest: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ..., base_digest: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks_received",)
