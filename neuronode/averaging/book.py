@@ -95,6 +95,10 @@ class RoundBook:
         """Bytes reserved by streams in flight and complete contributions not yet taken."""
         return sum(self._by_sender.values())
 
+    def senders(self) -> set[str]:
+        """Members holding a reservation here now."""
+        return set(self._by_sender)
+
     def sender_bytes(self, sender_id: str) -> int:
         return self._by_sender.get(sender_id, 0)
 

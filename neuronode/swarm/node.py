@@ -182,7 +182,9 @@ class SwarmNode:
             "reachable": self.reach.reachable,
             "bytes_sent": ctx.counters.bytes_sent, "bytes_received": ctx.counters.bytes_received,
             "buffered_bytes": ctx.book.buffered_bytes,
-            "buffered_bytes_bound": buffered_bytes_bound(ctx.cfg, len(self.table.alive())),
+            # Members that hold bytes here were live when their streams opened (one may have died since).
+            "buffered_bytes_bound": buffered_bytes_bound(
+                ctx.cfg, len({p.node_id for p in self.table.alive()} | ctx.book.senders())),
             "peers": [
                 {"node_id": p.node_id, "address": p.address, "alive": self.table.is_alive(p),
                  "last_seen_s": round(now - p.last_seen, 3) if p.last_seen else -1.0}
