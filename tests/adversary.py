@@ -161,6 +161,7 @@ def impersonating(victim: str, honest_info: Callable[[Any], pb.NodeInfo]) -> Cal
 
 
 GHOSTS = 30
+HONEST_MEMBERS = 4  # tests/test_adversary_swarm.py runs four
 
 
 def haunting(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
@@ -168,7 +169,14 @@ def haunting(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitabl
         address = await start(self)
         ghosts = [await ghost(f"ghost-{n}") for n in range(GHOSTS)]
         honest_known = self.peers.known_peers
-        self.peers.known_peers = lambda: [*honest_known(), *(pb.PeerRecord(node_id=g, address=a) for g, a, _ in ghosts)]
+
+        def known() -> list[pb.PeerRecord]:  # once the swarm formed (on one host, ghosts that come
+            listed = honest_known()              # first would take the honest members' places)
+            if len(self.table.alive()) < HONEST_MEMBERS:
+                return listed
+            return [*listed, *(pb.PeerRecord(node_id=g, address=a) for g, a, _ in ghosts)]
+
+        self.peers.known_peers = known
         self.ghost_servers = ghosts  # kept alive with the node
         return address
 
