@@ -140,7 +140,8 @@ async def hold_state_slots(node: Any) -> None:
             calls = [c for c in held.get(peer.node_id, []) if not c.done()]
             while len(calls) < 2:
                 call = pb_grpc.NodeStub(channels[peer.address]).FetchState(
-                    request, metadata=node.ctx.security.metadata("FetchState"))
+                    node.ctx.security.sign_request("FetchState", request),
+                    metadata=node.ctx.security.metadata("FetchState"))
                 calls.append(call)
                 try:
                     await call.read()

@@ -314,6 +314,14 @@ def hello_verdict(t: Target, req: pb.HelloRequest) -> set[Code]:
     return refusals or {OK}
 
 
+def request_well_signed(method: str, msg: Any) -> bool:
+    try:
+        Security(node_id=PACER, swarm_id=SWARM).check_request_signature(method, msg, key_of(msg.node_id).public)
+    except AuthError:
+        return False
+    return True
+
+
 def sign(req: pb.HelloRequest) -> pb.HelloRequest:
     """`req` signed (now) by its node id's test key, as a member signs what it says."""
     Security(node_id=req.info.node_id, swarm_id=SWARM, key=key_of(req.info.node_id)).sign_hello(req)
@@ -333,8 +341,12 @@ def verdict(t: Target, method: str, msg: Message) -> set[Code]:
     if method == "Hello":
         assert isinstance(msg, pb.HelloRequest)
         return hello_verdict(t, msg)
-    if method in ("Leave", "Status"):
-        return {OK}  # a Leave for anyone, even a stranger, is harmless and answered
+    if method == "Status":
+        return {OK}
+    if method == "Leave":  # a Leave for a stranger is harmless and answered; for a member, only its own
+        assert isinstance(msg, pb.LeaveRequest)
+        return {OK} if msg.node_id not in t.members | {PACER} or request_well_signed(method, msg) \
+            else {Code.PERMISSION_DENIED}
     if method == "PushContribution":  # chunks of random bytes never match their digest
         return {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED,
                 Code.DATA_LOSS}
@@ -343,8 +355,12 @@ def verdict(t: Target, method: str, msg: Message) -> set[Code]:
     # Only the pacer surely is alive: a member the fuzzer greeted once is dead a few seconds later
     # (state and dial-backs go to live members only), and one transfer runs per member at a time.
     gone = set() if msg.node_id == PACER else {Code.FAILED_PRECONDITION}
+    # A member's own state and dial-back requests are signed with its key; others are refused.
+    forged = set() if request_well_signed(method, msg) else {Code.PERMISSION_DENIED}
     if method == "FetchState":
-        return {OK, Code.RESOURCE_EXHAUSTED} | gone if msg.swarm_id == SWARM and member else {Code.FAILED_PRECONDITION}
+        if not (msg.swarm_id == SWARM and member):
+            return {Code.FAILED_PRECONDITION}
+        return forged | gone if forged else {OK, Code.RESOURCE_EXHAUSTED} | gone
     if msg.swarm_id != SWARM:
         return {Code.PERMISSION_DENIED}
     # A dial-back goes only to the host the call comes from: a member advertising another is refused.
@@ -417,12 +433,13 @@ def hello_requests(draw: st.DrawFn, t: Target) -> pb.HelloRequest:
 def small_requests(t: Target, method: str) -> st.SearchStrategy[Message]:
     if method == "Hello":
         return hello_requests(t)
-    if method == "Leave":
-        return st.builds(pb.LeaveRequest, node_id=HELLO_IDS, swarm_id=SWARMS)
     if method == "Status":
         return st.just(pb.StatusRequest())
-    kind = pb.StateRequest if method == "FetchState" else pb.ReachRequest
-    return st.builds(kind, node_id=ANY_IDS, swarm_id=SWARMS)
+    kind = {"Leave": pb.LeaveRequest, "FetchState": pb.StateRequest, "CheckReachable": pb.ReachRequest}[method]
+    requests = st.builds(kind, node_id=HELLO_IDS if method == "Leave" else ANY_IDS, swarm_id=SWARMS)
+    return st.tuples(requests, st.booleans()).map(  # signed by its node's key, or not
+        lambda p: Security(node_id=p[0].node_id, swarm_id=SWARM, key=key_of(p[0].node_id)).sign_request(method, p[0])
+        if p[1] else p[0])
 
 
 def garbage(t: Target) -> st.SearchStrategy[bytes]:

@@ -136,6 +136,34 @@ async def test_an_unsigned_or_rewritten_hello_is_unauthenticated(nodes: Nodes) -
     assert "c" not in a.table.peers
 
 
+async def test_leave_state_and_dial_back_requests_speak_only_for_their_signer(nodes: Nodes) -> None:
+    """Leave, FetchState and CheckReachable named a node id the request proved nothing about: a
+    member could announce another member's leave (the swarm stopped waiting for it), or take its
+    one state-transfer slot."""
+    a = await nodes.start("a", n_elements=N)
+    b = await nodes.start("b", peers=[a.advertise], n_elements=N)
+    liar = await nodes.start("liar", peers=[a.advertise], n_elements=N)
+    await wait_until(lambda: {"b", "liar"} <= {p.node_id for p in a.table.alive()}, what="a to know both")
+    as_b = Security(node_id="b", swarm_id=a.cfg.swarm_id, key=liar.ctx.security.key)  # the liar's key, b's id
+    stub = liar.ctx.channels.stub(a.advertise)
+    calls = {
+        "Leave": lambda: stub.Leave(as_b.sign_request("Leave", pb.LeaveRequest(node_id="b", swarm_id=a.cfg.swarm_id)),
+                                    timeout=10),
+        "FetchState": lambda: stub.FetchState(as_b.sign_request(
+            "FetchState", pb.StateRequest(node_id="b", swarm_id=a.cfg.swarm_id)), timeout=10).read(),
+        "CheckReachable": lambda: stub.CheckReachable(as_b.sign_request(
+            "CheckReachable", pb.ReachRequest(node_id="b", swarm_id=a.cfg.swarm_id)), timeout=10),
+    }
+    for method, call in calls.items():
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call()
+        assert refused.value.code() == Code.PERMISSION_DENIED and "signed by that node's key only" in (
+            refused.value.details() or ""), method
+    assert "b" in {p.node_id for p in a.table.alive()}  # b did not leave
+    await b.peers.leave(a.advertise)  # b itself can
+    await wait_until(lambda: "b" not in {p.node_id for p in a.table.alive()}, what="b's own leave")
+
+
 # ---- made-up ids -----------------------------------------------------------------------------
 
 

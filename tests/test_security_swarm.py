@@ -231,6 +231,10 @@ class Member:
         self.security.sign_hello(request)  # signed with our own key, whatever id it claims
         return request
 
+    def signed(self, method: str, request: Any) -> Any:
+        """`request` signed with our own key, whatever id it names."""
+        return self.security.sign_request(method, request)
+
     async def call(self, method: str, *, as_id: str = "",
                    chunks: list[pb.ContributionChunk] | None = None) -> tuple[Code, str]:
         """Call `method` speaking as `as_id` (default: ourselves); (status code, details)."""
@@ -250,12 +254,14 @@ class Member:
             elif method == "PushContribution":
                 await self.stub.PushContribution(stream(chunks or contribution(as_id)), **kw)
             elif method == "Leave":
-                await self.stub.Leave(pb.LeaveRequest(node_id=as_id, swarm_id=SWARM), **kw)
+                await self.stub.Leave(self.signed("Leave", pb.LeaveRequest(node_id=as_id, swarm_id=SWARM)), **kw)
             elif method == "FetchState":
-                async for _ in self.stub.FetchState(pb.StateRequest(node_id=as_id, swarm_id=SWARM), **kw):
+                async for _ in self.stub.FetchState(self.signed("FetchState", pb.StateRequest(node_id=as_id,
+                                                                                        swarm_id=SWARM)), **kw):
                     pass
             elif method == "CheckReachable":
-                await self.stub.CheckReachable(pb.ReachRequest(node_id=as_id, swarm_id=SWARM), **kw)
+                await self.stub.CheckReachable(self.signed("CheckReachable", pb.ReachRequest(node_id=as_id,
+                                                                                               swarm_id=SWARM)), **kw)
             elif method == "Status":
                 await self.stub.Status(pb.StatusRequest(), **kw)
             else:

@@ -251,7 +251,7 @@ class Peers:
         try:
             ctx.faults.before_call(address)
             await ctx.channels.stub(address).Leave(
-                pb.LeaveRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id), timeout=1.0,
+                ctx.security.sign_request("Leave", pb.LeaveRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id)), timeout=1.0,
                 metadata=ctx.security.metadata("Leave"))
         except grpc.aio.AioRpcError:
             pass

@@ -59,7 +59,7 @@ class Reach:
         ctx = self.ctx
         try:
             return await ctx.channels.stub(address).CheckReachable(
-                pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id), timeout=15,
+                ctx.security.sign_request("CheckReachable", pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id)), timeout=15,
                 metadata=ctx.security.metadata("CheckReachable"))
         except grpc.aio.AioRpcError:
             return None

@@ -141,6 +141,17 @@ class Security:
         identity.verify(info.public_key, msg.signature, "hello", self.swarm_id, info.node_id, msg.timestamp_s,
                         hello_body(info, msg.known_peers))
 
+    def sign_request(self, method: str, msg: Any) -> Any:
+        """Sign a Leave, FetchState or CheckReachable request as our node; returns `msg`."""
+        msg.timestamp_s = int(time.time())
+        msg.signature = self.key.sign("request/" + method, self.swarm_id, msg.node_id, msg.timestamp_s)
+        return msg
+
+    def check_request_signature(self, method: str, msg: Any, public_key: bytes) -> None:
+        """Raise AuthError unless `msg` is signed, recently, by `public_key` (its node's)."""
+        auth.check_fresh(msg.timestamp_s, time.time(), what=method)
+        identity.verify(public_key, msg.signature, "request/" + method, self.swarm_id, msg.node_id, msg.timestamp_s)
+
     def sign_contribution(self, **fields: Any) -> bytes:
         return self.key.sign("contribution", *contribution_fields(self.swarm_id, **fields))
 

@@ -77,9 +77,22 @@ class NodeService(pb_grpc.NodeServicer):
         await self.admission.check_certificate(context, request.node_id)
         if ctx.security.secret and caller_id(context) != request.node_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
+        peer = ctx.table.peers.get(request.node_id)
+        if peer is not None and peer.public_key:
+            await self.check_signed(context, "Leave", request, peer.public_key)
         if request.swarm_id == ctx.cfg.swarm_id and ctx.table.mark_left(request.node_id):
             ctx.book.notify()
         return pb.LeaveResponse()
+
+    async def check_signed(self, context: grpc.aio.ServicerContext, method: str, request: Any,
+                           public_key: bytes) -> None:
+        """Only the node holding `request.node_id`'s key may ask this for it."""
+        try:
+            self.ctx.security.check_request_signature(method, request, public_key)
+        except AuthError as exc:
+            await self.admission.refuse(context, Refusal("PERMISSION_DENIED", f"{exc}: a {method} request speaks "
+                                                         f"for {request.node_id[:MAX_ID_CHARS]!r}, signed by "
+                                                         "that node's key only"), method)
 
     async def FetchState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx
@@ -90,6 +103,8 @@ class NodeService(pb_grpc.NodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "state is served to members only: say Hello first")
         if ctx.security.secret and caller_id(context) != request.node_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node fetches the state as itself only")
+        assert peer is not None  # abort raised otherwise
+        await self.check_signed(context, "FetchState", request, peer.public_key)
 
         async def write(msg: pb.StateChunk) -> None:
             size = msg.ByteSize()  # state chunks are rare; contributions avoid this
@@ -112,6 +127,9 @@ class NodeService(pb_grpc.NodeServicer):
                 raise Refusal("PERMISSION_DENIED", "another swarm")
             if self.ctx.security.secret and caller_id(context) != request.node_id:
                 raise Refusal("PERMISSION_DENIED", "a node asks to be dialed back as itself only")
+            peer = self.ctx.table.peers.get(request.node_id)
+            if peer is not None and peer.public_key:
+                await self.check_signed(context, "CheckReachable", request, peer.public_key)
             return await self.reach.dial_back(request.node_id, caller_host(context))
         except Refusal as exc:
             await self.admission.refuse(context, exc, "reachability check")

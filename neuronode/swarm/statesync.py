@@ -254,7 +254,7 @@ class StateFetch:
         ctx = self.ctx
         ctx.faults.before_call(address)
         call = ctx.channels.stub(address).FetchState(
-            pb.StateRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id),
+            ctx.security.sign_request("FetchState", pb.StateRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id)),
             timeout=max(60.0, ctx.cfg.sync_timeout_s), metadata=ctx.security.metadata("FetchState"))
         state = await download(call, n_elements=ctx.cfg.n_elements, manifest_hash=ctx.cfg.manifest_hash,
                                executor=ctx.executor, security=ctx.security,

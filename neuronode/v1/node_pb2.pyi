@@ -141,12 +141,16 @@ class HelloResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ...) -> None: ...
+    timestamp_s: int
+    signature: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
@@ -205,12 +209,16 @@ class PushAck(_message.Message):
     def __init__(self, chunks_received: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ...) -> None: ...
+    timestamp_s: int
+    signature: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class StateHeader(_message.Message):
     __slots__ = ("round", "param_digest", "n_elements", "has_momentum", "momentum_digest", "inner_steps_total", "chunk_elements", "manifest_hash", "auth_tag")
@@ -251,12 +259,16 @@ class StateChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., part: _Optional[_Union[StatePart, str]] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ...) -> None: ...
+    timestamp_s: int
+    signature: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ReachResponse(_message.Message):
     __slots__ = ("reachable", "address", "detail")
