@@ -154,7 +154,9 @@ async def hold_state_slots(node: Any) -> None:
 def impersonating(victim: str, honest_info: Callable[[Any], pb.NodeInfo]) -> Callable[[Any], pb.NodeInfo]:
     def lying(self: Any) -> pb.NodeInfo:
         info = honest_info(self)
-        if victim in {p.node_id for p in self.ctx.table.alive()}:
+        # Once the swarm formed (every member knows every other: a named id is bound to the first
+        # key a node sees it with, so speaking first would squat it; SECURITY.md says so).
+        if self.ctx.state.round >= 1 and victim in {p.node_id for p in self.ctx.table.alive()}:
             info.node_id = victim  # signed with our own key: we have no other
         return info
 

@@ -182,6 +182,22 @@ async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delive
     await until("round 3 to close", lambda: all(r.done() for r in rounds))
 
 
+def test_lateness_ends_when_the_member_delivers_even_too_late_or_comes_back() -> None:
+    """A late member that was not waited for delivers just after the round closed: its
+    contribution is refused, but rounds wait for it again (else it stays late for good while it
+    averages everyone's and everyone else leaves it out, and their replicas part: a healed
+    partition did that until the last round)."""
+    book = RoundBook(first_round=4)
+    book.late = {(Phase.WHOLE, "c"), (Phase.WHOLE, "d")}
+    book.begin(4, "c")
+    book.close(4)  # closed without waiting for c
+    with pytest.raises(RoundClosed):
+        book.finish(record("c", 4))  # type: ignore[arg-type]
+    assert book.late == {(Phase.WHOLE, "d")}
+    book.forgive("d")  # d was gone and is back (its first Hello since)
+    assert book.late == set()
+
+
 async def test_round_closes_once_every_expected_peer_contributed_without_time_passing(pools) -> None:  # noqa: ANN001
     swarm = Swarm(pools, AllToAll)
     for name in "abc":

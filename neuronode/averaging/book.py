@@ -13,7 +13,9 @@ Rules (docs/protocol.md repeats them):
   its buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
 - A sender whose contribution was missing when a round closed at its deadline is late: no round
   waits for it again until a contribution of its arrives complete (it still counts if it arrives
-  before a round closes). One member that stalls costs the swarm one deadline, not one a round.
+  before a round closes; one that comes after its round closed still ends the lateness), or it
+  comes back after it was gone (`forgive`). One member that stalls while staying alive costs the
+  swarm one deadline, not one a round.
 
 Memory (`buffered_bytes`): every stream reserves its whole payload (in its encoded form, P x
 bytes-per-parameter of its codec, or one shard of it) when it opens, and keeps it until its round
@@ -159,13 +161,17 @@ class RoundBook:
         key = (c.phase, c.round_id, c.sender_id)
         stream = self._streaming.pop(key, None)
         reserved = stream.reserved_bytes if stream is not None else 0
+        self.late.discard((c.phase, c.sender_id))  # it delivers: wait for it again, even if this came late
         if c.round_id < self._closed_below[c.phase]:
             self._release(c.sender_id, reserved)
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
         self._complete.setdefault((c.phase, c.round_id), {})[c.sender_id] = c
         self._held[key] = reserved
-        self.late.discard((c.phase, c.sender_id))
         self.notify()
+
+    def forgive(self, sender_id: str) -> None:
+        """`sender_id` is back after it was gone (a restart, a healed partition): wait for it again."""
+        self.late = {(phase, sender) for phase, sender in self.late if sender != sender_id}
 
     def expire(self) -> int:
         """Abort streams that sent nothing for `idle_s`; how many were aborted."""

@@ -129,12 +129,14 @@ class Peers:
         signature was checked; raises TableFull for a new id the table cannot take and
         KeyMismatch for a known id under another key."""
         table = self.ctx.table
-        table.heard_from(
+        back = table.heard_from(
             info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
             leaving=info.leaving, contributes_from=info.contributes_from,
             receipts={r.round: frozenset(r.shards) for r in info.shards_received}, host=host,
             public_key=info.public_key, verified=verified)
+        if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
+            self.ctx.book.forgive(info.node_id)
         for rec in known[:MAX_PEERS_LISTED]:
             if (rec.node_id != self.ctx.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
                     and len(table.addresses) < MAX_KNOWN_ADDRESSES):
