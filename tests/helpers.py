@@ -150,6 +150,17 @@ def finish(nodes: Sequence[Node], timeout_s: float = 400) -> None:
         assert node.wait(timeout_s) == 0, f"{node.name}:\n{node.log()[-4000:]}"
 
 
+def run_to_end(nodes: Sequence[Node], timeout_s: float = 300) -> None:
+    """Start `nodes` together, wait until every one exits 0 (`finish`), kill what is left."""
+    try:
+        for node in nodes:
+            node.start()
+        finish(nodes, timeout_s)
+    finally:
+        for node in nodes:
+            node.kill()
+
+
 def poll(what: str, predicate: Callable[[], Any], *, timeout_s: float, every_s: float = 0.2,
          context: Callable[[], str] | None = None) -> Any:
     """Wait for `predicate()` to return something truthy; fail with `what` (and `context()`,

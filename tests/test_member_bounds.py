@@ -108,8 +108,8 @@ async def test_a_stream_that_never_sends_a_chunk_is_closed_after_the_idle_limit(
 
 
 async def test_a_member_cannot_buffer_more_than_its_bound(nodes: Nodes) -> None:
-    """Per-member bytes are bounded: a member's third open stream (rounds 0 and 1 of each phase
-    fill its share) is refused RESOURCE_EXHAUSTED."""
+    """Per-member bytes are bounded: with room for one contribution, a member's second open
+    stream is refused RESOURCE_EXHAUSTED."""
     a, liar = await pair(nodes)
     a.book.max_sender_bytes = sender_bytes_bound(N, "fp32", window=1)  # room for one contribution
     first = liar.ctx.channels.push_call(a.advertise)(stalled_stream(liar, 0), timeout=60)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Node, finish, poll
+from helpers import Node, finish, poll, run_to_end
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -67,13 +67,7 @@ def run_swarm(tmp: Path, names: list[str], *args: str) -> list[Node]:
     args = (*args, "--min-peers", str(len(names)))
     first = Node(tmp, names[0], *args, "--node-id", names[0])
     nodes = [first] + [Node(tmp, n, *args, "--node-id", n, "--peers", first.address) for n in names[1:]]
-    try:
-        for node in nodes:
-            node.start()
-        finish(nodes, 300)
-    finally:
-        for node in nodes:
-            node.kill()
+    run_to_end(nodes)
     return nodes
 
 
@@ -267,13 +261,7 @@ def test_a_member_with_another_codec_is_refused_at_hello_and_the_others_finish(t
     b = Node(tmp_path, "b", *common, "--codec", "fp32", "--node-id", "b", "--min-peers", "2", "--peers", a.address)
     c = Node(tmp_path, "c", *common, "--codec", "int8", "--node-id", "c", "--peers", a.address)
     nodes = [a, b, c]
-    try:
-        for node in nodes:
-            node.start()
-        finish(nodes, 300)
-    finally:
-        for node in nodes:
-            node.kill()
+    run_to_end(nodes)
     assert any("--codec fp32" in r and "--codec int8" in r for r in refusals(c)), c.log()[-3000:]
     statuses = [n.status() for n in (a, b)]
     assert all(s["round"] == 3 for s in statuses) and statuses[0]["param_digest"] == statuses[1]["param_digest"]

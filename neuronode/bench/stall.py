@@ -19,9 +19,12 @@ a round closed), `buffered_bytes_bound`, `params`, `codec`, `rounds`, `seconds`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from neuronode.bench.common import BenchError, check, entry_points, log_tail
@@ -33,10 +36,6 @@ MANIFEST = "b" * 64
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check((args.rounds >= 2, f"--rounds {args.rounds}: run at least 2"),
           (args.params >= 100_000, f"--params {args.params}: at least 100000"))
-    import asyncio
-    import tempfile
-    from pathlib import Path
-
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="neuronode-bench-stall-") as tmp:
         log = Path(tmp) / "honest.log"
@@ -58,7 +57,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 async def attack(args: argparse.Namespace, proc: subprocess.Popen[bytes], log: Any) -> dict[str, list[dict[str, int]]]:
     """The member's side: reference rounds, then stalled ones; the honest node's reports."""
-    import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
     from neuronode.swarm.context import Settings, SwarmConfig
@@ -133,8 +131,6 @@ async def send(member: Any, address: str, chunks: list[bytes], *, stall: Any) ->
 
 async def close_round(proc: subprocess.Popen[bytes], round_id: int) -> dict[str, int]:
     """Ask the honest node to close `round_id` once the member's stream is in; its report."""
-    import asyncio
-
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(f"{round_id}\n".encode())
     proc.stdin.flush()
