@@ -255,11 +255,25 @@ def key_of(node_id: str) -> Any:
     return NodeKey.from_seed(b"neuronode-test-key/" + node_id.encode())
 
 
+def sign_header(chunk: Any, *, key: Any = None, default: bytes = b"") -> bytes:
+    """The signature of `chunk.sender_id` (its test key, or `key`) over the statement a chunk
+    header makes; `default` for a header that makes none (an unknown phase)."""
+    from neuronode.swarm.inbound import header_statement
+    from neuronode.swarm.security import Security
+
+    try:
+        statement = header_statement(chunk)
+    except ValueError:
+        return default
+    return Security(node_id=chunk.sender_id, swarm_id=chunk.swarm_id,
+                    key=key or key_of(chunk.sender_id)).sign_statement(statement)
+
+
 def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b"", key: Any = None) -> list[Any]:
     """The ContributionChunk stream that carries contribution `c` (as `sender_id`), tagged with
     `secret` when given and signed with `key` (default: key_of(sender_id)), as the wire
     protocol defines it."""
-    from neuronode.swarm.inbound import bound_digest
+    from neuronode.swarm.inbound import bound_digest, header_statement
     from neuronode.swarm.security import Security
     from neuronode.swarm.wire import CODEC_TO_PB
     from neuronode.v1 import node_pb2 as pb
@@ -270,10 +284,13 @@ def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b""
                   contribution_digest=bound_digest(c.digest, c.base_digest, c.phase, c.shard_index, c.members,
                                                    c.contributors),
                   codec=c.codec, weight=c.weight, total_elements=c.n_elements)
-    tag, signature = security.contribution_tag(**signed), security.sign_contribution(**signed)
-    return [pb.ContributionChunk(
+    chunks = [pb.ContributionChunk(
         round_id=c.round_id, sender_id=sender_id, swarm_id=swarm_id, chunk_index=f.index, chunk_count=f.count,
         codec=CODEC_TO_PB[c.codec], compressed=f.compressed, payload=f.data, contribution_digest=c.digest,
-        weight=c.weight, total_elements=c.n_elements, chunk_elements=c.chunk_elements, auth_tag=tag,
-        base_digest=c.base_digest, signature=signature)
+        weight=c.weight, total_elements=c.n_elements, chunk_elements=c.chunk_elements,
+        auth_tag=security.contribution_tag(**signed), base_digest=c.base_digest)
         for f in c.frames]
+    signature = security.sign_statement(header_statement(chunks[0])) if chunks else b""
+    for chunk in chunks:
+        chunk.signature = signature
+    return chunks

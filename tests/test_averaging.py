@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
+from neuronode.averaging.agreement import lineage_hash, receipt_of
 from neuronode.averaging.book import (
     BufferFull,
     DuplicateContribution,
@@ -21,7 +22,7 @@ from neuronode.averaging.book import (
     RoundTooFar,
 )
 from neuronode.averaging.local import LocalSwarm
-from neuronode.averaging.reducescatter import RECEIPT_WAIT_TIMEOUTS
+from neuronode.averaging.protocol import RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig, Phase, VectorEncoder, shard_ranges
 from neuronode.diloco import average
@@ -168,11 +169,12 @@ async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delive
     books = [swarm.local.members[n].book for n in "ab"]
     for member in swarm.local.members.values():
         member.state.round = 2  # where the daemon's round state would be (peers send to who is there)
+    swarm.local.members["c"].book.reset(2)  # c caught up to round 2 (a state transfer)
     back = asyncio.ensure_future(swarm.round("c", 2))
     await until("c's round-2 contribution to reach a and b", lambda: all("c" in b.contributors(2) for b in books))
     again = await asyncio.gather(*(swarm.round(n, 2) for n in "ab"))
     assert [r.contributors for r in again] == [["a", "b", "c"]] * 2
-    back.cancel()  # c's own book never closed rounds 0 and 1: its round 2 is not the point here
+    assert (await back).contributors == ["a", "b", "c"]
     for member in swarm.local.members.values():
         member.state.round = 3
     rounds = [asyncio.ensure_future(swarm.round(n, 3)) for n in "ab"]
@@ -240,6 +242,73 @@ async def test_below_min_peers_the_round_waits_one_more_deadline_at_a_time(pools
     assert [r.contributors for r in results] == [["a", "b", "c"]] * 3 and identical(results)
 
 
+# ---- all-to-all: which contributions a round averages (the receipts) ----------------------------
+
+
+async def run_round(swarm: Swarm, names: str, *, deadline: bool) -> list[Average]:
+    """Round 0 of `names`; with `deadline`, some wait for a contribution that never comes (and
+    the others for their receipts) until the clock reaches their deadline."""
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in names]
+    if deadline:
+        await until("every member waiting on the clock", lambda: swarm.clock.waiting == len(names))
+        swarm.clock.advance(TIMEOUT_S)
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    return [r.result() for r in rounds]
+
+
+async def test_a_contribution_two_other_members_hold_is_fetched_by_those_that_missed_it(pools) -> None:  # noqa: ANN001
+    """e pushes its contribution to a and b only: c and d fetch it from them, and all five
+    average all five contributions (before receipts, c and d averaged four and parted)."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abcde":
+        swarm.join(name)
+    swarm.local.cut |= {("e", "c", None), ("e", "d", None)}
+    results = await run_round(swarm, "abcde", deadline=True)
+    assert identical(results) and results[0].contributors == list("abcde")
+    assert swarm.local.fetches == 2
+
+
+async def test_a_contribution_only_one_other_member_holds_is_left_out_by_everyone(pools) -> None:  # noqa: ANN001
+    """e pushes to a only: one listing is not enough, so every member leaves e's contribution
+    out alike, e and a included."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abcde":
+        swarm.join(name)
+    swarm.local.cut |= {("e", peer, None) for peer in "bcd"}
+    results = await run_round(swarm, "abcde", deadline=True)
+    assert identical(results) and results[0].contributors == list("abcd")
+    assert swarm.local.fetches == 0
+
+
+async def test_a_member_that_sends_two_contributions_is_left_out_alike_and_banned(pools) -> None:  # noqa: ANN001
+    """e signs one contribution for a, b, d and another for c: the receipts show both, which
+    proves it; everyone leaves e out and bans it."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abcde":
+        swarm.join(name)
+    other = VectorEncoder(codec="fp32", chunk_bytes=4096, zstd_level=0, byte_shuffle=False).encode(
+        delta(99), 0.0, round_id=0, sender_id="e", base_digest="d0")
+    swarm.local.forged[("e", "c")] = other
+    results = await run_round(swarm, "abcde", deadline=False)
+    assert identical(results) and results[0].contributors == list("abcd")
+    assert all(swarm.local.members[n].banned == {"e"} for n in "abcd")
+    swarm.local.members["e"].state.round = 1  # the next round: nobody takes e's contribution
+    for n in "abcd":
+        swarm.local.members[n].state.round = 1
+    assert all(r.contributors == list("abcd") for r in await asyncio.gather(*(swarm.round(n, 1) for n in "abcd")))
+
+
+async def test_a_member_that_tells_members_different_receipts_changes_nothing(pools) -> None:  # noqa: ANN001
+    """e tells a it holds nothing and the others the truth: a statement counts on two listings,
+    and each of a, b, c, d holds the listings of the three others, so e's word moves nothing."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abcde":
+        swarm.join(name)
+    swarm.local.told[("e", "a")] = receipt_of(0, Phase.WHOLE, "e", [])
+    results = await run_round(swarm, "abcde", deadline=False)
+    assert identical(results) and results[0].contributors == list("abcde")
+
+
 # ---- reduce-scatter: shard agreement -----------------------------------------------------------
 
 
@@ -254,7 +323,9 @@ async def test_reduce_scatter_equals_all_to_all_bit_for_bit(pools) -> None:  # n
     assert torch.equal(results[AllToAll][0].vector, results[ReduceScatter][0].vector)
 
 
-async def test_a_shard_one_member_missed_gets_no_update_on_any_member(pools) -> None:  # noqa: ANN001
+async def test_a_shard_only_one_other_member_got_gets_no_update_on_any_member(pools) -> None:  # noqa: ANN001
+    """Three members, reducer c's averaged shard never reaches b: only a lists it (c's own word
+    counts nowhere), fewer than two listings, so nobody applies it, b included."""
     swarm = Swarm(pools, ReduceScatter, min_contributors=3)
     for name in "abc":
         swarm.join(name)
@@ -262,38 +333,59 @@ async def test_a_shard_one_member_missed_gets_no_update_on_any_member(pools) -> 
     rounds = [asyncio.ensure_future(swarm.round(n)) for n in "abc"]
     # a and c hold every shard and wait for b's receipt; b waits for shard 2 until its deadline.
     members = swarm.local.members
+    key = (0, Phase.AVERAGED)
     await until("a and c to publish their receipts while all three wait",
-                lambda: 0 in members["a"].receipts and 0 in members["c"].receipts and swarm.clock.waiting == 3)
-    assert members["a"].receipts == members["c"].receipts == {0: frozenset({0, 1, 2})}
-    assert 0 not in members["b"].receipts
+                lambda: key in members["a"].receipts and key in members["c"].receipts and swarm.clock.waiting == 3)
+    assert {s.sender for s in members["a"].receipts[key].statements} == {"b", "c"}
+    assert key not in members["b"].receipts
     swarm.clock.advance(TIMEOUT_S)  # b's gather deadline: it publishes a receipt without shard 2
     await until("every round to close", lambda: all(r.done() for r in rounds))
-    assert members["b"].receipts == {0: frozenset({0, 1})}
+    assert {s.sender for s in members["b"].receipts[key].statements} == {"a"}
     results = [r.result() for r in rounds]
     assert identical(results)
     start, stop = shard_ranges(N, 3, "fp32")[2]
     assert torch.equal(results[0].vector[start:stop], torch.zeros(stop - start))
     assert results[0].vector[:start].abs().sum() > 0
     assert results[0].fewest == 0  # a part of the vector averaged nothing
+    assert swarm.local.fetches == 0
+
+
+async def test_a_shard_two_other_members_got_is_fetched_by_the_one_that_missed_it(pools) -> None:  # noqa: ANN001
+    """Four members, reducer d's averaged shard never reaches b: a and c list it, so it counts,
+    and b fetches it from one of them; every member applies every shard."""
+    swarm = Swarm(pools, ReduceScatter, min_contributors=4)
+    for name in "abcd":
+        swarm.join(name)
+    swarm.local.cut.add(("d", "b", Phase.AVERAGED))
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "abcd"]
+    await until("a, c and d waiting for b's receipt, b for d's shard", lambda: swarm.clock.waiting == 4)
+    swarm.clock.advance(TIMEOUT_S)
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    results = [r.result() for r in rounds]
+    assert identical(results) and results[0].fewest == 4
+    assert swarm.local.fetches == 1
 
 
 async def test_a_receipt_later_than_one_sync_timeout_still_counts(pools) -> None:  # noqa: ANN001
     """A member that missed a shard publishes only at its own gather deadline, up to one
     --sync-timeout after the others finished gathering; they wait for it (up to twice the
-    timeout) instead of applying a shard it lacks."""
+    timeout) instead of deciding without it: here its receipt is what keeps c's shard, which
+    only a holds, out of the round."""
     swarm = Swarm(pools, ReduceScatter)
     a = swarm.join("a")
-    swarm.join("b")
-    held = {"x": record("b", 3, Phase.AVERAGED)}  # a holds shard 0 (b's), b will say it has none
-    agreed = asyncio.ensure_future(a.keep_agreed(3, ("a", "b"), held, publish=True))  # type: ignore[union-attr,arg-type]
+    for name in "bc":
+        swarm.join(name)
+    c_shard = record("c", 3, Phase.AVERAGED)
+    swarm.local.transports[2].publish_receipt(receipt_of(3, Phase.AVERAGED, "c", []))
+    agreed = asyncio.ensure_future(a.agree(3, Phase.AVERAGED, {"c": c_shard}, lambda: "abc",  # type: ignore[arg-type]
+                                           lineage=lineage_hash("", ()), publish=True))
     await until("a waiting for b's receipt", lambda: swarm.clock.waiting == 1)
     swarm.clock.advance(1.5 * TIMEOUT_S)
     await asyncio.sleep(0)
     assert not agreed.done()
-    swarm.local.members["b"].receipts[3] = frozenset()  # b's gather ran to its deadline without shard 0
-    swarm.local.notify_all()
+    swarm.local.transports[1].publish_receipt(receipt_of(3, Phase.AVERAGED, "b", []))  # b never got c's shard
     await until("a to agree", agreed.done)
-    assert agreed.result() == {}  # shard 0 reached a but not b: nobody applies it
+    assert agreed.result() == {}  # c's shard reached a only: nobody applies it
 
 
 async def test_receipt_wait_ends_at_its_deadline_and_skips_members_that_left_or_moved_on(pools) -> None:  # noqa: ANN001
@@ -301,16 +393,22 @@ async def test_receipt_wait_ends_at_its_deadline_and_skips_members_that_left_or_
     a = swarm.join("a")
     swarm.join("b")
     swarm.join("c")
-    held = {"x": record("b", 1, Phase.AVERAGED)}
+    held = {"b": record("b", 1, Phase.AVERAGED)}
     swarm.local.leave("c")  # gone: nobody waits for its receipt
-    agreed = asyncio.ensure_future(a.keep_agreed(1, ("a", "b", "c"), held, publish=True))  # type: ignore[union-attr,arg-type]
+    lineage = lineage_hash("", ())
+    agreed = asyncio.ensure_future(a.agree(1, Phase.AVERAGED, held, lambda: "abc", lineage=lineage, publish=True))  # type: ignore[arg-type]
     await until("a waiting for b", lambda: swarm.clock.waiting == 1)
     swarm.clock.advance(RECEIPT_WAIT_TIMEOUTS * TIMEOUT_S - 0.01)
     await asyncio.sleep(0)
     assert not agreed.done()
     swarm.clock.advance(0.01)  # b, alive, never published: a waited exactly the receipt deadline
     await until("a to give up on b", agreed.done)
-    assert set(agreed.result()) == {"x"}
+    assert set(agreed.result()) == {"b"}  # b's own shard: a alone published, so a's listing is enough
+    # b is late now: the next round does not wait for its receipt either.
+    held = {"b": record("b", 2, Phase.AVERAGED)}
+    assert await asyncio.wait_for(a.agree(2, Phase.AVERAGED, held, lambda: "ab", lineage=lineage, publish=True), 5) == held  # type: ignore[arg-type]
     # A member past the round without a receipt (it listened, or repaired) publishes none.
     swarm.local.members["b"].state.completed(4, "d5")
-    assert await asyncio.wait_for(a.keep_agreed(4, ("a", "b"), held, publish=True), 5) == held  # type: ignore[union-attr,arg-type]
+    a.late_receipts.clear()
+    held = {"b": record("b", 4, Phase.AVERAGED)}
+    assert await asyncio.wait_for(a.agree(4, Phase.AVERAGED, held, lambda: "ab", lineage=lineage, publish=True), 5) == held  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from neuronode.clock import ManualClock
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import PeerTable, round_peers
 from neuronode.swarm.peers import Peers
+from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.security import Security
 
 BOOTSTRAP = "127.0.0.1:7000"
@@ -55,7 +56,7 @@ def peers() -> Peers:
     cfg = swarm_config("me", advertise="127.0.0.1:1", peers=(BOOTSTRAP,), heartbeat_s=2.0)
     ctx = Context(cfg, security=Security(node_id="me", swarm_id=cfg.swarm_id), state=RoundState(), executor=pool,
                   clock=ManualClock())
-    return Peers(ctx, on_news=lambda: None)
+    return Peers(ctx, receipts=Receipts(ctx, on_change=lambda: None), on_news=lambda: None)
 
 
 def next_dial(peers: Peers, address: str) -> float:

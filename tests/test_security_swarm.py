@@ -514,20 +514,31 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
     info = pb.NodeInfo(node_id="a", swarm_id=SWARM, protocol_version=1, manifest_hash="m",
                        advertise="127.0.0.1:1", round=3, param_digest="p", contributes_from=2)
     info.recent_digests.add(round=2, param_digest="q", contributors=4)
-    info.shards_received.add(round=2, shards=[0, 2])
+    statement = pb.Statement(sender_id="c", phase=pb.PHASE_UNSPECIFIED, lineage=b"l" * 32, body=b"b" * 32,
+                             signature=b"s" * 64, public_key=b"k" * 32)
+    for receipts in (info.receipts, info.disputed):
+        receipts.add(round=2, phase=pb.PHASE_UNSPECIFIED, maker_id="a", statements=[statement], signature=b"r" * 64,
+                     public_key=b"k" * 32)
+    info.echoes.add(round=2, phase=pb.PHASE_UNSPECIFIED, maker_id="c", receipt_hash=b"h" * 32)
     info.settings.aggregator = "mean"
     known = [pb.PeerRecord(node_id="b", address="127.0.0.1:2")]
     base = hello_body(info, known)
-    # Every field, and every field of every message in it (a repeated one has one element).
-    targets: list[tuple[Any, Any]] = [(known[0], f) for f in pb.PeerRecord.DESCRIPTOR.fields]
-    for field in info.DESCRIPTOR.fields:
-        if field.message_type is not None:  # every field of a message in it (one element of a repeated one)
-            element = getattr(info, field.name)[0] if field.is_repeated else getattr(info, field.name)
-            targets += [(element, f) for f in element.DESCRIPTOR.fields]
-        else:
-            targets.append((info, field))
+
+    def fields_of(message: Any) -> list[tuple[Any, Any]]:
+        """Every field of `message`, and of every message in it, at any depth (a repeated one
+        has one element)."""
+        out: list[tuple[Any, Any]] = []
+        for field in message.DESCRIPTOR.fields:
+            if field.message_type is not None:
+                out += fields_of(getattr(message, field.name)[0] if field.is_repeated else getattr(message, field.name))
+            else:
+                out.append((message, field))
+        return out
+
+    targets = [(known[0], f) for f in pb.PeerRecord.DESCRIPTOR.fields] + fields_of(info)
     assert {f.name for _, f in targets} >= {"node_id", "round", "leaving", "contributes_from", "contributors",
-                                            "shards", "codec", "outer_lr", "overlap", "public_key"}
+                                            "statements", "body", "receipt_hash", "codec", "outer_lr", "overlap",
+                                            "public_key"} - {"statements"}
     for message, field in targets:
         if field.is_repeated:  # a repeated scalar: one more element
             getattr(message, field.name).append(7)

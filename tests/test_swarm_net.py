@@ -17,13 +17,22 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import helpers
 import pytest
 import torch
 import zstandard as zstd
 from helpers import Nodes, chunks_of, encode, hides_refusal, key_of, swarm_config, wait_until
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, Prepared, ReduceScatter
-from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase
+from neuronode.averaging.agreement import lineage_hash, statement_of
+from neuronode.codec import (
+    Contribution,
+    ContributionEncoder,
+    EncoderConfig,
+    Phase,
+    VectorEncoder,
+    shard_ranges,
+)
 from neuronode.diloco import average
 from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmNode
@@ -77,17 +86,26 @@ async def exchange(node: SwarmNode, own: Contribution) -> Average:
     return await averager(node).exchange(prepared)
 
 
-async def agree_shards(node: SwarmNode, round_id: int, members: tuple[str, ...], have: set[int], *,
-                       publish: bool = True) -> set[int]:
-    """The averaged shards of `round_id` every member received, by the reduce-scatter rule,
-    when `node` holds the shards `have`."""
-    held = {str(i): Contribution(round_id=round_id, sender_id=members[i], codec="fp32", weight=1.0, data=None,  # type: ignore[arg-type]
-                                 n_elements=N_ELEMENTS, digest="", chunk_elements=0, phase=Phase.AVERAGED,
-                                 shard_index=i, members=members) for i in have}
+def averaged_shard(members: tuple[str, ...], index: int, round_id: int) -> Contribution:
+    """Reducer members[index]'s averaged shard of `round_id`, signed by it (its test key)."""
+    start, stop = shard_ranges(N_ELEMENTS, len(members), "fp32")[index]
+    c = VectorEncoder(codec="fp32", chunk_bytes=CHUNK_BYTES, zstd_level=1, byte_shuffle=False).encode(
+        make_vector(index)[start:stop], 0.0, round_id=round_id, sender_id=members[index], phase=Phase.AVERAGED,
+        shard_index=index, members=members, contributors=members, n_elements=N_ELEMENTS)
+    key = key_of(members[index])
+    c.signature, c.public_key = Security(node_id=members[index], swarm_id=SWARM, key=key).sign_statement(
+        statement_of(c)), key.public
+    return c
+
+
+async def agree_shards(node: SwarmNode, round_id: int, members: tuple[str, ...], held: dict[int, Contribution], *,
+                       publish: bool = True) -> dict[int, Contribution]:
+    """The averaged shards of `round_id` the reduce-scatter rule keeps on `node`, by index, when
+    it holds `held` (fetching what it lacks)."""
     rs = averager(node, ReduceScatter)
-    assert isinstance(rs, ReduceScatter)
-    kept = await rs.keep_agreed(round_id, members, held, publish=publish)
-    return {c.shard_index for c in kept.values()}
+    got = await rs.agree(round_id, Phase.AVERAGED, {c.sender_id: c for c in held.values()}, lambda: members,
+                         lineage=lineage_hash("", members), publish=publish)
+    return {c.shard_index: c for c in got.values()}
 
 
 def to_chunks(out: Contribution, *, sender_id: str = ROGUE) -> Chunks:
@@ -215,18 +233,30 @@ async def start_trio(nodes: Nodes, **overrides: Any) -> tuple[SwarmNode, SwarmNo
     return a, b, c
 
 
-async def test_members_apply_only_the_shards_every_member_received(nodes: Nodes) -> None:
-    """Reducer c's averaged shard (index 2) reached a but not b: with their receipts exchanged
-    over Hello, a, b and c all apply shards 0 and 1 only, and a listener reads the same."""
-    a, b, c = await start_trio(nodes)
-    members = ("a", "b", "c")
-    agreed = await asyncio.gather(agree_shards(a, 5, members, {0, 1, 2}), agree_shards(b, 5, members, {0, 1}),
-                                  agree_shards(c, 5, members, {0, 1, 2}))
-    assert agreed == [{0, 1}] * 3
-    listener = await nodes.start("d", peers=[a.advertise])
-    await wait_until(lambda: alive_ids(listener) >= set(members), what="d to know the members")
-    assert await agree_shards(listener, 5, members, {0, 1, 2}, publish=False) == {0, 1}
-    assert 5 not in listener.peers.receipts  # a listener publishes nothing
+async def test_members_apply_the_shards_two_others_received_and_fetch_what_they_missed(nodes: Nodes) -> None:
+    """Four members exchange signed receipts over Hello. Reducer d's shard (3) reached a and c
+    but not b: two listings besides its maker's, so it counts everywhere and b fetches it from
+    a holder. Reducer c's shard (2) reached a only: one listing, so nobody applies it, c
+    included. A listener reads the same receipts."""
+    a = await nodes.start("a")
+    peers = {n: await nodes.start(n, peers=[a.advertise]) for n in "bcd"}
+    members = ("a", "b", "c", "d")
+    for node in (a, *peers.values()):
+        await wait_until(lambda n=node: alive_ids(n) == set(members) - {n.cfg.node_id}, what="the swarm to form")
+    shards = {i: averaged_shard(members, i, 2) for i in range(4)}
+    have = {"a": {0, 1, 2, 3}, "b": {0, 1}, "c": {0, 1, 2, 3}, "d": {0, 1, 3}}
+    nodes_by_id = {"a": a, **peers}
+    kept = await asyncio.gather(*(agree_shards(nodes_by_id[n], 2, members, {i: shards[i] for i in have[n]})
+                                  for n in members))
+    assert [set(k) for k in kept] == [{0, 1, 3}] * 4
+    fetched = kept[1][3]
+    assert fetched is not shards[3] and fetched.data.decode().equal(shards[3].data.decode())
+    listener = await nodes.start("e", peers=[a.advertise])
+    await wait_until(lambda: alive_ids(listener) >= set(members), what="e to know the members")
+    await wait_until(lambda: listener.receipts.makers(2, Phase.AVERAGED) >= set(members),
+                     what="e to hear the members' receipts")
+    assert set(await agree_shards(listener, 2, members, shards, publish=False)) == {0, 1, 3}
+    assert not listener.receipts.own  # a listener publishes nothing
 
 
 # The deadline rules of shard agreement (a member that left, a silent one, a late receipt, one
@@ -289,21 +319,9 @@ def every(**fields: Any) -> Callable[[Chunks], Chunks]:
 
 
 def sign_header(chunk: pb.ContributionChunk, *, key: Any = None) -> bytes:
-    """The sender's signature over a chunk's header (its old one where the header cannot be
-    signed: a NaN weight is refused before any signature is read)."""
-    from neuronode.swarm.inbound import bound_digest
-    from neuronode.swarm.wire import PB_TO_CODEC
-
-    try:
-        return Security(node_id=chunk.sender_id, swarm_id=chunk.swarm_id, key=key or key_of(chunk.sender_id)) \
-            .sign_contribution(round_id=chunk.round_id, sender_id=chunk.sender_id,
-                               contribution_digest=bound_digest(chunk.contribution_digest, chunk.base_digest,
-                                                                chunk.phase, chunk.shard_index, chunk.members,
-                                                                chunk.contributors),
-                               codec=PB_TO_CODEC.get(chunk.codec, "?"), weight=chunk.weight,
-                               total_elements=chunk.total_elements)
-    except ValueError:
-        return chunk.signature
+    """The sender's signature over a chunk's header (its old one where the header makes no
+    statement: an unknown phase is refused before any signature is read)."""
+    return helpers.sign_header(chunk, key=key, default=chunk.signature)
 
 
 def signed_by(key: Any) -> Callable[[Chunks], Chunks]:
@@ -510,10 +528,13 @@ async def test_undecodable_request_is_invalid_argument(client: Client, method: s
                  "protocol version", id="protocol"),
     pytest.param({"node_id": "target"}, Code.ALREADY_EXISTS, "already used", id="node-id-taken"),
     pytest.param({"node_id": ""}, Code.INVALID_ARGUMENT, "node id", id="no-node-id"),
-    pytest.param({"shards_received": [pb.ShardReceipt(round=r) for r in range(5)]}, Code.INVALID_ARGUMENT,
-                 "shard receipts", id="too-many-receipts"),
-    pytest.param({"shards_received": [pb.ShardReceipt(round=1, shards=[256])]}, Code.INVALID_ARGUMENT,
-                 "shard receipts", id="shard-index-too-big"),
+    pytest.param({"receipts": [pb.Receipt(round=r, phase=pb.PHASE_AVERAGED) for r in range(7)]},
+                 Code.INVALID_ARGUMENT, "receipts", id="too-many-receipts"),
+    pytest.param({"receipts": [pb.Receipt(round=1, phase=pb.PHASE_AVERAGED, statements=[pb.Statement(
+        phase=pb.PHASE_AVERAGED, shard_index=256, lineage=bytes(32), body=bytes(32))])]},
+                 Code.INVALID_ARGUMENT, "receipts", id="shard-index-too-big"),
+    pytest.param({"echoes": [pb.ReceiptEcho(round=1, maker_id="a", receipt_hash=b"x")]},
+                 Code.INVALID_ARGUMENT, "echoes", id="echo-hash-malformed"),
     pytest.param({"round": 2**64 - 1}, Code.INVALID_ARGUMENT, "below 2^53", id="round-beyond-2^53"),
     pytest.param({"recent_digests": [pb.RoundDigest(round=2**60, param_digest="p")]}, Code.INVALID_ARGUMENT,
                  "below 2^53", id="digest-round-beyond-2^53"),

@@ -1,5 +1,7 @@
 """All-to-all averaging: every node sends its whole contribution to every peer of the round and
-averages all of them (in sorted node-id order) itself; each node sends (N - 1) contributions."""
+averages all of them (in sorted node-id order) itself; each node sends (N - 1) contributions.
+Which ones the round averages is agreed from the members' receipts (neuronode.averaging.agreement):
+a contribution that reached only some members is fetched by the others, or left out by all."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from neuronode.averaging.agreement import lineage_hash
 from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.codec import Contribution, Phase
@@ -43,6 +46,8 @@ class AllToAll(Averaging):
             timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
             on_extend=sending.extend)
         got = same_lineage(got, own.lineage)
+        got = await self.agree(round_id, Phase.WHOLE, got, lambda: self.transport.round_peers(round_id) | set(got),
+                               lineage=lineage_hash(*own.lineage), publish=True)
         waited = elapsed(started)
         started = time.perf_counter()
         vector = await self.mean(got)
@@ -52,6 +57,10 @@ class AllToAll(Averaging):
     async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
         """The others' contributions to a round we only listen to, averaged."""
         got = await self.listened(round_id, Phase.WHOLE, base_digest)
+        if not got:
+            return self.nothing_heard(round_id)
+        got = await self.agree(round_id, Phase.WHOLE, got, lambda: self.transport.round_peers(round_id) | set(got),
+                               lineage=lineage_hash(*next(iter(got.values())).lineage), publish=False)
         if not got:
             return self.nothing_heard(round_id)
         return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got))

@@ -8,9 +8,10 @@ files a verified one (refusals included), and a member that `leave`s stops being
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from neuronode.averaging.agreement import Receipt, Statement, statement_of
 from neuronode.averaging.book import RoundBook, RoundRefused
 from neuronode.averaging.state import RoundState
 from neuronode.averaging.transport import MemberView
@@ -23,7 +24,9 @@ class Member:
     node_id: str
     state: RoundState
     book: RoundBook
-    receipts: dict[int, frozenset[int]] = field(default_factory=dict)
+    receipts: dict[tuple[int, Phase], Receipt] = field(default_factory=dict)  # what it published
+    retained: dict[Statement, tuple[Contribution, float]] = field(default_factory=dict)  # served until
+    banned: set[str] = field(default_factory=set)  # members it caught equivocating
     alive: bool = True
     delivered: int = 0  # contributions filed in this member's book
     refused: int = 0  # contributions its book refused (closed round, duplicate, too far ahead)
@@ -39,6 +42,11 @@ class LocalSwarm:
         self.transports: list[LocalTransport] = []
         # (sender, receiver, phase) whose pushes fail; phase None: every phase
         self.cut: set[tuple[str, str, Phase | None]] = set()
+        # (maker, receiver) -> the receipt that receiver sees instead of what maker published (a liar)
+        self.told: dict[tuple[str, str], Receipt] = {}
+        self.fetches = 0  # contributions members fetched from one another
+        # (sender, receiver) -> the contribution that receiver gets instead of what sender sent (a liar)
+        self.forged: dict[tuple[str, str], Contribution] = {}
 
     def join(self, node_id: str, *, state: RoundState | None = None) -> LocalTransport:
         state = state or RoundState()
@@ -68,6 +76,12 @@ class LocalSwarm:
         target = self.members.get(to)
         if target is None or not target.alive or {(sender, to, None), (sender, to, contribution.phase)} & self.cut:
             return
+        if sender in target.banned:
+            target.refused += 1
+            return
+        forged = self.forged.get((sender, to))
+        if forged is not None and (forged.round_id, forged.phase) == (contribution.round_id, contribution.phase):
+            contribution = forged
         c = replace(contribution, frames=[])  # what a receiver holds: the record, no frames
         try:
             target.book.begin(c.round_id, c.sender_id, c.phase)
@@ -111,7 +125,8 @@ class LocalTransport:
         return self.member.book
 
     def others(self) -> list[Member]:
-        return [m for m in self.swarm.members.values() if m.alive and m.node_id != self.node_id]
+        return [m for m in self.swarm.members.values()
+                if m.alive and m.node_id != self.node_id and m.node_id not in self.member.banned]
 
     def round_peers(self, round_id: int) -> set[str]:
         lag = self.swarm.round_lag
@@ -144,18 +159,52 @@ class LocalTransport:
                 d.delivered.add(to)
                 self.swarm.deliver(self.node_id, to, outs[to])
 
-    def publish_receipt(self, round_id: int, shards: frozenset[int]) -> None:
-        self.member.receipts[round_id] = shards
+    def publish_receipt(self, receipt: Receipt) -> None:
+        self.member.receipts[(receipt.round_id, receipt.phase)] = receipt
         self.swarm.notify_all()
 
-    def member_views(self, round_id: int, members: tuple[str, ...]) -> list[MemberView]:
+    def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
+        out = []
+        for m in self.swarm.members.values():
+            if m.node_id == self.node_id:
+                continue
+            told = self.swarm.told.get((m.node_id, self.node_id))
+            receipt = told if told is not None and told.round_id == round_id else m.receipts.get((round_id, phase))
+            if receipt is not None and receipt.phase == phase:
+                out.append(receipt)
+        return out
+
+    def member_views(self, round_id: int, phase: Phase, members: Iterable[str]) -> list[MemberView]:
+        makers = {r.maker for r in self.receipts(round_id, phase)}
         views = []
-        for node_id in members:
+        for node_id in sorted(set(members)):
             if node_id == self.node_id:
                 continue
             m = self.swarm.members.get(node_id)
             present = m is not None and m.alive and m.state.contributes_from <= round_id
-            views.append(MemberView(member=node_id, present=present,
-                                    receipt=m.receipts.get(round_id) if m is not None else None,
+            views.append(MemberView(member=node_id, present=present, has_receipt=node_id in makers,
                                     past_round=m is not None and m.state.round > round_id))
         return views
+
+    async def fetch(self, statement: Statement, holders: list[str], *, timeout_s: float) -> Contribution | None:
+        now = self.swarm.clock.now()
+        for holder in holders:
+            m = self.swarm.members.get(holder)
+            if m is None or not m.alive or {(holder, self.node_id, None), (holder, self.node_id, statement.phase)} & self.swarm.cut:
+                continue
+            kept = m.retained.get(statement)
+            if kept is not None and kept[1] > now:
+                self.swarm.fetches += 1
+                return replace(kept[0], frames=[])
+        return None
+
+    def retain(self, round_id: int, phase: Phase, contributions: Iterable[Contribution], *, for_s: float) -> None:
+        until = self.swarm.clock.now() + for_s
+        kept = self.member.retained
+        for s in [s for s in kept if (s.round_id, s.phase) == (round_id, phase)]:
+            del kept[s]
+        for c in contributions:
+            kept[statement_of(c)] = (c, until)
+
+    def equivocated(self, member: str, proof: tuple[Statement, Statement]) -> None:
+        self.member.banned.add(member)

@@ -9,14 +9,23 @@ or stood aside). All three return the one averaged pseudo-gradient the outer ste
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
 
+from neuronode.averaging.agreement import (
+    Decision,
+    Receipt,
+    Statement,
+    decide,
+    receipt_of,
+    statement_of,
+)
 from neuronode.averaging.book import majority_lineage
 from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
@@ -25,6 +34,12 @@ from neuronode.codec.contribution import Aggregate
 from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
+
+# A member publishes its receipt when it closes the phase: up to one --sync-timeout after it
+# began collecting, which was no later than our own start (it sent us its contribution when it
+# began) or its previous phase's end. Waiting twice that long keeps us from giving up on a
+# receipt that is still coming.
+RECEIPT_WAIT_TIMEOUTS = 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,7 @@ class Averaging:
         self.aggregate = aggregate
         self.executor = executor  # decoding and averaging
         self.clock = clock or Clock()
+        self.late_receipts: set[str] = set()  # members whose receipt a deadline passed without
 
     async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
@@ -100,6 +116,97 @@ class Averaging:
                                                 expected=lambda: self.transport.round_peers(round_id),
                                                 min_contributors=0)
         return majority_lineage(got, base_digest)
+
+    async def agree(self, round_id: int, phase: Phase, held: dict[str, Contribution],
+                    members: Callable[[], Iterable[str]], *, lineage: bytes, publish: bool) -> dict[str, Contribution]:
+        """What the round's `phase` averages (neuronode.averaging.agreement): we publish our
+        receipt of `held` (a listener, `publish=False`, publishes none), wait for the receipts of
+        the round's `members`, keep what the receipts agree on, and fetch what they agree on that
+        we lack. Returns the agreed contributions by sender."""
+        me, transport = self.cfg.node_id, self.transport
+        ours = receipt_of(round_id, phase, me, held.values()) if publish else None
+        if ours is not None:  # what our receipt lists, a member that missed it may fetch from now on
+            transport.retain(round_id, phase, held.values(), for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
+            transport.publish_receipt(ours)
+        await self.wait_for_receipts(round_id, phase, members)
+        own = [statement_of(c) for c in held.values() if c.sender_id == me]
+        receipts = [*transport.receipts(round_id, phase), *([ours] if ours is not None else [])]
+        decision = decide(receipts, own, lineage=lineage)
+        for member, proof in sorted(decision.equivocators.items()):
+            logger.warning("round %d: %s signed two different %ss for one slot; leaving all of its out of "
+                           "this round and banning it", round_id, member, phase.label,
+                           extra=fields("equivocation", round_id=round_id, peer_id=member, phase=phase.name.lower()))
+            transport.equivocated(member, proof)
+        kept = {c.sender_id: c for c in held.values()
+                if decision.agreed.get((c.sender_id, c.shard_index)) == statement_of(c)}
+        left_out = sorted(set(held) - set(kept))
+        if left_out:
+            logger.warning("round %d: leaving out the %s of %s: too few other members hold it (or its maker "
+                           "equivocated); every member leaves it out alike", round_id, phase.label,
+                           ", ".join(left_out), extra=fields("left_out", round_id=round_id, phase=phase.name.lower(),
+                                                             senders=left_out))
+        have = {(c.sender_id, c.shard_index) for c in kept.values()}
+        missing = [s for slot, s in decision.agreed.items() if slot not in have]
+        fetched = await self.fetch_missing(round_id, missing, decision)
+        agreed = kept | fetched
+        self.retain(round_id, phase, agreed, receipts)
+        return agreed
+
+    async def wait_for_receipts(self, round_id: int, phase: Phase, members: Callable[[], Iterable[str]]) -> None:
+        """Until every member still in the round published its receipt, or the deadline. A member
+        whose receipt did not come is late: no round waits for its receipt again until one comes;
+        nor do we wait for the receipt of a member whose contribution missed this phase's deadline."""
+        book = self.transport.book
+        deadline = self.clock.now() + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s
+        while True:
+            changed = book.changed()
+            views = self.transport.member_views(round_id, phase, members())
+            self.late_receipts -= {v.member for v in views if v.has_receipt}
+            # A member that missed this phase's deadline is slow or stalled: not waited for here either.
+            late = self.late_receipts | {sender for ph, sender in book.late if ph == phase}
+            waiting = sorted(v.member for v in views if v.present and not v.has_receipt and not v.past_round
+                             and v.member not in late)
+            now = self.clock.now()
+            if not waiting:
+                return
+            if now >= deadline:
+                logger.warning("round %d: no receipt from %s by the deadline; deciding on the receipts we "
+                               "have (no round waits for theirs again until one comes)", round_id,
+                               ", ".join(waiting), extra=fields("receipt_deadline", round_id=round_id, waiting=waiting))
+                self.late_receipts |= set(waiting)
+                return
+            await self.clock.wait(changed, deadline - now)
+
+    async def fetch_missing(self, round_id: int, missing: list[Statement], decision: Decision) -> dict[str, Contribution]:
+        """The agreed contributions we lack, each from a member that holds it, within one --sync-timeout."""
+        if not missing:
+            return {}
+        me = self.cfg.node_id
+        logger.info("round %d: fetching %d agreed contributions we missed (%s)", round_id, len(missing),
+                    ", ".join(s.sender for s in missing), extra=fields("fetching", round_id=round_id,
+                                                                      senders=[s.sender for s in missing]))
+        results = await asyncio.gather(*(
+            self.transport.fetch(s, [h for h in decision.holders[s.slot] if h != me], timeout_s=self.cfg.sync_timeout_s)
+            for s in missing))
+        got = {s.sender: c for s, c in zip(missing, results, strict=True) if c is not None}
+        failed = sorted(s.sender for s, c in zip(missing, results, strict=True) if c is None)
+        if failed:
+            logger.warning("round %d: could not fetch the contributions of %s that other members average; this "
+                           "replica may end the round apart (the repair rule reconciles it)", round_id,
+                           ", ".join(failed), extra=fields("fetch_failed", round_id=round_id, senders=failed))
+        return got
+
+    def retain(self, round_id: int, phase: Phase, agreed: dict[str, Contribution], receipts: list[Receipt]) -> None:
+        """Keep serving what we average to members whose receipt lacks it (or who published none
+        yet): they will fetch it; the rest of what we held for the round is let go."""
+        listed: dict[Statement, set[str]] = {}
+        for r in receipts:
+            for s in r.statements:
+                listed.setdefault(s, set()).add(r.maker)
+        members = {r.maker for r in receipts} | set(self.transport.round_peers(round_id)) | set(agreed)
+        wanted = [c for c in agreed.values()
+                  if members - listed.get(statement_of(c), set()) - {c.sender_id, self.cfg.node_id}]
+        self.transport.retain(round_id, phase, wanted, for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,

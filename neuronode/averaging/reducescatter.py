@@ -5,8 +5,9 @@ Round r: the members are the sorted ids of the round's peers and us, fixed when 
 end (`prepare`); the vector is cut into one block-aligned shard per member. Each member sends
 shard j to member j (scatter), reduces the slices of its own shard (sorted by node id), sends
 the averaged shard to every member and to the round's listeners (gather), publishes a receipt of
-the averaged shards it received, and applies only the shards every live member received
-(`agreed_shards`), so a reducer dying mid-send leaves no replica apart.
+the averaged shards it received, and applies the shards the receipts agree on
+(neuronode.averaging.agreement), fetching those it missed from members that hold them, so a
+reducer dying mid-send, or sending to some members only, leaves no replica apart.
 """
 
 from __future__ import annotations
@@ -14,45 +15,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
+from neuronode.averaging.agreement import lineage_hash
 from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
-from neuronode.averaging.transport import MemberView
 from neuronode.codec import Contribution, Phase, shard_ranges
 from neuronode.events import fields
 from neuronode.memory import empty_floats
 
 logger = logging.getLogger(__name__)
 
-# A member that misses a shard publishes its receipt when its own gather deadline passes, up to
-# one --sync-timeout after it started gathering, which was no later than our own start (we hold
-# its averaged shard, sent when it started) or its scatter's end. Waiting twice that long keeps
-# us from giving up on a receipt that is still coming.
-RECEIPT_WAIT_TIMEOUTS = 2
 MEMBERS_POLL_S = 0.5  # how often the wait for --min-peers members looks again without news
-
-
-def agreed_shards(have: set[int], views: Iterable[MemberView]) -> tuple[set[int], list[str]]:
-    """The shards in every present member's receipt (and ours: `have`), and the members still
-    in the round whose receipt we have not seen yet."""
-    agreed, waiting = set(have), []
-    for view in views:
-        if not view.present:
-            continue  # gone, leaving, or only listening: it publishes none
-        if view.receipt is not None:
-            agreed &= view.receipt
-        elif not view.past_round:
-            waiting.append(view.member)
-    return agreed, waiting
 
 
 def assemble(averaged: dict[str, Contribution], members: tuple[str, ...], ranges: list[tuple[int, int]],
              n_elements: int, round_id: int) -> tuple[torch.Tensor, list[str]]:
-    """Concatenate the averaged shards. A shard missing here (its reducer is gone, or not every
-    member received it) gets no update this round (zeros), on every member alike."""
+    """Concatenate the averaged shards. A shard missing here (its reducer is gone, or too few
+    members received it) gets no update this round (zeros), on every member alike."""
     avg = empty_floats(n_elements)
     contributors: set[str] = set()
     for c in averaged.values():
@@ -113,7 +95,8 @@ class ReduceScatter(Averaging):
         reduce_s = elapsed(started)
         started = time.perf_counter()
         averaged = await self.phase(reduced, reduced, members)
-        averaged = await self.keep_agreed(round_id, members, averaged, publish=True)
+        averaged = await self.agree(round_id, Phase.AVERAGED, averaged, lambda: members,
+                                    lineage=lineage_hash(own.base_digest, members), publish=True)
         gather_s = elapsed(started)
         started = time.perf_counter()
         vector, contributors = await self.assemble(averaged, members, prepared.ranges, round_id)
@@ -137,41 +120,15 @@ class ReduceScatter(Averaging):
             timeout_s=self.cfg.sync_timeout_s, min_contributors=1, on_extend=sending.extend)
         return same_lineage(got, own.lineage)
 
-    async def keep_agreed(self, round_id: int, members: tuple[str, ...], averaged: dict[str, Contribution], *,
-                          publish: bool) -> dict[str, Contribution]:
-        """`averaged` less the shards not every member received. We publish our receipt and wait
-        up to RECEIPT_WAIT_TIMEOUTS x --sync-timeout for the receipt of every member still in the
-        round. A listener (`publish=False`) only reads the members' receipts."""
-        have = {c.shard_index for c in averaged.values()}
-        if publish:
-            self.transport.publish_receipt(round_id, frozenset(have))
-        book = self.transport.book
-        deadline = self.clock.now() + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s
-        while True:
-            changed = book.changed()
-            agreed, waiting = agreed_shards(have, self.transport.member_views(round_id, members))
-            now = self.clock.now()
-            if not waiting:
-                break
-            if now >= deadline:
-                logger.warning("round %d: no shard receipt from %s by the deadline; applying the shards "
-                               "the others received", round_id, ", ".join(waiting),
-                               extra=fields("receipt_deadline", round_id=round_id, waiting=waiting))
-                break
-            await self.clock.wait(changed, deadline - now)
-        if agreed != have:
-            logger.warning("round %d: shards %s did not reach every member; no update for them this round, "
-                           "on every member alike", round_id, sorted(have - agreed),
-                           extra=fields("shards_skipped", round_id=round_id, shards=sorted(have - agreed)))
-        return {k: c for k, c in averaged.items() if c.shard_index in agreed}
-
     async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
         """The averaged shards of a round we only listen to (reducers send them to listeners)."""
         got = await self.listened(round_id, Phase.AVERAGED, base_digest)
         if not got:
             return self.nothing_heard(round_id)
-        members = next(iter(got.values())).members
-        got = await self.keep_agreed(round_id, members, got, publish=False)
+        first = next(iter(got.values()))
+        members = first.members
+        got = await self.agree(round_id, Phase.AVERAGED, got, lambda: members,
+                               lineage=lineage_hash(first.base_digest, members), publish=False)
         ranges = shard_ranges(self.cfg.n_elements, len(members), self.cfg.codec)
         vector, contributors = await self.assemble(got, members, ranges, round_id)
         return Average(vector=vector, contributors=contributors, fewest=len(contributors))

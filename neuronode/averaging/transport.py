@@ -8,21 +8,22 @@ so every rule waiting on the book re-evaluates.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from neuronode.averaging.agreement import Receipt, Statement
 from neuronode.averaging.book import RoundBook
 from neuronode.codec.contribution import Contribution, Phase
 
 
 @dataclass(frozen=True)
 class MemberView:
-    """What we know of one reduce-scatter member when agreeing on a round's shards."""
+    """What we know of one member of a round when waiting for its receipt."""
 
     member: str
     present: bool  # alive, not leaving, and taking part in the round (not only listening)
-    receipt: frozenset[int] | None  # the averaged shards it says it received, if published
+    has_receipt: bool  # we hold its receipt of the round's phase
     past_round: bool  # it already moved past the round (one that did so without a receipt
     #                   listened or repaired: none will come)
 
@@ -58,8 +59,22 @@ class Transport(Protocol):
         per member (reduce-scatter slices), or one for the members (and the round's listeners:
         averaged shards). Peers that appear while the window is open get it too."""
 
-    def publish_receipt(self, round_id: int, shards: frozenset[int]) -> None:
-        """Tell the members which averaged shards of `round_id` we received."""
+    def publish_receipt(self, receipt: Receipt) -> None:
+        """Sign our receipt of a round's phase and tell every member (and listener)."""
 
-    def member_views(self, round_id: int, members: tuple[str, ...]) -> list[MemberView]:
-        """What every member but us said about `round_id` (receipts, presence)."""
+    def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
+        """Every receipt of others we hold of `round_id`'s `phase` (every version of a maker's)."""
+
+    def member_views(self, round_id: int, phase: Phase, members: Iterable[str]) -> list[MemberView]:
+        """What we know of every member but us in `round_id` (receipt, presence)."""
+
+    async def fetch(self, statement: Statement, holders: list[str], *, timeout_s: float) -> Contribution | None:
+        """The contribution `statement` names, from the first of `holders` that serves it (its
+        maker's signature checked), or None by the deadline."""
+
+    def retain(self, round_id: int, phase: Phase, contributions: Iterable[Contribution], *, for_s: float) -> None:
+        """Serve these contributions of `round_id`'s `phase` (instead of any retained before) to
+        members that missed them, for `for_s`."""
+
+    def equivocated(self, member: str, proof: tuple[Statement, Statement]) -> None:
+        """`member` signed both statements of `proof`: ban it."""

@@ -111,6 +111,7 @@ def contribution(member: Any, args: argparse.Namespace) -> Any:
 
     def frames(round_id: int) -> list[bytes]:
         out = encoder.encode(delta, 0.0, round_id=round_id, sender_id="member", weight=1.0)
+        member.transport.sign(out)
         wire = WireCache()
         return [member.transport.serialize(out, wire, f.index, f.compressed, f.data) for f in out.frames]
 

@@ -87,6 +87,10 @@ class Contribution:
     contributors: tuple[str, ...] = ()  # averaged shard: whom it averages
     frames: list[Frame] = field(default_factory=list, repr=False)  # ours only: what goes on the wire
     zstd_level: int = 0
+    # The maker's signature over its statement (neuronode.averaging.agreement) and its key: a
+    # received contribution keeps them, so we can list it in our receipt and serve it on.
+    signature: bytes = field(default=b"", repr=False)
+    public_key: bytes = field(default=b"", repr=False)
 
     @property
     def lineage(self) -> tuple[str, tuple[str, ...]]:

@@ -358,6 +358,11 @@ class Assembler:
         digest.update(raw)
         self.add(index, raw, vetted=True)
 
+    def raw(self, index: int) -> bytes:
+        """The raw payload of chunk ``index`` (what a holder serves on, uncompressed)."""
+        self._check_index(index)
+        return self._chunks[index]
+
     def _require_complete(self) -> None:
         if not self.complete:
             missing = self.missing()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from neuronode.swarm.wire import MAX_PEERS_LISTED, Refusal
+from neuronode.codec import Contribution
+from neuronode.swarm.wire import CODEC_TO_PB, MAX_PEERS_LISTED, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 PAYLOAD_FIELD = pb.ContributionChunk.DESCRIPTOR.fields_by_name["payload"].number
@@ -34,6 +35,17 @@ def _varint(value: int) -> bytes:
 def serialize_chunk(header: pb.ContributionChunk, payload: bytes) -> bytes:
     """`header` (its payload unset) with `payload` as one serialized ContributionChunk."""
     return b"".join((header.SerializeToString(), _PAYLOAD_KEY, _varint(len(payload)), payload))
+
+
+def header_of(c: Contribution, *, tag: str = "", swarm_id: str = "") -> pb.ContributionChunk:
+    """The header every chunk of contribution `c` repeats (chunk index and compression unset):
+    its maker's statement and signature, and `tag`, the membership proof of a closed swarm."""
+    return pb.ContributionChunk(
+        round_id=c.round_id, sender_id=c.sender_id, swarm_id=swarm_id, chunk_count=c.data.count,
+        codec=CODEC_TO_PB[c.codec], contribution_digest=c.digest, weight=c.weight, total_elements=c.n_elements,
+        chunk_elements=c.chunk_elements, auth_tag=tag, shuffled=c.shuffled, base_digest=c.base_digest,
+        phase=int(c.phase), shard_index=c.shard_index, shard_count=len(c.members),  # type: ignore[arg-type]
+        members=c.members, contributors=c.contributors, signature=c.signature)
 
 
 def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:

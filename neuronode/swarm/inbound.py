@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from neuronode.averaging.agreement import Statement, body_hash, lineage_hash
 from neuronode.averaging.book import Abort
 from neuronode.codec import Assembler, Phase, receiving, shard_ranges
 from neuronode.security.auth import AuthError
@@ -39,6 +40,16 @@ def bound_digest(digest: str, base_digest: str, phase: int, shard_index: int,
     return json.dumps([digest, base_digest, int(phase), int(shard_index), list(members), list(contributors)])
 
 
+def header_statement(chunk: Any, *, signature: bytes | None = None) -> Statement:
+    """The statement a chunk header makes (neuronode.averaging.agreement), with its signature."""
+    return Statement(round_id=chunk.round_id, sender=chunk.sender_id, phase=Phase(chunk.phase),
+                     shard_index=chunk.shard_index, lineage=lineage_hash(chunk.base_digest, chunk.members),
+                     body=body_hash(digest=chunk.contribution_digest, codec=PB_TO_CODEC.get(chunk.codec, "?"),
+                                    weight=chunk.weight, n_elements=chunk.total_elements,
+                                    contributors=chunk.contributors),
+                     signature=chunk.signature if signature is None else signature)
+
+
 class Inbound:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -51,6 +62,9 @@ class Inbound:
                           f"not {chunk.sender_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
         if proven_id and self.ctx.bans.banned_for(f"node:{proven_id}"):
             raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
+        if banned := self.ctx.table.banned_for(chunk.sender_id):
+            raise Refusal("PERMISSION_DENIED", f"{chunk.sender_id[:MAX_ID_CHARS]} is banned here for {banned:.0f} more "
+                          "seconds: it signed two different versions of one contribution or receipt")
         security = self.ctx.security
         if not security.secret:
             return
@@ -68,9 +82,6 @@ class Inbound:
     def open_stream(self, chunk: Any, abort: Abort | None = None) -> Assembler:
         """Check the header of a new stream and open its slot in the round book (reserving its
         whole payload; `abort` stops the stream if its round closes first or it idles)."""
-        cfg = self.ctx.cfg
-        if chunk.swarm_id != cfg.swarm_id:
-            raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{cfg.swarm_id}'")
         peer = self.ctx.table.peers.get(chunk.sender_id)
         if peer is None or peer.left:
             raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
@@ -79,6 +90,29 @@ class Inbound:
                           "(contributions are taken from live members only); its Hello makes it one")
         if self.ctx.faults.path and self.ctx.faults.cut_off(peer.address):
             raise Refusal("UNAVAILABLE", "fault injected: sender is cut off")
+        assembler = self.check_header(chunk)
+        self.check_signature(header_statement(chunk), peer.public_key)  # what the header says is the sender's word
+        self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase),
+                            reserved_bytes=assembler.size_bytes, abort=abort)
+        peer.last_seen = self.ctx.clock.now()
+        return assembler
+
+    def open_fetched(self, chunk: Any, wanted: Statement) -> Assembler:
+        """Check the header of a contribution we fetched: it must be the one `wanted` names
+        (whose signature we checked when a receipt listed it), whoever serves it."""
+        assembler = self.check_header(chunk)
+        got = header_statement(chunk)
+        if got != wanted:
+            raise Refusal("DATA_LOSS", f"round {wanted.round_id}: the holder served another contribution of "
+                          f"{wanted.sender[:MAX_ID_CHARS]} than the one asked for")
+        self.check_signature(got, wanted.public_key)
+        return assembler
+
+    def check_header(self, chunk: Any) -> Assembler:
+        """Swarm, codec, size, weight and reduce-scatter role of a stream's header; its Assembler."""
+        cfg = self.ctx.cfg
+        if chunk.swarm_id != cfg.swarm_id:
+            raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{cfg.swarm_id}'")
         if chunk.codec not in PB_TO_CODEC:
             raise Refusal("INVALID_ARGUMENT", f"unknown codec {chunk.codec}")
         codec = cfg.settings.codec  # the swarm's: it fixes shard geometry, never a chunk's own codec
@@ -90,25 +124,16 @@ class Inbound:
                           f"{cfg.n_elements}")
         if not (chunk.weight > 0 and chunk.weight < 1e15):
             raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count")
-        assembler = receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
-                              chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
-                              shuffled=chunk.shuffled)
-        self.check_signature(chunk, peer.public_key)  # what the header says is the sender's word
-        self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase),
-                            reserved_bytes=assembler.size_bytes, abort=abort)
-        peer.last_seen = self.ctx.clock.now()
-        return assembler
+        return receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
+                         chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
+                         shuffled=chunk.shuffled)
 
-    def check_signature(self, chunk: Any, public_key: bytes) -> None:
+    def check_signature(self, statement: Statement, public_key: bytes) -> None:
         """The contribution is signed by the key its sender's id is bound to, whoever delivered it."""
         try:
-            self.ctx.security.check_contribution_signature(
-                public_key, chunk.signature, round_id=chunk.round_id, sender_id=chunk.sender_id,
-                contribution_digest=bound_digest(chunk.contribution_digest, chunk.base_digest, chunk.phase,
-                                                 chunk.shard_index, chunk.members, chunk.contributors),
-                codec=PB_TO_CODEC.get(chunk.codec, "?"), weight=chunk.weight, total_elements=chunk.total_elements)
+            self.ctx.security.check_statement(statement, public_key)
         except (AuthError, ValueError, TypeError) as exc:
-            raise Refusal("PERMISSION_DENIED", f"{exc}: not signed by {chunk.sender_id[:MAX_ID_CHARS]!r}'s key") from None
+            raise Refusal("PERMISSION_DENIED", f"{exc}: not signed by {statement.sender[:MAX_ID_CHARS]!r}'s key") from None
 
     def payload_elements(self, chunk: Any, codec: str) -> int:
         """Elements this stream carries: the model, or one reduce-scatter shard of it."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from neuronode.averaging.state import RECENT_DIGESTS
@@ -43,7 +44,6 @@ class Peer:
     round: int = 0
     param_digest: str = ""
     contributes_from: int = 0  # first round it contributes to (see NodeInfo.contributes_from)
-    receipts: dict[int, frozenset[int]] = field(default_factory=dict)  # round -> averaged shards received
     digests: dict[int, str] = field(default_factory=dict)  # round -> param_digest
     last_seen: float = 0.0  # the table's clock; 0 = never heard from
     left: bool = False
@@ -61,6 +61,7 @@ class PeerTable:
         self.max_members = max_members
         self.max_ids_per_host = max_ids_per_host
         self.peers: dict[str, Peer] = {}
+        self.banned: dict[str, float] = {}  # node id -> until (the table's clock): proven liars
         self.addresses: set[str] = set()  # every address worth dialing
         self.bootstrap: set[str] = set()  # --peers: kept whatever happens
 
@@ -94,7 +95,7 @@ class PeerTable:
     def heard_from(
         self, node_id: str, address: str, *, round: int, param_digest: str,
         digests: dict[int, str], leaving: bool, contributes_from: int = 0,
-        receipts: dict[int, frozenset[int]] | None = None, host: str = "",
+        host: str = "",
         public_key: bytes = b"", verified: bool = True,
     ) -> bool:
         """Record a (verified, signed) message from a peer; True when the peer is new or came
@@ -130,7 +131,6 @@ class PeerTable:
             self.addresses.add(address)
         peer.round, peer.param_digest = round, param_digest
         peer.contributes_from = contributes_from
-        peer.receipts = receipts or {}
         peer.digests.update(digests)
         for old in sorted(peer.digests)[:-RECENT_DIGESTS]:
             del peer.digests[old]
@@ -138,6 +138,20 @@ class PeerTable:
         peer.failures = 0
         peer.left = leaving
         return fresh and not leaving
+
+    def ban(self, node_id: str, for_s: float) -> bool:
+        """Exclude `node_id` for `for_s` (it signed two versions of one statement): not alive, its
+        Hellos and contributions refused. True when the ban is new."""
+        new = self.banned_for(node_id) <= 0
+        self.banned[node_id] = max(self.banned.get(node_id, 0.0), self.clock.now() + for_s)
+        if len(self.banned) > self.max_members:  # bounded: forget the bans that end first
+            for old in sorted(self.banned, key=self.banned.__getitem__)[:len(self.banned) - self.max_members]:
+                del self.banned[old]
+        return new
+
+    def banned_for(self, node_id: str) -> float:
+        """Seconds left on `node_id`'s ban (0: not banned)."""
+        return max(0.0, self.banned.get(node_id, 0.0) - self.clock.now())
 
     def mark_left(self, node_id: str) -> bool:
         peer = self.peers.get(node_id)
@@ -156,6 +170,7 @@ class PeerTable:
         return (
             not peer.left
             and peer.verified
+            and (not self.banned or self.banned_for(peer.node_id) <= 0)
             and peer.last_seen > 0
             and self.clock.now() - peer.last_seen < self.dead_after_s
         )
@@ -180,17 +195,16 @@ def round_peers(table: PeerTable, round_id: int, *, round_lag: int) -> set[str]:
             if round_id - round_lag <= p.round <= round_id + 1 and p.contributes_from <= round_id}
 
 
-def member_views(table: PeerTable, round_id: int, members: tuple[str, ...]) -> list[MemberView]:
-    """What every reduce-scatter member but us said about `round_id` (see agreed_shards)."""
+def member_views(table: PeerTable, makers: set[str], round_id: int, members: Iterable[str]) -> list[MemberView]:
+    """What we know of every member of `round_id` but us: `makers` published their receipt."""
     views = []
-    for member in members:
+    for member in sorted(set(members)):
         if member == table.self_id:
             continue
         peer = table.peers.get(member)
         present = (peer is not None and not peer.left and table.is_alive(peer)
                    and peer.contributes_from <= round_id)
-        views.append(MemberView(member=member, present=present,
-                                receipt=peer.receipts.get(round_id) if peer is not None else None,
+        views.append(MemberView(member=member, present=present, has_receipt=member in makers,
                                 past_round=peer is not None and peer.round > round_id))
     return views
 

@@ -25,6 +25,7 @@ from neuronode.swarm.faults import FaultPlan
 from neuronode.swarm.membership import CatchUp, PeerTable, plan_catch_up
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.reach import Reach
+from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
@@ -52,8 +53,9 @@ class SwarmNode:
                                  state=self.state, executor=executor, clock=clock or Clock(),
                                  loopback_only=loopback_only)
         self.status_provider = status_provider or dict
-        self.peers = Peers(ctx, on_news=self._news)
-        self.transport = GrpcTransport(ctx, publish_receipt=self.peers.publish_receipt)
+        self.receipts = Receipts(ctx, on_change=ctx.book.notify)
+        self.peers = Peers(ctx, receipts=self.receipts, on_news=self._news)
+        self.transport = GrpcTransport(ctx, receipts=self.receipts, publish_receipt=self.peers.publish_receipt)
         self.reach = Reach(ctx)
         self.fetcher = StateFetch(ctx)
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash, zstd_level=cfg.zstd_level,
@@ -62,7 +64,8 @@ class SwarmNode:
         service = NodeService(ctx, admission=admission, peers=self.peers, reach=self.reach, donor=self.donor,
                               status=self.status)
         self.server = Server(ctx.security, servicer=service,
-                             methods={"PushContribution": self.transport.push_method(admission)},
+                             methods={"PushContribution": self.transport.push_method(admission),
+                                      "FetchContribution": self.transport.missed.method(admission)},
                              admit=admission.admit_local_or_member)
         self._epoch = self.state.epoch
         self.state.on_change.append(self._state_changed)

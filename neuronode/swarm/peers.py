@@ -11,11 +11,14 @@ from dataclasses import replace
 
 import grpc
 
+from neuronode.averaging.agreement import Receipt
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import is_derived
 from neuronode.swarm.context import Context, Settings
 from neuronode.swarm.membership import KeyMismatch, TableFull, agreement
+from neuronode.swarm.receipts import Receipts
+from neuronode.swarm.receipts import check_sizes as check_receipt_sizes
 from neuronode.swarm.transport import FINAL_CODES
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
@@ -30,7 +33,6 @@ from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-MAX_RECEIPTS = 4  # NodeInfo.shards_received: rounds a node keeps its receipts for
 MAX_KNOWN_ADDRESSES = 1024
 OFF_LOOP_PEERS = 256  # with this many live peers, agreement is worked out in a worker thread
 MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact in a double)
@@ -39,10 +41,10 @@ MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact
 class Peers:
     """Who we greet and what we tell them; `on_news` runs after every message a peer sends."""
 
-    def __init__(self, ctx: Context, *, on_news: Callable[[], None]) -> None:
+    def __init__(self, ctx: Context, *, receipts: Receipts, on_news: Callable[[], None]) -> None:
         self.ctx = ctx
         self.on_news = on_news
-        self.receipts: dict[int, frozenset[int]] = {}  # NodeInfo.shards_received
+        self.receipts = receipts
         self.agreement = "unknown"
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
@@ -59,17 +61,14 @@ class Peers:
             contributes_from=state.contributes_from, param_digest=state.param_digest,
             recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
             leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public)
-        for r, shards in sorted(self.receipts.items()):
-            info.shards_received.add(round=r, shards=sorted(shards))
+        self.receipts.fill(info)
         return info
 
     def known_peers(self) -> list[pb.PeerRecord]:
         return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in self.ctx.table.alive()][:MAX_PEERS_LISTED]
 
-    def publish_receipt(self, round_id: int, shards: frozenset[int]) -> None:
-        self.receipts[round_id] = shards
-        for old in sorted(self.receipts)[:-MAX_RECEIPTS]:
-            del self.receipts[old]
+    def publish_receipt(self, receipt: Receipt) -> None:
+        self.receipts.publish(receipt)
         self.announce()
 
     def announce(self) -> None:
@@ -89,15 +88,12 @@ class Peers:
                 or len(info.advertise) > MAX_ADDRESS_CHARS or len(info.manifest_hash) > MAX_ID_CHARS
                 or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64
                 or any(len(d.param_digest) > MAX_ID_CHARS for d in info.recent_digests)
-                or len(info.shards_received) > MAX_RECEIPTS
-                or any(len(r.shards) > MAX_PEERS_LISTED or any(i >= MAX_PEERS_LISTED for i in r.shards)
-                       for r in info.shards_received)
                 or len(info.settings.averaging) > MAX_ID_CHARS or len(info.settings.aggregator) > MAX_ID_CHARS):
             raise Refusal("INVALID_ARGUMENT", "hello needs a node id and swarm id of at most 128 characters, "
-                          f"an address of at most 256, at most 64 recent digests and at most {MAX_RECEIPTS} "
-                          f"shard receipts of shard indexes below {MAX_PEERS_LISTED}")
+                          "an address of at most 256 and at most 64 recent digests")
+        check_receipt_sizes(info)
         rounds = [info.round, info.contributes_from, *(d.round for d in info.recent_digests),
-                  *(r.round for r in info.shards_received)]
+                  *(r.round for r in [*info.receipts, *info.disputed]), *(e.round for e in info.echoes)]
         if max(rounds) >= MAX_ROUND:
             raise Refusal("INVALID_ARGUMENT", f"hello names round {max(rounds)}; rounds are below 2^53")
         if info.swarm_id != cfg.swarm_id:
@@ -119,6 +115,9 @@ class Peers:
             raise Refusal("FAILED_PRECONDITION",
                           f"settings mismatch: {info.node_id[:MAX_ID_CHARS]} runs {flag} {theirs[:64]}, this node "
                           f"({cfg.node_id}) {flag} {ours}; every member of a swarm needs the same {flag}")
+        if banned := self.ctx.table.banned_for(info.node_id):
+            raise Refusal("PERMISSION_DENIED", f"{info.node_id[:MAX_ID_CHARS]} is banned here for {banned:.0f} more "
+                          "seconds: it signed two different versions of one contribution or receipt")
         if info.node_id == cfg.node_id and info.advertise != self.ctx.advertise:
             raise Refusal("ALREADY_EXISTS",
                           f"node id {info.node_id} is already used by the node at {self.ctx.advertise}; "
@@ -133,8 +132,10 @@ class Peers:
             info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
             leaving=info.leaving, contributes_from=info.contributes_from,
-            receipts={r.round: frozenset(r.shards) for r in info.shards_received}, host=host,
+            host=host,
             public_key=info.public_key, verified=verified)
+        if verified:  # once its id is bound to its key (heard_from refuses another key)
+            self.receipts.take(info)
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
             self.ctx.book.forgive(info.node_id)
         for rec in known[:MAX_PEERS_LISTED]:

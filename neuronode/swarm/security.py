@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from neuronode.averaging.agreement import Receipt, Statement
 from neuronode.security import auth, identity
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import NodeKey
@@ -152,11 +153,25 @@ class Security:
         auth.check_fresh(msg.timestamp_s, time.time(), what=method)
         identity.verify(public_key, msg.signature, "request/" + method, self.swarm_id, msg.node_id, msg.timestamp_s)
 
-    def sign_contribution(self, **fields: Any) -> bytes:
-        return self.key.sign("contribution", *contribution_fields(self.swarm_id, **fields))
+    def sign_statement(self, statement: Statement) -> bytes:
+        """Our signature over a contribution's statement (neuronode.averaging.agreement)."""
+        return self.key.sign("contribution", *statement_fields(self.swarm_id, statement))
 
-    def check_contribution_signature(self, public_key: bytes, signature: bytes, **fields: Any) -> None:
-        identity.verify(public_key, signature, "contribution", *contribution_fields(self.swarm_id, **fields))
+    def check_statement(self, statement: Statement, public_key: bytes) -> None:
+        """Raise AuthError unless `statement` carries `public_key`'s signature."""
+        identity.verify(public_key, statement.signature, "contribution", *statement_fields(self.swarm_id, statement))
+
+    def sign_receipt(self, receipt: Receipt) -> bytes:
+        return self.key.sign("receipt", *receipt_fields(self.swarm_id, receipt))
+
+    def check_receipt(self, receipt: Receipt, public_key: bytes) -> None:
+        """Raise AuthError unless `receipt` carries `public_key`'s signature (its statements are
+        checked one by one: each is its own sender's word)."""
+        identity.verify(public_key, receipt.signature, "receipt", *receipt_fields(self.swarm_id, receipt))
+
+    def receipt_hash(self, receipt: Receipt) -> bytes:
+        """What two members compare to tell whether a maker told them the same (ReceiptEcho)."""
+        return hashlib.sha256(identity.signed_bytes("receipt", *receipt_fields(self.swarm_id, receipt))).digest()
 
     def state_tag(self, **fields: Any) -> str:
         return auth.state_tag(self.secret, swarm_id=self.swarm_id, **fields) if self.secret else ""
@@ -281,10 +296,24 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         return handler
 
 
-def contribution_fields(swarm_id: str, *, round_id: int, sender_id: str, contribution_digest: str, codec: str,
-                        weight: float, total_elements: int) -> tuple[Any, ...]:
-    """What a contribution's signature covers (contribution_digest: inbound.bound_digest)."""
-    return (swarm_id, int(round_id), sender_id, codec, float(weight), int(total_elements), contribution_digest)
+def statement_fields(swarm_id: str, s: Statement) -> tuple[Any, ...]:
+    """What a contribution's signature covers: its statement, in this swarm."""
+    return (swarm_id, int(s.round_id), s.sender, int(s.phase), int(s.shard_index), s.lineage, s.body)
+
+
+def receipt_fields(swarm_id: str, r: Receipt) -> tuple[Any, ...]:
+    """What a receipt's signature covers: its round, phase and maker, and every statement it lists."""
+    listed = hashlib.sha256(json.dumps(
+        [[s.sender, int(s.phase), int(s.shard_index), s.lineage.hex(), s.body.hex(), s.signature.hex()]
+         for s in r.statements], separators=(",", ":")).encode()).hexdigest()
+    return (swarm_id, int(r.round_id), int(r.phase), r.maker, listed)
+
+
+def receipt_summary(r: pb.Receipt) -> list[Any]:
+    """Every field of a wire receipt, for hello_body."""
+    return [r.round, int(r.phase), r.maker_id, r.signature.hex(), r.public_key.hex(),
+            [[s.sender_id, int(s.phase), s.shard_index, s.lineage.hex(), s.body.hex(), s.signature.hex(),
+              s.public_key.hex()] for s in r.statements]]
 
 
 def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
@@ -294,7 +323,9 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
     fields = [info.node_id, info.swarm_id, info.protocol_version, info.manifest_hash, info.advertise,
               info.round, info.param_digest, [[d.round, d.param_digest, d.contributors] for d in info.recent_digests],
               info.leaving, info.contributes_from,
-              [[r.round, list(r.shards)] for r in info.shards_received],
+              [receipt_summary(r) for r in info.receipts],
+              [[e.round, int(e.phase), e.maker_id, e.receipt_hash.hex()] for e in info.echoes],
+              [receipt_summary(r) for r in info.disputed],
               [info.settings.codec, info.settings.averaging, info.settings.aggregator, info.settings.outer_lr,
                info.settings.outer_momentum, info.settings.overlap],
               info.public_key.hex(),

@@ -72,6 +72,12 @@ class Channels:
             f"{NODE_SERVICE_PREFIX}PushContribution", request_serializer=None,
             response_deserializer=pb.PushAck.FromString)
 
+    def fetch_call(self, address: str) -> Any:
+        """FetchContribution answering raw ContributionChunk bytes (read without payload copies)."""
+        return self.channel(address).unary_stream(
+            f"{NODE_SERVICE_PREFIX}FetchContribution", request_serializer=pb.ContributionRequest.SerializeToString,
+            response_deserializer=None)
+
     def pop(self, address: str) -> grpc.aio.Channel | None:
         """Stop keeping the channel to `address`; the caller closes what comes back."""
         return self._channels.pop(address, None)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from neuronode.averaging.agreement import Receipt, Statement, statement_of
 from neuronode.averaging.book import RoundRefused
 from neuronode.averaging.transport import MemberView
 from neuronode.codec import (
@@ -30,13 +31,15 @@ from neuronode.codec import (
 )
 from neuronode.events import fields
 from neuronode.swarm.admission import Admission
-from neuronode.swarm.chunks import ChunkView, parse_chunk, serialize_chunk
+from neuronode.swarm.chunks import ChunkView, header_of, parse_chunk, serialize_chunk
 from neuronode.swarm.context import Context
 from neuronode.swarm.faults import FaultInjected
 from neuronode.swarm.inbound import Inbound, bound_digest, check_same_stream, stream_key
 from neuronode.swarm.membership import member_views, round_peers
+from neuronode.swarm.missed import Missed
+from neuronode.swarm.receipts import EQUIVOCATION_BAN_S, Receipts
 from neuronode.swarm.security import caller_id
-from neuronode.swarm.wire import CODEC_TO_PB, PB_TO_CODEC, Refusal
+from neuronode.swarm.wire import PB_TO_CODEC, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -103,11 +106,13 @@ class Window:
 class GrpcTransport:
     """neuronode.averaging.Transport over gRPC client streams (see the module docstring)."""
 
-    def __init__(self, ctx: Context, *, publish_receipt: Callable[[int, frozenset[int]], None]) -> None:
+    def __init__(self, ctx: Context, *, receipts: Receipts, publish_receipt: Callable[[Receipt], None]) -> None:
         self.ctx = ctx
         self.inbound = Inbound(ctx)
+        self.ledger = receipts
         self._publish = publish_receipt
         self._outbox: dict[tuple[Phase, int], Outbox] = {}
+        self.missed = Missed(self)
 
     # ---- averaging.Transport ------------------------------------------------------------------
 
@@ -130,20 +135,41 @@ class GrpcTransport:
         link, upload = self.ctx.upload_meter.rate, self.ctx.upload
         return min(link or upload.bytes_per_s, upload.bytes_per_s) if upload.enabled else link
 
-    def publish_receipt(self, round_id: int, shards: frozenset[int]) -> None:
-        self._publish(round_id, shards)
+    def publish_receipt(self, receipt: Receipt) -> None:
+        self._publish(receipt)
 
-    def member_views(self, round_id: int, members: tuple[str, ...]) -> list[MemberView]:
-        return member_views(self.ctx.table, round_id, members)
+    def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
+        return self.ledger.receipts(round_id, phase)
+
+    def member_views(self, round_id: int, phase: Phase, members: Iterable[str]) -> list[MemberView]:
+        return member_views(self.ctx.table, self.ledger.makers(round_id, phase), round_id, members)
+
+    async def fetch(self, statement: Statement, holders: list[str], *, timeout_s: float) -> Contribution | None:
+        return await self.missed.fetch(statement, holders, timeout_s=timeout_s)
+
+    def retain(self, round_id: int, phase: Phase, contributions: Iterable[Contribution], *, for_s: float) -> None:
+        self.missed.retain(round_id, phase, contributions, for_s=for_s)
+
+    def equivocated(self, member: str, proof: tuple[Statement, Statement]) -> None:
+        if self.ctx.table.ban(member, EQUIVOCATION_BAN_S):
+            self.ctx.book.notify()
 
     def send(self, round_id: int, phase: Phase, outs: Contribution | Mapping[str, Contribution], *,
              members: tuple[str, ...] = ()) -> Window:
+        for out in ([outs] if isinstance(outs, Contribution) else outs.values()):
+            self.sign(out)
         targets = set(members) - {self.node_id} if members else None
         box = self._outbox[(phase, round_id)] = Outbox(outs, targets, self.ctx.clock.now() + self.ctx.cfg.sync_timeout_s)
         for old in [k for k in self._outbox if k[1] < round_id - 1]:
             del self._outbox[old]
         self.push_pending()
         return Window(self, box)
+
+    def sign(self, out: Contribution) -> None:
+        """Our signature over the statement of a contribution we send (once)."""
+        if not out.signature:
+            out.public_key = self.ctx.security.key.public
+            out.signature = self.ctx.security.sign_statement(statement_of(out))
 
     # ---- pushing ----------------------------------------------------------------------------
 
@@ -222,19 +248,10 @@ class GrpcTransport:
         """One chunk of `out` as a serialized ContributionChunk (the same for every peer)."""
         header = wire.header
         if header is None:  # the tag and the header fields are the same for every chunk
-            cfg = self.ctx.cfg
-            signed = dict(round_id=out.round_id, sender_id=cfg.node_id,
-                          contribution_digest=bound_digest(out.digest, out.base_digest, out.phase, out.shard_index,
-                                                           out.members, out.contributors),
-                          codec=out.codec, weight=out.weight, total_elements=out.n_elements)
-            tag = self.ctx.security.contribution_tag(**signed)
-            header = wire.header = pb.ContributionChunk(
-                round_id=out.round_id, sender_id=cfg.node_id, swarm_id=cfg.swarm_id,
-                chunk_count=len(out.frames), codec=CODEC_TO_PB[out.codec], contribution_digest=out.digest,
-                weight=out.weight, total_elements=out.n_elements, chunk_elements=out.chunk_elements,
-                auth_tag=tag, shuffled=out.shuffled, base_digest=out.base_digest, phase=int(out.phase),  # type: ignore[arg-type]
-                shard_index=out.shard_index, shard_count=len(out.members), members=out.members,
-                contributors=out.contributors, signature=self.ctx.security.sign_contribution(**signed))
+            header = wire.header = header_of(out, swarm_id=self.ctx.cfg.swarm_id, tag=self.ctx.security.contribution_tag(
+                round_id=out.round_id, sender_id=out.sender_id, codec=out.codec, weight=out.weight,
+                total_elements=out.n_elements, contribution_digest=bound_digest(
+                    out.digest, out.base_digest, out.phase, out.shard_index, out.members, out.contributors)))
         header.chunk_index = index
         header.compressed = compressed
         return serialize_chunk(header, payload)
@@ -257,17 +274,19 @@ class GrpcTransport:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
             await admission.admit(context)
             try:
-                count = await self.receive(request_iterator, proven_id=caller_id(context),
-                                           certified_id=admission.certified_id(context) or "")
+                got = await self.receive(request_iterator, proven_id=caller_id(context),
+                                         certified_id=admission.certified_id(context) or "")
             except Refusal as exc:
                 await admission.refuse(context, exc, "contribution")
-            return pb.PushAck(chunks_received=count)
+            return pb.PushAck(chunks_received=got.data.count)
 
         return grpc.stream_unary_rpc_method_handler(push, request_deserializer=None,
                                                     response_serializer=pb.PushAck.SerializeToString)
 
-    async def receive(self, chunks: AsyncIterator[Any], *, proven_id: str = "", certified_id: str = "") -> int:
-        """Validate and file one incoming contribution stream; returns chunks received."""
+    async def receive(self, chunks: AsyncIterator[Any], *, proven_id: str = "", certified_id: str = "",
+                      fetched: Statement | None = None) -> Contribution:
+        """Validate and file one incoming contribution stream, or (`fetched`: the statement of
+        one we asked a holder for) validate it and hand it back without filing it."""
         first: Any = None
         first_key: tuple[Any, ...] = ()
         assembler: Assembler | None = None
@@ -297,8 +316,11 @@ class GrpcTransport:
                 chunk = parse_chunk(data, next_index)
                 header = chunk.header if isinstance(chunk, ChunkView) else chunk
                 if first is None:
-                    self.inbound.check_sender(header, proven_id, certified_id)
-                    assembler = self.inbound.open_stream(header, abort)
+                    if fetched is None:
+                        self.inbound.check_sender(header, proven_id, certified_id)
+                        assembler = self.inbound.open_stream(header, abort)
+                    else:
+                        assembler = self.inbound.open_fetched(header, fetched)
                     first, first_key = header, stream_key(header)
                 else:
                     check_same_stream(first_key, header)
@@ -318,13 +340,17 @@ class GrpcTransport:
             if digest.hexdigest() != first.contribution_digest:
                 raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
                               "does not match its digest; discarded")
-            book.finish(Contribution(
+            peer = self.ctx.table.peers.get(first.sender_id)
+            got = Contribution(
                 round_id=first.round_id, sender_id=first.sender_id, codec=PB_TO_CODEC[first.codec],
                 weight=first.weight, data=assembler, n_elements=first.total_elements,
                 digest=first.contribution_digest, chunk_elements=first.chunk_elements, shuffled=first.shuffled,
                 base_digest=first.base_digest, phase=Phase(first.phase), shard_index=first.shard_index,
-                members=tuple(first.members), contributors=tuple(first.contributors)))
-            return assembler.count
+                members=tuple(first.members), contributors=tuple(first.contributors), signature=first.signature,
+                public_key=fetched.public_key if fetched is not None else peer.public_key if peer else b"")
+            if fetched is None:
+                book.finish(got)
+            return got
         except RoundRefused as exc:
             raise Refusal(exc.code, str(exc)) from None
         except ValueError as exc:  # CodecError and friends: malformed payloads
@@ -335,7 +361,7 @@ class GrpcTransport:
             task.uncancel()  # our own abort, not the server's: answer it
             raise Refusal("ABORTED", f"{aborted[0]}; its buffer is freed") from None
         finally:
-            if first is not None:
+            if first is not None and fetched is None:
                 book.abort(first.round_id, first.sender_id, Phase(first.phase))
             # A refusal's traceback keeps this frame alive until the garbage collector finds the
             # cycle: do not let it keep a partial contribution (megabytes) alive with it.

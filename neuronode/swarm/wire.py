@@ -59,6 +59,7 @@ STATUS_CODES = {
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "ABORTED": grpc.StatusCode.ABORTED,
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
 }
 
 

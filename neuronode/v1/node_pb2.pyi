@@ -41,7 +41,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "shards_received", "settings", "public_key")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "settings", "public_key", "receipts", "echoes", "disputed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -52,9 +52,11 @@ class NodeInfo(_message.Message):
     RECENT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTES_FROM_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    ECHOES_FIELD_NUMBER: _ClassVar[int]
+    DISPUTED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -65,10 +67,58 @@ class NodeInfo(_message.Message):
     recent_digests: _containers.RepeatedCompositeFieldContainer[RoundDigest]
     leaving: bool
     contributes_from: int
-    shards_received: _containers.RepeatedCompositeFieldContainer[ShardReceipt]
     settings: SwarmSettings
     public_key: bytes
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., shards_received: _Optional[_Iterable[_Union[ShardReceipt, _Mapping]]] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
+    echoes: _containers.RepeatedCompositeFieldContainer[ReceiptEcho]
+    disputed: _containers.RepeatedCompositeFieldContainer[Receipt]
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., echoes: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ..., disputed: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ...) -> None: ...
+
+class Statement(_message.Message):
+    __slots__ = ("sender_id", "phase", "shard_index", "lineage", "body", "signature", "public_key")
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    sender_id: str
+    phase: Phase
+    shard_index: int
+    lineage: bytes
+    body: bytes
+    signature: bytes
+    public_key: bytes
+    def __init__(self, sender_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., lineage: _Optional[bytes] = ..., body: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+
+class Receipt(_message.Message):
+    __slots__ = ("round", "phase", "maker_id", "statements", "signature", "public_key")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    phase: Phase
+    maker_id: str
+    statements: _containers.RepeatedCompositeFieldContainer[Statement]
+    signature: bytes
+    public_key: bytes
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., statements: _Optional[_Iterable[_Union[Statement, _Mapping]]] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+
+class ReceiptEcho(_message.Message):
+    __slots__ = ("round", "phase", "maker_id", "receipt_hash")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_HASH_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    phase: Phase
+    maker_id: str
+    receipt_hash: bytes
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., receipt_hash: _Optional[bytes] = ...) -> None: ...
 
 class SwarmSettings(_message.Message):
     __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap")
@@ -85,14 +135,6 @@ class SwarmSettings(_message.Message):
     outer_momentum: float
     overlap: bool
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
-
-class ShardReceipt(_message.Message):
-    __slots__ = ("round", "shards")
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
-    round: int
-    shards: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
     __slots__ = ("round", "param_digest", "contributors")
@@ -207,6 +249,28 @@ class PushAck(_message.Message):
     CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     chunks_received: int
     def __init__(self, chunks_received: _Optional[int] = ...) -> None: ...
+
+class ContributionRequest(_message.Message):
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "round_id", "sender_id", "phase", "shard_index", "body")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    swarm_id: str
+    timestamp_s: int
+    signature: bytes
+    round_id: int
+    sender_id: str
+    phase: Phase
+    shard_index: int
+    body: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")

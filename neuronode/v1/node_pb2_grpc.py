@@ -64,6 +64,11 @@ class NodeStub:
                 request_serializer=neuronode_dot_v1_dot_node__pb2.ReachRequest.SerializeToString,
                 response_deserializer=neuronode_dot_v1_dot_node__pb2.ReachResponse.FromString,
                 _registered_method=True)
+        self.FetchContribution = channel.unary_stream(
+                '/neuronode.v1.Node/FetchContribution',
+                request_serializer=neuronode_dot_v1_dot_node__pb2.ContributionRequest.SerializeToString,
+                response_deserializer=neuronode_dot_v1_dot_node__pb2.ContributionChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -111,6 +116,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchContribution(self, request, context):
+        """A contribution this node holds of a recent round, for a member that missed it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.CheckReachable,
                     request_deserializer=neuronode_dot_v1_dot_node__pb2.ReachRequest.FromString,
                     response_serializer=neuronode_dot_v1_dot_node__pb2.ReachResponse.SerializeToString,
+            ),
+            'FetchContribution': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchContribution,
+                    request_deserializer=neuronode_dot_v1_dot_node__pb2.ContributionRequest.FromString,
+                    response_serializer=neuronode_dot_v1_dot_node__pb2.ContributionChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class Node:
             '/neuronode.v1.Node/CheckReachable',
             neuronode_dot_v1_dot_node__pb2.ReachRequest.SerializeToString,
             neuronode_dot_v1_dot_node__pb2.ReachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchContribution(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/neuronode.v1.Node/FetchContribution',
+            neuronode_dot_v1_dot_node__pb2.ContributionRequest.SerializeToString,
+            neuronode_dot_v1_dot_node__pb2.ContributionChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,136 @@
+"""Which contributions a round averages: agreed from the members' receipts. Pure: no network.
+
+Every contribution comes with its maker's signed `Statement` (round, sender, phase, shard, the
+lineage it was made in and a hash of everything else). When a member closes a phase of a round
+(whole contributions under all-to-all, averaged shards under reduce-scatter) it publishes a
+`Receipt`: the statements of the contributions it holds from others. The rule (`decide`):
+
+- A statement counts when receipts of at least `QUORUM` members other than its maker list it
+  (every other member, when fewer published one). Never on its maker's word: a member that
+  pushes its contribution to one peer only is left out by everyone alike, and one that pushes
+  it to several is in for everyone, since the members that missed it fetch it from a holder.
+- A maker with two different statements for one (round, phase, shard) equivocated: the two
+  signatures prove it to anyone, so every member leaves all its contributions of the round
+  out alike, and bans it.
+- Only statements of our lineage count (made from the parameters and for the members we
+  averaged from).
+
+Why this keeps replicas identical with one lying member: a receipt adds a statement only in
+company (a quorum of listings), and every honest member publishes its receipt to all, so what
+counts does not depend on which version of a liar's receipt a member got. A liar's receipt can
+only matter for a contribution exactly one honest member received besides its maker
+(SECURITY.md says what remains). A contribution that counts but that we could not fetch in time
+leaves our replica apart; the repair rule then reconciles it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from neuronode.codec.contribution import Contribution, Phase
+
+QUORUM = 2  # listings (by members other than the maker) that make a statement count
+
+
+def lineage_hash(base_digest: str, members: Iterable[str]) -> bytes:
+    """What a contribution was made for: the parameters it started from and the members."""
+    return hashlib.sha256(json.dumps([base_digest, list(members)], separators=(",", ":")).encode()).digest()
+
+
+def body_hash(*, digest: str, codec: str, weight: float, n_elements: int, contributors: Iterable[str]) -> bytes:
+    """Everything else a contribution's maker vouches for (the float exactly, as hex)."""
+    fields = [digest, codec, float(weight).hex(), int(n_elements), list(contributors)]
+    return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).digest()
+
+
+@dataclass(frozen=True)
+class Statement:
+    """A contribution's maker's word on what it is (see the module docstring). Equal statements
+    are the same contribution; the signature is the maker's over them (Ed25519 signs
+    deterministically, so it adds nothing to equality)."""
+
+    round_id: int
+    sender: str
+    phase: Phase
+    shard_index: int
+    lineage: bytes
+    body: bytes
+    signature: bytes = field(default=b"", compare=False, repr=False)
+    public_key: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def slot(self) -> tuple[str, int]:
+        """One contribution per (sender, shard) and round phase: two statements for a slot prove a lie."""
+        return (self.sender, self.shard_index)
+
+
+def statement_of(c: Contribution) -> Statement:
+    """The statement of a contribution record (its signature, when the record carries one)."""
+    return Statement(round_id=c.round_id, sender=c.sender_id, phase=c.phase, shard_index=c.shard_index,
+                     lineage=lineage_hash(c.base_digest, c.members),
+                     body=body_hash(digest=c.digest, codec=c.codec, weight=c.weight, n_elements=c.n_elements,
+                                    contributors=c.contributors),
+                     signature=c.signature, public_key=c.public_key)
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What one member (`maker`) holds of one round's phase: its contributions' statements."""
+
+    round_id: int
+    phase: Phase
+    maker: str
+    statements: tuple[Statement, ...]  # sorted by slot
+    signature: bytes = field(default=b"", compare=False, repr=False)
+    public_key: bytes = field(default=b"", compare=False, repr=False)
+
+
+def receipt_of(round_id: int, phase: Phase, maker: str, held: Iterable[Contribution]) -> Receipt:
+    """Our receipt: the statements of what we hold from others (ours would count nowhere)."""
+    statements = sorted((statement_of(c) for c in held if c.sender_id != maker), key=lambda s: s.slot)
+    return Receipt(round_id=round_id, phase=phase, maker=maker, statements=tuple(statements))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a round's phase averages, by slot, and who listed each (they hold it: we may fetch
+    from them); the makers proven to have equivocated, with the two statements that prove it."""
+
+    agreed: dict[tuple[str, int], Statement]
+    holders: dict[tuple[str, int], list[str]]
+    equivocators: dict[str, tuple[Statement, Statement]]
+
+
+def decide(receipts: Iterable[Receipt], own: Iterable[Statement], *, lineage: bytes) -> Decision:
+    """The rule of the module docstring over every receipt we hold of one round's phase
+    (several versions of one maker's included, ours too) and `own`: the statements of our own
+    contributions, which count like anyone's (listed by others) or, when no other member
+    published a receipt, on our own (we are alone in the round)."""
+    receipts = list(receipts)
+    makers = {r.maker for r in receipts}
+    listed: dict[Statement, set[str]] = {s: set() for s in own}
+    for receipt in receipts:
+        for s in receipt.statements:
+            if s.sender != receipt.maker:  # a maker's word on its own contribution counts nowhere
+                listed.setdefault(s, set()).add(receipt.maker)
+    by_slot: dict[tuple[str, int], list[Statement]] = {}
+    for s in listed:
+        by_slot.setdefault(s.slot, []).append(s)
+    equivocators: dict[str, tuple[Statement, Statement]] = {}
+    for slot, versions in sorted(by_slot.items()):
+        if len(versions) > 1 and slot[0] not in equivocators:
+            a, b = sorted(versions, key=lambda s: (s.lineage, s.body))[:2]
+            equivocators[slot[0]] = (a, b)
+    agreed: dict[tuple[str, int], Statement] = {}
+    holders: dict[tuple[str, int], list[str]] = {}
+    for slot, (s, *_) in sorted(by_slot.items()):
+        if s.sender in equivocators or s.lineage != lineage:
+            continue
+        need = min(QUORUM, len(makers - {s.sender}))
+        if len(listed[s]) >= need:
+            agreed[slot] = s
+            holders[slot] = sorted(listed[s]) + ([s.sender] if s.sender not in listed[s] else [])
+    return Decision(agreed=agreed, holders=holders, equivocators=equivocators)
