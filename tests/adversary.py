@@ -13,6 +13,7 @@ answers like everyone else.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -211,6 +212,66 @@ async def ghost(node_id: str) -> tuple[str, str, Any]:
     return node_id, address, server
 
 
+VICTIM = "h1"  # the member a liar tells something else than the rest
+SKIPPED = ("h3", "h4")  # the members a half-pushing liar leaves out
+
+
+def equivocating(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """Push to VICTIM another contribution than to everyone else (three times the weight),
+    signed all the same: two statements for one slot."""
+
+    async def lying(self: Any, peer_id: str, address: str, out: Any, box: Any) -> None:
+        if peer_id == VICTIM and out.phase == 0:
+            out = dataclasses.replace(out, weight=out.weight * 3, signature=b"")
+            if hasattr(self, "sign"):  # the release under test signs statements itself
+                self.sign(out)
+        await push(self, peer_id, address, out, box)
+
+    return lying
+
+
+def half_pushing(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """Push our contribution to two of the four honest members only."""
+
+    async def lying(self: Any, peer_id: str, address: str, out: Any, box: Any) -> None:
+        if peer_id in SKIPPED and out.phase == 0:
+            return
+        await push(self, peer_id, address, out, box)
+
+    return lying
+
+
+def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[Any], pb.NodeInfo]) -> tuple[Any, Any]:
+    """Hellos to VICTIM carry a receipt without the newest receipt's last entry (re-signed: the
+    liar's own word, only not the one the others get)."""
+    target: dict[int, str] = {}
+
+    def info(self: Any) -> pb.NodeInfo:
+        out = honest_info(self)
+        victim = self.ctx.table.peers.get(VICTIM)
+        if victim is None or target.get(id(self)) != victim.address:
+            return out
+        if "shards_received" in pb.NodeInfo.DESCRIPTOR.fields_by_name:  # the release before receipts were signed
+            if out.shards_received and out.shards_received[-1].shards:
+                del out.shards_received[-1].shards[-1]
+            return out
+        from neuronode.swarm.receipts import receipt_from_pb, receipt_to_pb
+
+        for i, m in enumerate(out.receipts):
+            if m.statements:
+                r = receipt_from_pb(m)
+                r = dataclasses.replace(r, statements=r.statements[:-1])
+                r = dataclasses.replace(r, signature=self.ctx.security.sign_receipt(r))
+                out.receipts[i].CopyFrom(receipt_to_pb(r))
+        return out
+
+    async def lying_hello(self: Any, address: str) -> bool:
+        target[id(self)] = address  # hello() builds its request first thing, before it awaits
+        return await hello(self, address)
+
+    return info, lying_hello
+
+
 def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
@@ -256,6 +317,16 @@ def apply(behaviour: str) -> None:
         from neuronode.swarm.node import SwarmNode
 
         SwarmNode.start = haunting(SwarmNode.start)  # type: ignore[method-assign]
+    elif behaviour == "equivocate-contributions":  # VICTIM gets a contribution of 3x the weight
+        from neuronode.swarm.transport import GrpcTransport
+
+        GrpcTransport.push = equivocating(GrpcTransport.push)  # type: ignore[method-assign]
+    elif behaviour == "half-push":  # its contribution reaches h1 and h2 only
+        from neuronode.swarm.transport import GrpcTransport
+
+        GrpcTransport.push = half_pushing(GrpcTransport.push)  # type: ignore[method-assign]
+    elif behaviour == "equivocate-receipts":  # VICTIM hears another receipt than the others
+        Peers.node_info, Peers.hello = receipt_lying(Peers.hello, honest_info)  # type: ignore[method-assign]
     elif behaviour not in ("codec", "outer-lr"):  # those two only run with other flags
         raise ValueError(f"unknown behaviour {behaviour}")
 
@@ -266,7 +337,8 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
-              "stall-streams", "hold-state", "impersonate", "ghosts")
+              "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
+              "equivocate-receipts")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

@@ -3,8 +3,9 @@ adversary harness, tests/adversary.py): the honest members finish their rounds w
 val_loss within 5% of the same swarm without the liar, no crash, and no round waiting out a
 deadline more than once because of the liar.
 
-Lies about the swarm (claimed rounds, a claimed round close, another --codec or --outer-lr)
-run with the four honest members from the start; lies in a donated state (doctored, NaN, an
+Lies about the swarm (claimed rounds, a claimed round close, another --codec or --outer-lr,
+stalled streams, another member's id, ghosts, two contributions or two receipts for different
+members, a contribution pushed to half the swarm) run with the four honest members from the start; lies in a donated state (doctored, NaN, an
 absurd momentum) need a joiner, so the fourth honest member joins late, through the liar.
 """
 
@@ -25,9 +26,12 @@ ARGS = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32
         "--rounds", "6", "--sync-timeout", str(SYNC_TIMEOUT_S), "--swarm-id", "lies", "--device", "cpu")
 HONEST = ("h1", "h2", "h3", "h4")
 LIAR = "a-liar"  # sorts first: the first donor a joiner tries, the first peer it asks
-SWARM_LIES = ("claim-rounds", "claim-closed", "codec", "outer-lr", "stall-streams", "impersonate", "ghosts")
+SWARM_LIES = ("claim-rounds", "claim-closed", "codec", "outer-lr", "stall-streams", "impersonate", "ghosts",
+              "equivocate-contributions", "half-push", "equivocate-receipts")
+SWARM_FLAGS = {"equivocate-receipts": ("--averaging", "reduce-scatter")}  # receipts mattered there before
 REFUSED = ("codec", "outer-lr")  # refused at Hello: never a member
 NEVER_DELIVERS = ("stall-streams", "impersonate")  # a member whose contributions never arrive whole (or as itself)
+BANNED = ("equivocate-contributions", "equivocate-receipts")  # caught and banned: a member for a round at most
 STATE_LIES = ("doctored-state", "nan-state", "huge-momentum", "hold-state")
 
 
@@ -37,9 +41,9 @@ def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
     tmp.mkdir(parents=True, exist_ok=True)
     # Every round waits for every member that starts with the swarm (the liar too, unless it is
     # refused), so nobody trains ahead while the others start.
-    accepted = behaviour is not None and behaviour not in REFUSED + NEVER_DELIVERS
+    accepted = behaviour is not None and behaviour not in REFUSED + NEVER_DELIVERS + BANNED
     # A joiner needs rounds long enough to join the running swarm (about 1 s each here).
-    args = (*ARGS, "--inner-steps", "100" if joiner else "4",
+    args = (*ARGS, "--inner-steps", "100" if joiner else "4", *SWARM_FLAGS.get(behaviour or "", ()),
             *(("--chunk-bytes", "4096") if behaviour in NEVER_DELIVERS else ()))  # many chunks: one is kept back
     min_peers = ("--min-peers", str((3 if joiner else 4) + accepted))
     h1 = Node(tmp, "h1", *args, *min_peers, "--node-id", "h1")
@@ -73,6 +77,11 @@ def check_honest(nodes: dict[str, Node]) -> float:
     statuses = {name: nodes[name].status() for name in HONEST}
     assert all(s["round"] == 6 for s in statuses.values()), statuses
     assert len({s["param_digest"] for s in statuses.values()}) == 1, statuses
+    digests: dict[int, set[str]] = {}  # every round ended identical on every member that averaged it
+    for name in HONEST:
+        for e in nodes[name].events("round_done"):
+            digests.setdefault(e["round"], set()).add(e["param_digest"])
+    assert all(len(d) == 1 for d in digests.values()), {r: d for r, d in digests.items() if len(d) > 1}
     for name in HONEST:  # at most one round waited out its deadline, whatever the liar did
         waited = {e["round_id"] for e in nodes[name].events("deadline")}
         assert len(waited) <= 1, (name, waited)
@@ -108,6 +117,14 @@ def test_one_liar_among_four_honest_members_changes_nothing(tmp_path_factory: py
             nodes[LIAR].log()[-3000:]
     elif behaviour == "ghosts":  # at most --max-ids-per-host ids from the liar's host, never averaged
         assert all(not any(c.startswith("ghost-") for c in e["contributors"]) for n in honest for e in n.events("round_done"))
+    elif behaviour == "equivocate-contributions":  # the two statements proved it: left out everywhere, banned
+        assert all(any(e["peer_id"] == LIAR for e in n.events("equivocation")) for n in honest)
+        assert all(LIAR not in e["contributors"] for n in honest for e in n.events("round_done"))
+    elif behaviour == "half-push":  # h3 and h4 fetched what h1 and h2 hold, so everyone averaged it
+        assert all(n.events("fetched") for n in honest[2:]), honest[2].log()[-3000:]
+        assert any(LIAR in e["contributors"] for e in honest[0].events("round_done"))
+    elif behaviour == "equivocate-receipts":  # two versions met (echo, dispute): every honest member banned it
+        assert all(any(e["peer_id"] == LIAR for e in n.events("equivocation")) for n in honest)
     elif behaviour == "hold-state":  # the liar held a slot at every donor; the joiner got the other one
         assert nodes["h4"].events("adopted"), nodes["h4"].log()[-3000:]
     else:  # the joiner refused the liar's state, then adopted a vouched one

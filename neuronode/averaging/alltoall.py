@@ -9,16 +9,27 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from neuronode.averaging.agreement import lineage_hash
+from neuronode.averaging.agreement import QUORUM, Receipt, lineage_hash
 from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
+
+
+def listed(receipts: list[Receipt]) -> set[str]:
+    """Senders whose contributions at least QUORUM members (besides the sender) say they hold."""
+    makers: dict[str, set[str]] = {}
+    for r in receipts:
+        for s in r.statements:
+            if s.sender != r.maker:
+                makers.setdefault(s.sender, set()).add(r.maker)
+    return {sender for sender, by in makers.items() if len(by) >= QUORUM}
 
 
 class AllToAll(Averaging):
@@ -44,11 +55,13 @@ class AllToAll(Averaging):
         got = await book.collect(
             round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id) | {self.cfg.node_id},
             timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
-            on_extend=sending.extend)
+            on_extend=sending.extend, fetchable=lambda: listed(self.transport.receipts(round_id, Phase.WHOLE)))
         got = same_lineage(got, own.lineage)
         got = await self.agree(round_id, Phase.WHOLE, got, lambda: self.transport.round_peers(round_id) | set(got),
                                lineage=lineage_hash(*own.lineage), publish=True)
         waited = elapsed(started)
+        if not got:  # not even ours counts (it reached too few members): no update, as for everyone
+            return replace(self.nothing_heard(round_id), encode_s=prepared.encode_s, exchange_s=waited, sent=[own])
         started = time.perf_counter()
         vector = await self.mean(got)
         return Average(vector=vector, contributors=sorted(got), fewest=len(got), encode_s=prepared.encode_s,

@@ -215,23 +215,28 @@ class RoundBook:
     async def collect(
         self, round_id: int, *, phase: Phase = Phase.WHOLE, expected: Callable[[], set[str]], timeout_s: float,
         min_contributors: int = 1, on_extend: Callable[[], None] | None = None,
+        fetchable: Callable[[], set[str]] = set,
     ) -> dict[str, Contribution]:
-        """Wait until every expected sender contributed, or the deadline; then close the round."""
+        """Wait until every expected sender contributed, or the deadline; then close the round.
+        `fetchable()`: senders whose contributions other members hold (their receipts say so),
+        which we will fetch: they count toward `min_contributors`."""
         deadline = self.clock.now() + timeout_s
         while True:
             changed = self._changed
             have = self.contributors(round_id, phase)
             missing = expected() - have - {sender for ph, sender in self.late if ph == phase}
             now = self.clock.now()
-            if not missing and len(have) >= min_contributors:
+            counted = have if len(have) >= min_contributors else have | fetchable()
+            if not missing and len(counted) >= min_contributors:
                 break
             if now >= deadline:
-                if len(have) >= min_contributors:
+                # Missing at a deadline: late, whether we close now or wait on for --min-peers.
+                self.late |= {(phase, sender) for sender in missing}
+                if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
                                    "(no round waits for them again until one of their contributions arrives whole)",
                                    round_id, ", ".join(sorted(missing)), len(have),
                                    extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have)))
-                    self.late |= {(phase, sender) for sender in missing}
                     break
                 logger.warning("round %d: %d of --min-peers %d contributors; waiting %.0f s more",
                                round_id, len(have), min_contributors, timeout_s,

@@ -1,0 +1,95 @@
+"""Equivocation caught (issue 15): a member that tells members different signed things is
+found out by the members themselves and banned. Real SwarmNodes on 127.0.0.1:0; the liar is a
+raw grpc.aio client that signs with its own key. (The round rules, which keep replicas
+identical whatever a liar's receipt says, run under a ManualClock in tests/test_averaging.py;
+the process-level lies in tests/test_adversary_swarm.py.)"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from helpers import Nodes, encode, key_of, wait_until
+
+from neuronode.averaging.agreement import Receipt, statement_of
+from neuronode.codec import Phase
+from neuronode.swarm.context import Settings
+from neuronode.swarm.receipts import receipt_to_pb
+from neuronode.swarm.security import Security
+from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
+from neuronode.v1 import node_pb2 as pb
+from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 10_000
+LIAR = key_of("liar").derived_id  # an id its key proves: a member that never met it can check its word
+
+
+def liar_hello(target: object, receipts: list[Receipt], advertise: str) -> pb.HelloRequest:
+    """A Hello from member LIAR (signed with its key) carrying `receipts`, signed by it too."""
+    security = Security(node_id=LIAR, swarm_id=target.cfg.swarm_id, key=key_of("liar"))  # type: ignore[attr-defined]
+    info = pb.NodeInfo(node_id=LIAR, swarm_id=target.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,  # type: ignore[attr-defined]
+                       manifest_hash=target.cfg.manifest_hash, advertise=advertise,  # type: ignore[attr-defined]
+                       settings=settings_to_pb(Settings()), public_key=key_of("liar").public)
+    for r in receipts:
+        signed = Receipt(r.round_id, r.phase, r.maker, r.statements, public_key=key_of("liar").public)
+        info.receipts.append(receipt_to_pb(Receipt(r.round_id, r.phase, r.maker, r.statements,
+                                                   signature=security.sign_receipt(signed),
+                                                   public_key=key_of("liar").public)))
+    request = pb.HelloRequest(info=info)
+    security.sign_hello(request)
+    return request
+
+
+async def say(node: object, request: pb.HelloRequest) -> grpc.aio.AioRpcError | None:
+    async with grpc.aio.insecure_channel(node.advertise) as channel:  # type: ignore[attr-defined]
+        try:
+            await pb_grpc.NodeStub(channel).Hello(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+    return None
+
+
+async def test_a_member_that_tells_two_members_different_receipts_is_banned_by_everyone(
+        nodes: Nodes, refused_address: str) -> None:
+    """The liar tells a it holds nothing of round 1 and b that it holds c's contribution. a and
+    b each hold one version; each tells everyone a hash of what it holds (echo), sees the
+    other's hash differ and publishes its version (dispute). Then a, b and c, who never heard
+    from the liar, all hold two receipts the liar signed for one round: they ban it, and refuse
+    its next Hello."""
+    a = await nodes.start("a", n_elements=N)
+    b = await nodes.start("b", peers=[a.advertise], n_elements=N)
+    c = await nodes.start("c", peers=[a.advertise], n_elements=N)
+    for node in (a, b, c):
+        await wait_until(lambda n=node: len(n.table.alive()) == 2, what="the swarm to form")
+    held = encode("c", torch.ones(N), round_id=1)
+    held.signature = Security(node_id="c", swarm_id=a.cfg.swarm_id, key=key_of("c")).sign_statement(statement_of(held))
+    held.public_key = key_of("c").public
+    nothing = Receipt(1, Phase.WHOLE, LIAR, ())
+    something = Receipt(1, Phase.WHOLE, LIAR, (statement_of(held),))
+    assert await say(a, liar_hello(a, [nothing], refused_address)) is None
+    assert await say(b, liar_hello(b, [something], refused_address)) is None
+    for node in (a, b, c):
+        await wait_until(lambda n=node: n.table.banned_for(LIAR) > 0, what=f"{node.cfg.node_id} to ban the liar")
+    refused = await say(a, liar_hello(a, [nothing], refused_address))
+    assert refused is not None and refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "banned" in (refused.details() or "")
+    assert LIAR not in {p.node_id for p in a.table.alive()}
+
+
+async def test_one_receipt_told_to_everyone_bans_nobody(nodes: Nodes, refused_address: str) -> None:
+    """The same receipt, twice, to two members: one version, no ban (the echo agrees)."""
+    a = await nodes.start("a", n_elements=N)
+    b = await nodes.start("b", peers=[a.advertise], n_elements=N)
+    await wait_until(lambda: len(a.table.alive()) == 1 and len(b.table.alive()) == 1, what="a and b to meet")
+    receipt = Receipt(1, Phase.WHOLE, LIAR, ())
+    for node in (a, b, a):
+        assert await say(node, liar_hello(node, [receipt], refused_address)) is None
+    await wait_until(lambda: all(any(e.maker_id == LIAR for e in n.peers.node_info().echoes) for n in (a, b)),
+                     what="both to echo it")
+    since = a.ctx.clock.now()  # each hears the other once more: the echoes crossed
+    await wait_until(lambda: a.table.peers["b"].last_seen > since and b.table.peers["a"].last_seen > since,
+                     what="a and b to hear each other's echo")
+    assert a.table.banned_for(LIAR) == 0 and b.table.banned_for(LIAR) == 0
+    assert not a.receipts.disputes and not b.receipts.disputes
