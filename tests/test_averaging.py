@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -306,6 +307,19 @@ async def test_a_round_where_nothing_counts_ends_with_no_update_and_no_crash(poo
     assert identical(results) and results[0].contributors == [] and not results[0].vector.any()
 
 
+async def test_a_listener_averages_what_the_one_member_of_its_round_averaged(pools) -> None:  # noqa: ANN001
+    """b adopted the swarm's state at round 0 and only listens to it; a is the round's one
+    member. a's contribution counts on a alone (no other member published a receipt), and so
+    it must on b: b held it, listed by nobody (a joiner under --overlap took a zero average here
+    and parted from a every round it listened)."""
+    swarm = Swarm(pools, AllToAll)
+    a, b = swarm.join("a"), swarm.join("b")
+    swarm.local.members["b"].state.contributes_from = 1
+    results = await asyncio.gather(swarm.round("a"), b.listen(0, base_digest="d0"))
+    assert identical(results) and results[0].contributors == ["a"]
+    del a
+
+
 async def test_a_member_that_sends_two_contributions_is_left_out_alike_and_banned(pools) -> None:  # noqa: ANN001
     """e signs one contribution for a, b, d and another for c: the receipts show both, which
     proves it; everyone leaves e out and bans it."""
@@ -333,6 +347,23 @@ async def test_a_member_that_tells_members_different_receipts_changes_nothing(po
     swarm.local.told[("e", "a")] = receipt_of(0, Phase.WHOLE, "e", [])
     results = await run_round(swarm, "abcde", deadline=False)
     assert identical(results) and results[0].contributors == list("abcde")
+
+
+async def test_a_reducer_told_different_receipts_changes_nothing_under_reduce_scatter(pools) -> None:  # noqa: ANN001
+    """e tells a that it never got c's averaged shard and the others that it did. Under the old
+    rule (apply the shards in every receipt) a skipped shard 2 and parted from the rest; now c's
+    shard counts on the listings of a, b and d, whatever e tells whom."""
+    swarm = Swarm(pools, ReduceScatter, min_contributors=5)
+    for name in "abcde":
+        swarm.join(name)
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "abcde"]
+    members = swarm.local.members
+    await until("e's receipt", lambda: (0, Phase.AVERAGED) in members["e"].receipts)
+    honest = members["e"].receipts[(0, Phase.AVERAGED)]
+    swarm.local.told[("e", "a")] = replace(honest, statements=tuple(s for s in honest.statements if s.sender != "c"))
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    results = [r.result() for r in rounds]
+    assert identical(results) and results[0].fewest == 5
 
 
 # ---- reduce-scatter: shard agreement -----------------------------------------------------------

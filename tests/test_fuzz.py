@@ -83,11 +83,13 @@ CHANNEL_OPTIONS = [("grpc.max_metadata_size", 16 << 20),
                    ("grpc.max_receive_message_length", 16 << 20)]
 Code = grpc.StatusCode
 OK = Code.OK
-METHODS = ("Hello", "Leave", "PushContribution", "Status", "FetchState", "CheckReachable")
+METHODS = ("Hello", "Leave", "PushContribution", "Status", "FetchState", "CheckReachable", "FetchContribution")
 REQUEST_TYPES: dict[str, type[Message]] = {
     "Hello": pb.HelloRequest, "Leave": pb.LeaveRequest, "PushContribution": pb.ContributionChunk,
     "Status": pb.StatusRequest, "FetchState": pb.StateRequest, "CheckReachable": pb.ReachRequest,
+    "FetchContribution": pb.ContributionRequest,
 }
+STREAMING = ("FetchState", "FetchContribution")  # server-streaming answers
 # An undecodable request is caught before any handler runs (swarm.security.DecodeGuard).
 UNDECODABLE = {Code.INVALID_ARGUMENT}
 MAX_DETAILS_CHARS = 4096  # a refusal explains itself; it never echoes megabytes back
@@ -175,7 +177,7 @@ class Target:
             if method == "PushContribution":
                 out = [self.channel.stream_unary(path)(iter(blobs), timeout=RPC_TIMEOUT_S,
                                                        metadata=md)]
-            elif method == "FetchState":
+            elif method in STREAMING:
                 out = list(self.channel.unary_stream(path)(blobs[0], timeout=RPC_TIMEOUT_S,
                                                            metadata=md))
             else:
@@ -231,7 +233,7 @@ class Sink(pb_grpc.NodeServicer):
     def _refuse(self, request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(Code.FAILED_PRECONDITION, "a sink")
 
-    Hello = Leave = PushContribution = Status = FetchState = CheckReachable = _refuse
+    Hello = Leave = PushContribution = Status = FetchState = CheckReachable = FetchContribution = _refuse
 
 
 def n_params_of(node: Node) -> int:
@@ -299,10 +301,17 @@ def hello_verdict(t: Target, req: pb.HelloRequest) -> set[Code]:
     info, refusals = req.info, set()
     ids = (info.node_id, info.swarm_id, info.manifest_hash, info.param_digest,
            *(d.param_digest for d in info.recent_digests))
+    receipts = [*info.receipts, *info.disputed]
     rounds = (info.round, info.contributes_from, *(d.round for d in info.recent_digests),
-              *(r.round for r in info.shards_received))
+              *(r.round for r in receipts), *(e.round for e in info.echoes))
+    statements = [(r, st) for r in receipts for st in r.statements]
+    oversized = (len(info.receipts) > 6 or len(info.disputed) > 8 or len(info.echoes) > 1024
+                 or any(r.phase not in (0, 2) or len(r.statements) > 256 or len(r.maker_id) > 128 for r in receipts)
+                 or any(len(st.sender_id) > 128 or st.shard_index >= 256 or st.phase != r.phase or len(st.lineage) != 32
+                        or len(st.body) != 32 for r, st in statements)
+                 or any(len(e.maker_id) > 128 or len(e.receipt_hash) != 32 for e in info.echoes))
     if (not info.node_id or max(map(len, ids)) > 128 or len(info.advertise) > 256
-            or len(info.recent_digests) > 64 or max(rounds) >= 2**53):
+            or len(info.recent_digests) > 64 or max(rounds) >= 2**53 or oversized):
         refusals.add(Code.INVALID_ARGUMENT)
     if (info.swarm_id != SWARM or info.protocol_version != PROTOCOL_VERSION
             or info.manifest_hash != t.manifest or info.settings != NODE_SETTINGS):
@@ -350,7 +359,7 @@ def verdict(t: Target, method: str, msg: Message) -> set[Code]:
     if method == "PushContribution":  # chunks of random bytes never match their digest
         return {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED,
                 Code.DATA_LOSS}
-    assert isinstance(msg, pb.StateRequest | pb.ReachRequest)
+    assert isinstance(msg, pb.StateRequest | pb.ReachRequest | pb.ContributionRequest)
     member = msg.node_id in t.members | {PACER}
     # Only the pacer surely is alive: a member the fuzzer greeted once is dead a few seconds later
     # (state and dial-backs go to live members only), and one transfer runs per member at a time.
@@ -361,6 +370,10 @@ def verdict(t: Target, method: str, msg: Message) -> set[Code]:
         if not (msg.swarm_id == SWARM and member):
             return {Code.FAILED_PRECONDITION}
         return forged | gone if forged else {OK, Code.RESOURCE_EXHAUSTED} | gone
+    if method == "FetchContribution":  # nothing the fuzzer names is held: NOT_FOUND at best
+        if not (msg.swarm_id == SWARM and member):
+            return {Code.FAILED_PRECONDITION}
+        return forged | gone if forged else {Code.NOT_FOUND, Code.RESOURCE_EXHAUSTED} | gone
     if msg.swarm_id != SWARM:
         return {Code.PERMISSION_DENIED}
     # A dial-back goes only to the host the call comes from: a member advertising another is refused.
@@ -435,8 +448,13 @@ def small_requests(t: Target, method: str) -> st.SearchStrategy[Message]:
         return hello_requests(t)
     if method == "Status":
         return st.just(pb.StatusRequest())
-    kind = {"Leave": pb.LeaveRequest, "FetchState": pb.StateRequest, "CheckReachable": pb.ReachRequest}[method]
-    requests = st.builds(kind, node_id=HELLO_IDS if method == "Leave" else ANY_IDS, swarm_id=SWARMS)
+    if method == "FetchContribution":
+        requests = st.builds(pb.ContributionRequest, node_id=ANY_IDS, swarm_id=SWARMS, round_id=UINT64,
+                             sender_id=ANY_IDS, phase=st.integers(0, 9), shard_index=UINT32,
+                             body=st.binary(max_size=40))
+    else:
+        kind = {"Leave": pb.LeaveRequest, "FetchState": pb.StateRequest, "CheckReachable": pb.ReachRequest}[method]
+        requests = st.builds(kind, node_id=HELLO_IDS if method == "Leave" else ANY_IDS, swarm_id=SWARMS)
     return st.tuples(requests, st.booleans()).map(  # signed by its node's key, or not
         lambda p: Security(node_id=p[0].node_id, swarm_id=SWARM, key=key_of(p[0].node_id)).sign_request(method, p[0])
         if p[1] else p[0])
@@ -838,6 +856,8 @@ def test_handpicked_hostile_requests(nodes: Fuzzed) -> None:
          {Code.FAILED_PRECONDITION}),
         ("CheckReachable", [pb.StateRequest(node_id=NODE_ID, swarm_id=SWARM).SerializeToString()],
          {Code.FAILED_PRECONDITION}),
+        ("FetchContribution", [pb.ContributionRequest(node_id=LONG, swarm_id=SWARM, phase=99).SerializeToString()],
+         {Code.FAILED_PRECONDITION}),
         ("Leave", [pb.StatusResponse(node_id=LONG).SerializeToString()], {OK, *UNDECODABLE}),
     ]
     flood = t.hello("fz-flood")
@@ -909,6 +929,7 @@ def honest_request(t: Target, method: str) -> list[bytes]:
         "Leave": pb.LeaveRequest(node_id=ROGUE, swarm_id=SWARM), "Status": pb.StatusRequest(),
         "FetchState": pb.StateRequest(node_id=ROGUE, swarm_id=SWARM),
         "CheckReachable": pb.ReachRequest(node_id=ROGUE, swarm_id=SWARM),
+        "FetchContribution": pb.ContributionRequest(node_id=ROGUE, swarm_id=SWARM),
     }[method]
     return [msg.SerializeToString()]
 

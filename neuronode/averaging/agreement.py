@@ -104,14 +104,15 @@ class Decision:
     equivocators: dict[str, tuple[Statement, Statement]]
 
 
-def decide(receipts: Iterable[Receipt], own: Iterable[Statement], *, lineage: bytes) -> Decision:
+def decide(receipts: Iterable[Receipt], held: Iterable[Statement], *, lineage: bytes) -> Decision:
     """The rule of the module docstring over every receipt we hold of one round's phase
-    (several versions of one maker's included, ours too) and `own`: the statements of our own
-    contributions, which count like anyone's (listed by others) or, when no other member
-    published a receipt, on our own (we are alone in the round)."""
+    (several versions of one maker's included, ours too) and `held`: the statements of what we
+    hold (ours included), which count like any listed one; one that no member but its maker
+    published a receipt for (it is alone in the round, or we only listen to its maker) needs
+    no listing."""
     receipts = list(receipts)
     makers = {r.maker for r in receipts}
-    listed: dict[Statement, set[str]] = {s: set() for s in own}
+    listed: dict[Statement, set[str]] = {s: set() for s in held}
     for receipt in receipts:
         for s in receipt.statements:
             if s.sender != receipt.maker:  # a maker's word on its own contribution counts nowhere

@@ -149,7 +149,11 @@ class LocalTransport:
     def push_pending(self) -> None:
         for d in self.open:
             if isinstance(d.outs, Contribution):
-                targets = set(d.members) - {self.node_id} if d.members else self.round_peers(d.round_id)
+                # Whole contributions go to every live peer not behind (listeners too), as the
+                # gRPC transport pushes them; reduce-scatter parts to the members.
+                lag = self.swarm.round_lag
+                targets = set(d.members) - {self.node_id} if d.members else {
+                    m.node_id for m in self.others() if m.state.round + lag >= d.round_id}
                 if d.phase == Phase.AVERAGED:  # and the round's listeners
                     targets |= {m.node_id for m in self.others() if m.state.contributes_from == d.round_id + 1}
                 outs = dict.fromkeys(targets, d.outs)

@@ -129,9 +129,8 @@ class Averaging:
             transport.retain(round_id, phase, held.values(), for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
             transport.publish_receipt(ours)
         await self.wait_for_receipts(round_id, phase, members)
-        own = [statement_of(c) for c in held.values() if c.sender_id == me]
         receipts = [*transport.receipts(round_id, phase), *([ours] if ours is not None else [])]
-        decision = decide(receipts, own, lineage=lineage)
+        decision = decide(receipts, [statement_of(c) for c in held.values()], lineage=lineage)
         for member, proof in sorted(decision.equivocators.items()):
             logger.warning("round %d: %s signed two different %ss for one slot; leaving all of its out of "
                            "this round and banning it", round_id, member, phase.label,

@@ -94,9 +94,13 @@ class ReduceScatter(Averaging):
             base_digest=own.base_digest, members=members, shard_index=index))
         reduce_s = elapsed(started)
         started = time.perf_counter()
-        averaged = await self.phase(reduced, reduced, members)
-        averaged = await self.agree(round_id, Phase.AVERAGED, averaged, lambda: members,
+        gathered = await self.phase(reduced, reduced, members)
+        averaged = await self.agree(round_id, Phase.AVERAGED, gathered, lambda: members,
                                     lineage=lineage_hash(own.base_digest, members), publish=True)
+        skipped = sorted(c.shard_index for sender, c in gathered.items() if sender not in averaged)
+        if skipped:
+            logger.warning("round %d: shards %s reached too few members; no update for them this round, on every "
+                           "member alike", round_id, skipped, extra=fields("shards_skipped", round_id=round_id, shards=skipped))
         gather_s = elapsed(started)
         started = time.perf_counter()
         vector, contributors = await self.assemble(averaged, members, prepared.ranges, round_id)

@@ -82,6 +82,7 @@ class Inbound:
     def open_stream(self, chunk: Any, abort: Abort | None = None) -> Assembler:
         """Check the header of a new stream and open its slot in the round book (reserving its
         whole payload; `abort` stops the stream if its round closes first or it idles)."""
+        self.check_swarm(chunk)
         peer = self.ctx.table.peers.get(chunk.sender_id)
         if peer is None or peer.left:
             raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
@@ -111,8 +112,7 @@ class Inbound:
     def check_header(self, chunk: Any) -> Assembler:
         """Swarm, codec, size, weight and reduce-scatter role of a stream's header; its Assembler."""
         cfg = self.ctx.cfg
-        if chunk.swarm_id != cfg.swarm_id:
-            raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id}', this is '{cfg.swarm_id}'")
+        self.check_swarm(chunk)
         if chunk.codec not in PB_TO_CODEC:
             raise Refusal("INVALID_ARGUMENT", f"unknown codec {chunk.codec}")
         codec = cfg.settings.codec  # the swarm's: it fixes shard geometry, never a chunk's own codec
@@ -127,6 +127,11 @@ class Inbound:
         return receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
                          chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
                          shuffled=chunk.shuffled)
+
+    def check_swarm(self, chunk: Any) -> None:
+        if chunk.swarm_id != self.ctx.cfg.swarm_id:
+            raise Refusal("PERMISSION_DENIED", f"contribution for swarm '{chunk.swarm_id[:MAX_ID_CHARS]}', this is "
+                          f"'{self.ctx.cfg.swarm_id}'")
 
     def check_signature(self, statement: Statement, public_key: bytes) -> None:
         """The contribution is signed by the key its sender's id is bound to, whoever delivered it."""

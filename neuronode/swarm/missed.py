@@ -154,8 +154,8 @@ class Missed:
                           "already streaming here; fetch the next once one finished")
         c = self.find(request)
         if c is None:
-            raise Refusal("NOT_FOUND", f"round {request.round_id}: this node does not hold that {Phase(request.phase).label} "
-                          f"of {request.sender_id[:MAX_ID_CHARS]} (never received, or no longer kept); ask another holder")
+            raise Refusal("NOT_FOUND", f"round {request.round_id}: this node does not hold that contribution of "
+                          f"{request.sender_id[:MAX_ID_CHARS]} (never received, or no longer kept); ask another holder")
         return c
 
     async def stream(self, c: Contribution, caller: str, context: grpc.aio.ServicerContext) -> None:
