@@ -59,7 +59,11 @@ class NodeConfig:
     node_id: str = opt("", "this node's id; empty: the id its key derives (key and id kept in the data dir)")
     swarm_id: str = opt("neuronode-default", "name of the swarm; peers with another swarm id are refused")
     listen: str = opt("127.0.0.1:7420", "address to serve gRPC on (port 0 picks a free port)", metavar="HOST:PORT")
-    advertise: str = opt("", "address peers should dial; empty: derived from --listen", metavar="HOST:PORT")
+    advertise: str = opt("", "address peers should dial; empty: --listen's, or with a wildcard --listen "
+                         "(0.0.0.0) the host peers see us at, confirmed by a dial-back", metavar="HOST:PORT")
+    reachable: str = opt("auto", "whether peers can dial us: auto asks them to dial back; no (behind NAT, "
+                         "nothing forwarded) takes part through sessions to reachable members",
+                         choices=("auto", "yes", "no"))
     secret_file: str = opt("", "file with the swarm's shared secret: closes the swarm to members who know it", metavar="FILE")
     tls_cert: str = opt("", "this node's certificate (mutual TLS; see `neuronode ca`)", metavar="FILE")
     tls_key: str = opt("", "this node's private key (mutual TLS)", metavar="FILE")
@@ -143,12 +147,13 @@ class NodeConfig:
 
     @property
     def advertise_address(self) -> str:
-        """The address peers dial: --advertise, else --listen (0.0.0.0 becomes 127.0.0.1)."""
+        """The address peers dial: --advertise, else --listen's; "" for a wildcard --listen
+        (0.0.0.0), whose address the node learns from its peers once it runs."""
         if self.advertise:
             return self.advertise
         host, port = parse_hostport(self.listen, "--listen")
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
+        if is_wildcard_host(host):
+            return ""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -180,6 +185,11 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_wildcard_host(host: str) -> bool:
+    """0.0.0.0 and friends: listening everywhere says nothing about where peers reach us."""
+    return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
 def flag_name(name: str) -> str:

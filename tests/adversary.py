@@ -50,7 +50,7 @@ def claim(node: Any, *, round_offset: int = 0, digests: dict[int, str] | None = 
 def lie_about_reach(node: Any, *, reachable: bool) -> None:
     """`node` answers every CheckReachable with `reachable`, without dialing anyone."""
 
-    async def lying(node_id: str, caller_host: str) -> pb.ReachResponse:
+    async def lying(node_id: str, caller_host: str, address: str = "") -> pb.ReachResponse:
         peer = node.table.peers.get(node_id)
         return pb.ReachResponse(reachable=reachable, address=peer.address if peer else "")
 

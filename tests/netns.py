@@ -351,3 +351,8 @@ def net_fixture() -> Iterator[Net]:
     """A fresh Net for one test, closed afterwards whether the test passed or not."""
     with open_net() as network:
         yield network
+
+
+def enter_namespace(ns: str) -> None:
+    """Move the calling thread into namespace `ns` (see Host.enter; usable in a forked child)."""
+    Host(name=ns, ns=ns, ip="", public_ip="").enter()

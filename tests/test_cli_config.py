@@ -100,7 +100,7 @@ def test_precedence_flag_env_file_default(tmp_path: Path) -> None:
 def test_config_validates_directly() -> None:
     with pytest.raises(ConfigError, match="--sync-timeout"):
         NodeConfig(sync_timeout=0)
-    assert NodeConfig(listen="0.0.0.0:7000").advertise_address == "127.0.0.1:7000"
+    assert NodeConfig(listen="0.0.0.0:7000").advertise_address == ""  # learned from peers once running
     assert NodeConfig(listen="[::1]:7000").advertise_address == "[::1]:7000"
     assert NodeConfig(advertise="example.org:1").advertise_address == "example.org:1"
 

@@ -427,7 +427,7 @@ async def test_protected_mode_admits_loopback_callers_only() -> None:
     node = SwarmNode(swarm_config("target", listen="0.0.0.0:0"), executor=pool)
     node.ctx.loopback_only = True  # what the daemon sets without --secret-file, TLS or --open
     await node.start()
-    port = node.advertise.rpartition(":")[2]
+    port = node.ctx.bound_port
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as local:
             status = await pb_grpc.NodeStub(local).Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)

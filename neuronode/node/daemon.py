@@ -185,8 +185,7 @@ class Daemon:
             await self.rounds.maybe_catch_up(stopped)
             if stopped.is_set():
                 return
-            if self.cfg.advertise:
-                await self.swarm.check_reachable()
+            await self.swarm.check_reachable()  # at once: whether peers dial us, or we open sessions
         await self.swarm.set_serving(True)
         logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
                     self.trainer.n_params, self.cfg.task, self.cfg.codec, self.state.round,
@@ -211,6 +210,7 @@ class Daemon:
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, round_lag=2 if self.cfg.overlap else 1,
             settings=Settings.from_config(self.cfg), max_ids_per_host=self.cfg.max_ids_per_host,
+            reachable=self.cfg.reachable,
         )
 
     def status(self) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def build_security(cfg: NodeConfig, node_id: str, key: NodeKey) -> Security:
         load_node_tls(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_ca))
         host = cfg.advertise_address.rpartition(":")[0].strip("[]")
         hosts = cert_hosts(Path(cfg.tls_cert))
-        if host not in hosts:
+        if host and host not in hosts:  # a learned address is checked when it is learned
             raise ConfigError(f"--tls-cert is valid for {', '.join(hosts)} but peers will dial "
                               f"{host}; issue a certificate with --host {host}")
         tls = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)

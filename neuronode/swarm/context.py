@@ -81,6 +81,7 @@ class SwarmConfig:
     round_lag: int = 1
     settings: Settings = Settings()
     max_ids_per_host: int = MAX_IDS_PER_HOST
+    reachable: str = "auto"  # --reachable
 
 
 class Tasks:
@@ -172,6 +173,8 @@ class Context:
         self.upload = UploadLimiter(cfg.max_upload_mbps)
         self.upload_meter = UploadMeter()
         self.say = Throttled(logging.getLogger("neuronode.swarm"), self.clock)
-        self.advertise = cfg.advertise
+        self.advertise = cfg.advertise  # "" while a wildcard --listen learns it (neuronode.swarm.reach)
+        self.bound_port = 0  # the port the server listens on
+        self.reachable = "unknown"  # can peers dial us at `advertise`: "yes", "no" or "unknown"
         self.started = False  # the server is up: announcements may go out
         self.leaving = False

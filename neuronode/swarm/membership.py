@@ -48,6 +48,7 @@ class Peer:
     last_seen: float = 0.0  # the table's clock; 0 = never heard from
     left: bool = False
     failures: int = 0
+    reachable: bool = True  # False: it said peers cannot dial it (never dialed; reached over its session)
 
 
 class PeerTable:
@@ -96,7 +97,7 @@ class PeerTable:
         self, node_id: str, address: str, *, round: int, param_digest: str,
         digests: dict[int, str], leaving: bool, contributes_from: int = 0,
         host: str = "",
-        public_key: bytes = b"", verified: bool = True,
+        public_key: bytes = b"", verified: bool = True, reachable: bool = True,
     ) -> bool:
         """Record a (verified, signed) message from a peer; True when the peer is new or came
         back. A new peer must pass `admit` (raises TableFull); its id is bound to `public_key`
@@ -136,6 +137,7 @@ class PeerTable:
             del peer.digests[old]
         peer.last_seen = self.clock.now()
         peer.failures = 0
+        peer.reachable = reachable
         peer.left = leaving
         return fresh and not leaving
 
@@ -175,14 +177,20 @@ class PeerTable:
             and self.clock.now() - peer.last_seen < self.dead_after_s
         )
 
+    def dialable(self, peer: Peer) -> bool:
+        """We may dial it: it has an address and did not say peers cannot dial it."""
+        return peer.reachable and bool(peer.address)
+
     def alive(self) -> list[Peer]:
         return sorted((p for p in self.peers.values() if self.is_alive(p)), key=lambda p: p.node_id)
 
     def dial_targets(self) -> list[str]:
-        """Addresses to heartbeat: all known ones except peers that said they left."""
+        """Addresses to heartbeat: all known ones except peers that said they left, or that
+        they cannot be dialed (they call us; a bootstrap address is always tried)."""
         left = {p.address for p in self.peers.values() if p.left}
         alive = {p.address for p in self.alive()}
-        return sorted(a for a in self.addresses if a not in left or a in alive)
+        undialable = {p.address for p in self.peers.values() if not p.reachable} - self.bootstrap
+        return sorted(a for a in self.addresses if (a not in left or a in alive) and a not in undialable)
 
 
 def round_peers(table: PeerTable, round_id: int, *, round_lag: int) -> set[str]:

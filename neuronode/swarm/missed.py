@@ -84,8 +84,8 @@ class Missed:
             remaining = deadline - ctx.clock.now()
             if remaining <= 0:
                 break
-            if peer is None or not ctx.table.is_alive(peer):
-                continue
+            if peer is None or not ctx.table.is_alive(peer) or not ctx.table.dialable(peer):
+                continue  # nobody dials a member that says it cannot be dialed
             request = ctx.security.sign_request("FetchContribution", pb.ContributionRequest(
                 node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, round_id=statement.round_id,
                 sender_id=statement.sender, phase=int(statement.phase), shard_index=statement.shard_index,  # type: ignore[arg-type]

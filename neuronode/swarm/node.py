@@ -18,17 +18,19 @@ from typing import Any
 
 from neuronode.averaging import RoundBook, RoundState
 from neuronode.clock import Clock
+from neuronode.config import is_wildcard_host
 from neuronode.state import GlobalState
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
 from neuronode.swarm.membership import CatchUp, PeerTable, plan_catch_up
 from neuronode.swarm.peers import Peers
-from neuronode.swarm.reach import Reach
+from neuronode.swarm.reach import Reach, host_of, join_host_port
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
+from neuronode.swarm.sessions import Sessions
 from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, Verify
 from neuronode.swarm.transport import GrpcTransport
 from neuronode.swarm.trust import closed_without_us
@@ -57,6 +59,11 @@ class SwarmNode:
         self.peers = Peers(ctx, receipts=self.receipts, on_news=self._news)
         self.transport = GrpcTransport(ctx, receipts=self.receipts, publish_receipt=self.peers.publish_receipt)
         self.reach = Reach(ctx)
+        self.sessions = Sessions(ctx, peers=self.peers, transport=self.transport)
+        self.transport.sessions = self.sessions
+        self.peers.on_announce = self.sessions.announce
+        self.peers.on_observed = self.reach.observe
+        self.reach.on_change = self._reach_changed
         self.fetcher = StateFetch(ctx)
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash, zstd_level=cfg.zstd_level,
                            executor=executor, security=ctx.security)
@@ -65,7 +72,8 @@ class SwarmNode:
                               status=self.status)
         self.server = Server(ctx.security, servicer=service,
                              methods={"PushContribution": self.transport.push_method(admission),
-                                      "FetchContribution": self.transport.missed.method(admission)},
+                                      "FetchContribution": self.transport.missed.method(admission),
+                                      "Session": self.sessions.method(admission)},
                              admit=admission.admit_local_or_member)
         self._epoch = self.state.epoch
         self.state.on_change.append(self._state_changed)
@@ -85,19 +93,19 @@ class SwarmNode:
     async def start(self) -> str:
         """Bind the server and start heartbeats; returns the address peers should dial."""
         ctx = self.ctx
-        host = ctx.cfg.listen.rpartition(":")[0]
-        bound = await self.server.start(ctx.cfg.listen)
+        bound = ctx.bound_port = await self.server.start(ctx.cfg.listen)
         if not ctx.advertise or ctx.advertise.endswith(":0"):
-            adv_host = ctx.advertise.rpartition(":")[0] if ctx.advertise else host
-            if adv_host in ("0.0.0.0", "[::]", ""):
-                adv_host = "127.0.0.1"
-            ctx.advertise = f"{adv_host}:{bound}"
+            adv_host = host_of(ctx.advertise or ctx.cfg.listen)
+            # A wildcard says nothing about where peers reach us: learned from them (reach.py).
+            ctx.advertise = "" if is_wildcard_host(adv_host) else join_host_port(adv_host, bound)
         ctx.faults.self_address = ctx.advertise
         ctx.started = True
         ctx.tasks.supervise(self.peers.heartbeats, "heartbeats")
         ctx.tasks.supervise(self.watch_streams, "stream-watch")
-        logger.info("node %s serving on %s (advertised as %s)", ctx.cfg.node_id,
-                    ctx.cfg.listen.replace(":0", f":{bound}"), ctx.advertise)
+        ctx.tasks.supervise(self.reach.run, "reachability")
+        ctx.tasks.supervise(self.sessions.hold_all, "sessions")
+        logger.info("node %s serving on %s (%s)", ctx.cfg.node_id, ctx.cfg.listen.replace(":0", f":{bound}"),
+                    f"advertised as {ctx.advertise}" if ctx.advertise else "its address learned from what peers see")
         return ctx.advertise
 
     async def set_serving(self, serving: bool) -> None:
@@ -108,7 +116,7 @@ class SwarmNode:
         ctx = self.ctx
         ctx.leaving = True
         await self.server.leaving()
-        peers = ctx.table.alive()
+        peers = [p for p in ctx.table.alive() if ctx.table.dialable(p)]
         if peers:
             await asyncio.gather(*(self.peers.leave(p.address) for p in peers), return_exceptions=True)
         await ctx.tasks.stop()
@@ -128,6 +136,11 @@ class SwarmNode:
         self.transport.push_pending()
         self.ctx.book.notify()
 
+    def _reach_changed(self) -> None:
+        """Our address or reachability changed: tell peers at once (whether to dial us)."""
+        self.peers.announce()
+        self._news()
+
     def _state_changed(self) -> None:
         if self.state.epoch != self._epoch:  # adopted the swarm's state: forget our old rounds
             self._epoch = self.state.epoch
@@ -141,13 +154,15 @@ class SwarmNode:
         return await self.peers.wait_first_contact(timeout_s)
 
     async def check_reachable(self) -> None:
-        await self.reach.check()
+        await self.reach.step()
 
     def catch_up_plan(self) -> CatchUp | None:
         return plan_catch_up(self.cfg.node_id, self.state.round, self.state.digests, self.table.alive())
 
     async def fetch_state(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
-        return await self.fetcher.fetch(donors, verify=verify)
+        table = self.table
+        dialable = [d for d in donors if d in table.peers and table.dialable(table.peers[d])]
+        return await self.fetcher.fetch(dialable, verify=verify)
 
     def closed_without_us(self, round_id: int) -> list[str]:
         """Peers of our lineage (same parameters at the start of `round_id`) that already closed
@@ -182,7 +197,8 @@ class SwarmNode:
             "node_id": ctx.cfg.node_id, "swarm_id": ctx.cfg.swarm_id, "advertise": ctx.advertise,
             "protocol_version": PROTOCOL_VERSION, "agreement": self.peers.agreement,
             "state_transfers": self.fetcher.transfers, "states_served": self.donor.served,
-            "reachable": self.reach.reachable,
+            "reachable": self.reach.reachable, "observed_address": self.reach.observed_host,
+            "sessions": sorted(self.sessions.open),
             "bytes_sent": ctx.counters.bytes_sent, "bytes_received": ctx.counters.bytes_received,
             "buffered_bytes": ctx.book.buffered_bytes,
             # Members that hold bytes here were live when their streams opened (one may have died since).

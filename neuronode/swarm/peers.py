@@ -33,6 +33,8 @@ from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+REACHABILITY_TO_PB = {"unknown": pb.REACHABILITY_UNSPECIFIED, "yes": pb.REACHABILITY_YES, "no": pb.REACHABILITY_NO}
+
 MAX_KNOWN_ADDRESSES = 1024
 OFF_LOOP_PEERS = 256  # with this many live peers, agreement is worked out in a worker thread
 MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact in a double)
@@ -45,6 +47,8 @@ class Peers:
         self.ctx = ctx
         self.on_news = on_news
         self.receipts = receipts
+        self.on_announce: Callable[[], None] = lambda: None  # our news to the sessions we carry
+        self.on_observed: Callable[[str, str], None] = lambda peer_id, address: None  # where a peer sees us
         self.agreement = "unknown"
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
@@ -60,12 +64,14 @@ class Peers:
             manifest_hash=ctx.cfg.manifest_hash, advertise=ctx.advertise, round=state.round,
             contributes_from=state.contributes_from, param_digest=state.param_digest,
             recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
-            leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public)
+            leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public,
+            reachable=REACHABILITY_TO_PB[ctx.reachable])
         self.receipts.fill(info)
         return info
 
     def known_peers(self) -> list[pb.PeerRecord]:
-        return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in self.ctx.table.alive()][:MAX_PEERS_LISTED]
+        return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in self.ctx.table.alive()
+                if self.ctx.table.dialable(p)][:MAX_PEERS_LISTED]  # an address nobody can dial is no use to anyone
 
     def publish_receipt(self, receipt: Receipt) -> None:
         self.receipts.publish(receipt)
@@ -77,7 +83,9 @@ class Peers:
         if not self.ctx.started:
             return
         for peer in self.ctx.table.alive():
-            self.ctx.tasks.spawn(self.hello(peer.address), f"announce-{peer.node_id}")
+            if self.ctx.table.dialable(peer):  # one that cannot be dialed hears us over its session
+                self.ctx.tasks.spawn(self.hello(peer.address), f"announce-{peer.node_id}")
+        self.on_announce()
 
     # ---- what we hear --------------------------------------------------------------------
 
@@ -123,17 +131,18 @@ class Peers:
                           f"node id {info.node_id} is already used by the node at {self.ctx.advertise}; "
                           "give every node its own --data-dir or --node-id")
 
-    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord], *, host: str, verified: bool = True) -> None:
-        """Record what a peer (calling from, or reached at, `host`) said in a Hello whose
-        signature was checked; raises TableFull for a new id the table cannot take and
-        KeyMismatch for a known id under another key."""
+    def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord], *, host: str, verified: bool = True,
+              dialed: str = "") -> None:
+        """Record what a peer (calling from, or reached at, `host`; at `dialed`, when we dialed
+        it) said in a Hello whose signature was checked; raises TableFull for a new id the table
+        cannot take and KeyMismatch for a known id under another key. A peer still learning its
+        address (none advertised) is known at the address we reached it at."""
         table = self.ctx.table
         back = table.heard_from(
-            info.node_id, info.advertise, round=info.round, param_digest=info.param_digest,
+            info.node_id, info.advertise or dialed, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
-            leaving=info.leaving, contributes_from=info.contributes_from,
-            host=host,
-            public_key=info.public_key, verified=verified)
+            leaving=info.leaving, contributes_from=info.contributes_from, host=host,
+            public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO)
         if verified:  # once its id is bound to its key (heard_from refuses another key)
             self.receipts.take(info)
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
@@ -230,6 +239,11 @@ class Peers:
         if resp.info.node_id == ctx.cfg.node_id:
             ctx.table.addresses.discard(address)  # that address is ourselves
             return True
+        return self.take_answer(address, resp)
+
+    def take_answer(self, address: str, resp: pb.HelloResponse) -> bool:
+        """A peer's Hello answer (to our Hello, or over its session): check it and learn from it."""
+        ctx = self.ctx
         try:
             self.check_info(resp.info)
             ctx.security.check_hello_proof(resp.auth_tag, resp.timestamp_s, resp.info, resp.known_peers)
@@ -238,7 +252,7 @@ class Peers:
             # it) reached us; an answer cannot show us the server's certificate name.
             verified = not ctx.security.tls_files or is_derived(resp.info.node_id)
             self.learn(resp.info, list(resp.known_peers), host=address.rpartition(":")[0].strip("[]"),
-                       verified=verified)
+                       verified=verified, dialed=address)
         except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
@@ -247,6 +261,8 @@ class Peers:
         except TableFull as exc:
             ctx.say(f"table-full:{address}", logging.WARNING, "not recording the peer at %s: %s", address, exc)
             return False
+        if resp.observed_address:
+            self.on_observed(resp.info.node_id, resp.observed_address)
         return True
 
     async def leave(self, address: str) -> None:

@@ -1,16 +1,28 @@
-"""Reachability: can our peers dial us back at the address we advertise?"""
+"""Reachability and the address peers see: can our peers dial us back, and where?
+
+Every Hello answer tells the caller the address its connection came from
+(`HelloResponse.observed_address`). A node with a wildcard --listen and no --advertise takes
+the host a quorum of its peers agree on (`trust.agreed_host`) with its own listen port as its
+candidate address, and asks up to three peers to dial it back there (CheckReachable): with a
+quorum of yes it advertises it; with a quorum of no it is unreachable (behind NAT) and says so
+(NodeInfo.reachable), nobody dials it, and it takes part through sessions it opens to
+reachable members (neuronode.swarm.sessions). `--reachable yes|no` skips the dial-back.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
+from neuronode.config import is_wildcard_host
 from neuronode.events import fields
 from neuronode.swarm.context import Context
-from neuronode.swarm.trust import reachability
+from neuronode.swarm.trust import agreed_host, reachability
 from neuronode.swarm.wire import MAX_ADDRESS_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -18,63 +30,181 @@ from neuronode.v1 import node_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 DIAL_BACK_EVERY_S = 60.0
+RECHECK_S = 600.0  # a verdict is checked again this often (a router's port forward may change)
+RETRY_S = 30.0  # after a check without a quorum
+SETTLE_HEARTBEATS = 3  # heartbeats to wait for more peers before asking fewer than three
+
+
+def host_of(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Reach:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.reachable = "unknown"
+        self.on_change: Callable[[], None] = lambda: None  # our address or reachability changed
+        self.observed: dict[str, str] = {}  # peer id -> the host it sees our connections come from
+        self.checked_for = ""  # the address the current verdict is about
+        self.checked_at = -RECHECK_S
         self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
+        self._said_tls = ""
+        self.decided = ("unknown", ctx.advertise)  # the verdict and address we last announced
+        self.settled_since: float | None = None  # since when we know a peer to ask
+        self._checking = asyncio.Lock()
+        if ctx.cfg.reachable == "no":  # before our first Hello: nobody is to dial us, ever
+            ctx.reachable = "no"
 
-    async def check(self) -> None:
-        """Ask up to three live peers to dial us back at our advertised address; the verdict
-        needs a quorum of them (neuronode.swarm.trust.reachability), and we say plainly if they
-        can't reach us."""
-        ctx = self.ctx
-        asked = ctx.table.alive()[:3]
-        answers = await asyncio.gather(*(self.ask(p.address) for p in asked))
-        said = [(peer, resp) for peer, resp in zip(asked, answers, strict=True) if resp is not None]
-        self.reachable = reachability(resp.reachable for _, resp in said)
-        if self.reachable == "unknown" and said:
-            logger.warning("reachability: peers disagree whether they can dial us back at %s (%s); not deciding",
-                           ctx.advertise, ", ".join(f"{p.node_id}: {'yes' if r.reachable else 'no'}" for p, r in said),
-                           extra=fields("reachability", reachable=None, address=ctx.advertise))
-        for peer, resp in said:
-            if resp.reachable != (self.reachable == "yes") or self.reachable == "unknown":
-                continue
-            if resp.reachable:
-                logger.info("reachability: peer %s dialed us back at %s", peer.node_id, resp.address,
-                            extra=fields("reachability", peer_id=peer.node_id, reachable=True, address=resp.address))
-            else:
-                port = ctx.advertise.rpartition(":")[2]
-                logger.error(
-                    "reachability: peer %s cannot reach this node at %s. Peers can't send "
-                    "us their contributions: forward TCP port %s on your router to this machine, "
-                    "allow it in the firewall, and make --advertise the public HOST:PORT",
-                    peer.node_id, resp.address, port,
-                    extra=fields("reachability", peer_id=peer.node_id, reachable=False, address=resp.address))
+    @property
+    def reachable(self) -> str:
+        return self.ctx.reachable
+
+    @property
+    def learning(self) -> bool:
+        """No --advertise and a wildcard --listen: our address comes from what peers see."""
+        return not self.ctx.cfg.advertise and is_wildcard_host(host_of(self.ctx.cfg.listen))
+
+    # ---- the address peers see ----------------------------------------------------------------
+
+    def observe(self, peer_id: str, observed_address: str) -> None:
+        """A peer's Hello answer told us where our connection came from."""
+        host = host_of(observed_address)
+        if host and len(observed_address) <= MAX_ADDRESS_CHARS:
+            self.observed[peer_id] = host
+            for gone in [p for p in self.observed if p not in self.ctx.table.peers]:
+                del self.observed[gone]
+
+    @property
+    def observed_host(self) -> str:
+        return agreed_host(self.observed) or ""
+
+    def target(self) -> str:
+        """The address to be dialed at: --advertise (or --listen's), else the learned candidate."""
+        if not self.learning:
+            return self.ctx.advertise
+        host = self.observed_host
+        return join_host_port(host, self.ctx.bound_port) if host and self.ctx.bound_port else ""
+
+    # ---- the verdict ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep our address and reachability current (a supervised task of the node)."""
+        while True:
+            await self.step()
+            await self.ctx.clock.sleep(self.ctx.cfg.heartbeat_s)
+
+    async def step(self) -> None:
+        """Check our address when it is new, or its verdict old; one check at a time (a peer
+        dials a member back once a minute)."""
+        async with self._checking:
+            await self._step()
+
+    async def _step(self) -> None:
+        ctx, target = self.ctx, self.target()
+        forced = ctx.cfg.reachable
+        if forced == "no" or (forced == "yes" and target):  # --reachable: no dial-back
+            self.decide(forced, target)
             return
+        if not target or forced != "auto":
+            return
+        now = ctx.clock.now()
+        if target == self.checked_for and now - self.checked_at < RECHECK_S:
+            return
+        asked = [p for p in ctx.table.alive() if ctx.table.dialable(p)][:3]
+        if not asked:
+            self.settled_since = None
+            return
+        # Before asking fewer than three, give the swarm a few heartbeats to introduce the rest:
+        # the first peer to answer us must not decide alone.
+        self.settled_since = self.settled_since if self.settled_since is not None else now
+        if len(asked) < 3 and now - self.settled_since < SETTLE_HEARTBEATS * ctx.cfg.heartbeat_s:
+            return
+        verdict = await self.check(target, asked)
+        self.checked_for, self.checked_at = target, now if verdict != "unknown" else now - RECHECK_S + RETRY_S
+        if verdict != "unknown":
+            self.decide(verdict, target)
 
-    async def ask(self, address: str) -> pb.ReachResponse | None:
+    def decide(self, verdict: str, target: str) -> None:
+        """Apply a verdict about `target`: advertise it (reachable), or take part through
+        sessions (unreachable); tell peers at once."""
         ctx = self.ctx
+        if verdict == "yes" and self.learning and not self.certified(target):
+            verdict = "no"  # peers could not check our certificate at that host
+        advertise = target if verdict == "yes" or not self.learning else ""
+        if (verdict, advertise) == self.decided:
+            return
+        self.decided = (verdict, advertise)
+        ctx.reachable, ctx.advertise = verdict, advertise
+        ctx.faults.self_address = advertise
+        if verdict == "yes":
+            logger.info("reachable: peers dial this node at %s", target,
+                        extra=fields("reachability", reachable=True, address=target))
+        else:
+            port = target.rpartition(":")[2]
+            logger.info("not reachable from the internet (peers cannot dial %s); taking part through sessions to "
+                        "reachable members. Forwarding TCP port %s to this machine (and --advertise with the "
+                        "public address) would let it serve others too (docs/volunteer.md)", target, port,
+                        extra=fields("reachability", reachable=False, address=target))
+        self.on_change()
+
+    def certified(self, target: str) -> bool:
+        """Under mutual TLS, a learned host must be one our certificate names."""
+        tls = self.ctx.security.tls_files
+        if tls is None:
+            return True
+        from neuronode.security.certs import cert_hosts
+
+        host, hosts = host_of(target), cert_hosts(Path(tls[0]))
+        if host in hosts:
+            return True
+        if self._said_tls != host:
+            self._said_tls = host
+            logger.error("peers see this node at %s, but --tls-cert is valid for %s only: not advertising it; "
+                         "issue a certificate with --host %s, or set --advertise", host, ", ".join(hosts), host)
+        return False
+
+    async def check(self, target: str, asked: list) -> str:  # type: ignore[type-arg]
+        """Ask `asked` (up to three live peers) to dial us back at `target`; the verdict needs a
+        quorum of them (neuronode.swarm.trust.reachability)."""
+        answers = await asyncio.gather(*(self.ask(p.address, target) for p in asked))
+        said = [(peer, resp) for peer, resp in zip(asked, answers, strict=True) if resp is not None]
+        verdict = reachability(resp.reachable for _, resp in said)
+        if verdict == "unknown" and said:
+            logger.warning("reachability: peers disagree whether they can dial us back at %s (%s); not deciding",
+                           target, ", ".join(f"{p.node_id}: {'yes' if r.reachable else 'no'}" for p, r in said),
+                           extra=fields("reachability", reachable=None, address=target))
+        return verdict
+
+    async def ask(self, address: str, target: str) -> pb.ReachResponse | None:
+        ctx = self.ctx
+        request = pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id,
+                                  address=target if target != ctx.advertise else "")
         try:
             return await ctx.channels.stub(address).CheckReachable(
-                ctx.security.sign_request("CheckReachable", pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id)), timeout=15,
+                ctx.security.sign_request("CheckReachable", request), timeout=15,
                 metadata=ctx.security.metadata("CheckReachable"))
         except grpc.aio.AioRpcError:
             return None
 
-    async def dial_back(self, node_id: str, caller_host: str) -> pb.ReachResponse:
+    # ---- serving dial-backs ----------------------------------------------------------------------
+
+    async def dial_back(self, node_id: str, caller_host: str, address: str = "") -> pb.ReachResponse:
         """Serve CheckReachable: dial a live member back at the address it advertised in its own
-        Hello, only if that address is the host the call came from (never another machine: no
-        scanning through us), at most once a minute per member; answer yes or no, nothing more."""
+        Hello (or the one it asks about, before it advertises it), only if that address is the
+        host the call came from (never another machine: no scanning through us), at most once a
+        minute per member; answer yes or no, nothing more."""
         ctx = self.ctx
         peer = ctx.table.peers.get(node_id)
         if peer is None or not ctx.table.is_alive(peer):
             raise Refusal("FAILED_PRECONDITION", "say Hello first: only live members are dialed back")
-        host = peer.address.rpartition(":")[0].strip("[]")
-        if caller_host not in await self.resolve(host):
-            raise Refusal("PERMISSION_DENIED", f"you advertise {peer.address[:MAX_ADDRESS_CHARS]}, but call from "
+        address = address or peer.address
+        if len(address) > MAX_ADDRESS_CHARS or not address.rpartition(":")[2].isdigit():
+            raise Refusal("INVALID_ARGUMENT", "the address to dial back must be HOST:PORT")
+        if caller_host not in await self.resolve(host_of(address)):
+            raise Refusal("PERMISSION_DENIED", f"you ask about {address[:MAX_ADDRESS_CHARS]}, but call from "
                           f"{caller_host}; a node is dialed back only at the host it calls from")
         now = ctx.clock.now()
         if now - self._dialbacks.get(node_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
@@ -82,13 +212,13 @@ class Reach:
         self._dialbacks[node_id] = now
         for old in [k for k, t in self._dialbacks.items() if now - t >= DIAL_BACK_EVERY_S]:
             del self._dialbacks[old]
-        channel = ctx.security.channel(peer.address)
+        channel = ctx.security.channel(address)
         try:
             await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=5,
                                                    metadata=ctx.security.metadata("Status"))
-            return pb.ReachResponse(reachable=True, address=peer.address)
+            return pb.ReachResponse(reachable=True, address=address)
         except grpc.aio.AioRpcError:
-            return pb.ReachResponse(reachable=False, address=peer.address)
+            return pb.ReachResponse(reachable=False, address=address)
         finally:
             await channel.close()
 

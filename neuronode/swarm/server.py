@@ -78,6 +78,12 @@ class Channels:
             f"{NODE_SERVICE_PREFIX}FetchContribution", request_serializer=pb.ContributionRequest.SerializeToString,
             response_deserializer=None)
 
+    def session_call(self, address: str) -> Any:
+        """Session: a long-lived stream of what a reachable member sends a node it cannot dial."""
+        return self.channel(address).unary_stream(
+            f"{NODE_SERVICE_PREFIX}Session", request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionMessage.FromString)
+
     def pop(self, address: str) -> grpc.aio.Channel | None:
         """Stop keeping the channel to `address`; the caller closes what comes back."""
         return self._channels.pop(address, None)

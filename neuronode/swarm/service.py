@@ -67,7 +67,8 @@ class NodeService(pb_grpc.NodeServicer):
             await self.admission.refuse(context, Refusal("RESOURCE_EXHAUSTED", str(exc)), "hello")
         except Refusal as exc:
             await self.admission.refuse(context, exc, "hello")
-        resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers())
+        resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers(),
+                                observed_address=context.peer().split(":", 1)[-1])  # where the caller's connection comes from
         ctx.security.sign_hello(resp)
         return resp
 
@@ -130,7 +131,7 @@ class NodeService(pb_grpc.NodeServicer):
             peer = self.ctx.table.peers.get(request.node_id)
             if peer is not None and peer.public_key:
                 await self.check_signed(context, "CheckReachable", request, peer.public_key)
-            return await self.reach.dial_back(request.node_id, caller_host(context))
+            return await self.reach.dial_back(request.node_id, caller_host(context), request.address)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "reachability check")
             raise  # unreachable: refuse raises

@@ -39,6 +39,7 @@ from neuronode.swarm.membership import member_views, round_peers
 from neuronode.swarm.missed import Missed
 from neuronode.swarm.receipts import EQUIVOCATION_BAN_S, Receipts
 from neuronode.swarm.security import caller_id
+from neuronode.swarm.sessions import SessionClosed, Sessions
 from neuronode.swarm.wire import PB_TO_CODEC, Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -113,6 +114,10 @@ class GrpcTransport:
         self._publish = publish_receipt
         self._outbox: dict[tuple[Phase, int], Outbox] = {}
         self.missed = Missed(self)
+        self.sessions: Sessions | None = None  # set by the node: sessions we carry for undialable members
+
+    def carries(self, peer_id: str) -> bool:
+        return self.sessions is not None and peer_id in self.sessions.carried
 
     # ---- averaging.Transport ------------------------------------------------------------------
 
@@ -181,16 +186,16 @@ class GrpcTransport:
             if now >= box.deadline:
                 continue
             for peer in self.ctx.table.alive():
-                if peer.node_id in box.pushed:
-                    continue
+                if peer.node_id in box.pushed or not (peer.address or self.carries(peer.node_id)):
+                    continue  # no address to dial yet (it is learning it), and no session
                 if box.targets is None and peer.round + lag < round_id:
                     continue  # behind: it will catch up by state transfer instead
                 listener = phase == Phase.AVERAGED and peer.contributes_from == round_id + 1
                 if box.targets is not None and peer.node_id not in box.targets and not listener:
                     continue  # reduce-scatter: members, plus listeners for the averaged shards
                 out = box.for_peer(peer.node_id)
-                if out is None:
-                    continue
+                if out is None or (not peer.reachable and not self.carries(peer.node_id)):
+                    continue  # nobody dials it: it gets this once its session is up
                 box.pushed.add(peer.node_id)
                 self.ctx.tasks.spawn(self.push(peer.node_id, peer.address, out, box),
                                      f"push-r{round_id}-p{int(phase)}-{peer.node_id}")
@@ -205,15 +210,21 @@ class GrpcTransport:
                 await asyncio.sleep(ctx.faults.before_call(address))
                 ctx.upload_meter.begin(ctx.clock.now())
                 try:
-                    await ctx.channels.push_call(address)(
-                        self.chunks(peer_id, address, out, box.cache(out)), timeout=remaining,
-                        metadata=ctx.security.metadata("PushContribution"))
+                    if self.carries(peer_id):  # it cannot be dialed: over the session it holds to us
+                        await asyncio.wait_for(self.sessions.push(peer_id, self.chunks(  # type: ignore[union-attr]
+                            peer_id, address, out, box.cache(out))), timeout=remaining)
+                    else:
+                        await ctx.channels.push_call(address)(
+                            self.chunks(peer_id, address, out, box.cache(out)), timeout=remaining,
+                            metadata=ctx.security.metadata("PushContribution"))
                     sent = out.frame_bytes
                 finally:
                     ctx.upload_meter.end(ctx.clock.now(), sent)
                 logger.debug("round %d: sent our %s to %s", out.round_id, out.phase.label, peer_id,
                              extra=fields("pushed", round_id=out.round_id, peer_id=peer_id, phase=out.phase.name.lower()))
                 return
+            except (SessionClosed, TimeoutError) as exc:
+                logger.debug("%s over its session failed (%s); retrying", what, exc)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in FINAL_CODES:
                     logger.warning("round %d: peer %s refused our contribution: %s", out.round_id, peer_id,

@@ -9,9 +9,11 @@ other member is not believed at all. Pure functions of what the peer table holds
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from neuronode.config import is_loopback_host
 from neuronode.swarm.membership import Peer, believable
 
 
@@ -68,3 +70,17 @@ def reachability(answers: Iterable[bool]) -> str:
     if need and said.count(False) >= need:
         return "no"
     return "unknown"
+
+
+def agreed_host(observed: Mapping[str, str]) -> str | None:
+    """The host our peers see our connections come from (`observed`: peer id -> host): the one
+    a quorum of them agree on, the most common first. A loopback host counts only when every
+    peer sees us there (all on our machine): a peer elsewhere must never be told to dial
+    127.0.0.1. None while they disagree, or before any peer answered."""
+    hosts = list(observed.values())
+    remote = [h for h in hosts if not is_loopback_host(h)]
+    pool = remote or hosts
+    if not pool:
+        return None
+    (best, count), *_ = sorted(Counter(pool).items(), key=lambda kv: (-kv[1], kv[0]))
+    return best if count >= quorum(len(pool)) else None

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Reachability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REACHABILITY_UNSPECIFIED: _ClassVar[Reachability]
+    REACHABILITY_YES: _ClassVar[Reachability]
+    REACHABILITY_NO: _ClassVar[Reachability]
+
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CODEC_UNSPECIFIED: _ClassVar[Codec]
@@ -27,6 +33,9 @@ class StatePart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_PART_UNSPECIFIED: _ClassVar[StatePart]
     STATE_PART_PARAMS: _ClassVar[StatePart]
     STATE_PART_MOMENTUM: _ClassVar[StatePart]
+REACHABILITY_UNSPECIFIED: Reachability
+REACHABILITY_YES: Reachability
+REACHABILITY_NO: Reachability
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
@@ -41,7 +50,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "settings", "public_key", "receipts", "echoes", "disputed")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "settings", "public_key", "receipts", "echoes", "disputed", "reachable")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +66,7 @@ class NodeInfo(_message.Message):
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     ECHOES_FIELD_NUMBER: _ClassVar[int]
     DISPUTED_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -72,7 +82,8 @@ class NodeInfo(_message.Message):
     receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
     echoes: _containers.RepeatedCompositeFieldContainer[ReceiptEcho]
     disputed: _containers.RepeatedCompositeFieldContainer[Receipt]
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., echoes: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ..., disputed: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ...) -> None: ...
+    reachable: Reachability
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., echoes: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ..., disputed: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., reachable: _Optional[_Union[Reachability, str]] = ...) -> None: ...
 
 class Statement(_message.Message):
     __slots__ = ("sender_id", "phase", "shard_index", "lineage", "body", "signature", "public_key")
@@ -169,18 +180,20 @@ class HelloRequest(_message.Message):
     def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s", "signature")
+    __slots__ = ("info", "known_peers", "auth_tag", "timestamp_s", "signature", "observed_address")
     INFO_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
     AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     info: NodeInfo
     known_peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
     auth_tag: str
     timestamp_s: int
     signature: bytes
-    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    observed_address: str
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., observed_address: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
@@ -272,6 +285,30 @@ class ContributionRequest(_message.Message):
     body: bytes
     def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    swarm_id: str
+    timestamp_s: int
+    signature: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SessionMessage(_message.Message):
+    __slots__ = ("hello", "chunk", "stream", "end")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    hello: HelloResponse
+    chunk: bytes
+    stream: int
+    end: bool
+    def __init__(self, hello: _Optional[_Union[HelloResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., stream: _Optional[int] = ..., end: _Optional[bool] = ...) -> None: ...
+
 class StateRequest(_message.Message):
     __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -323,16 +360,18 @@ class StateChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., part: _Optional[_Union[StatePart, str]] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     timestamp_s: int
     signature: bytes
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ReachResponse(_message.Message):
     __slots__ = ("reachable", "address", "detail")
@@ -361,7 +400,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +424,8 @@ class StatusResponse(_message.Message):
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_BYTES_BOUND_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -408,4 +449,6 @@ class StatusResponse(_message.Message):
     reachable: str
     buffered_bytes: int
     buffered_bytes_bound: int
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ...) -> None: ...
+    observed_address: str
+    sessions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ...) -> None: ...

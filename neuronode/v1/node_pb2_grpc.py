@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=neuronode_dot_v1_dot_node__pb2.ContributionRequest.SerializeToString,
                 response_deserializer=neuronode_dot_v1_dot_node__pb2.ContributionChunk.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/neuronode.v1.Node/Session',
+                request_serializer=neuronode_dot_v1_dot_node__pb2.SessionRequest.SerializeToString,
+                response_deserializer=neuronode_dot_v1_dot_node__pb2.SessionMessage.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -123,6 +128,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request, context):
+        """A long-lived stream to a node peers cannot dial: what we would send it by dialing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +172,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.FetchContribution,
                     request_deserializer=neuronode_dot_v1_dot_node__pb2.ContributionRequest.FromString,
                     response_serializer=neuronode_dot_v1_dot_node__pb2.ContributionChunk.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=neuronode_dot_v1_dot_node__pb2.SessionRequest.FromString,
+                    response_serializer=neuronode_dot_v1_dot_node__pb2.SessionMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +368,33 @@ class Node:
             '/neuronode.v1.Node/FetchContribution',
             neuronode_dot_v1_dot_node__pb2.ContributionRequest.SerializeToString,
             neuronode_dot_v1_dot_node__pb2.ContributionChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/neuronode.v1.Node/Session',
+            neuronode_dot_v1_dot_node__pb2.SessionRequest.SerializeToString,
+            neuronode_dot_v1_dot_node__pb2.SessionMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,62 @@
+"""Sessions (issue 16): a node peers cannot dial takes part through sessions it opens to
+reachable members, and nobody dials it. Real SwarmNodes on 127.0.0.1:0; `--reachable no` stands
+in for a NAT here (tests/test_nat.py puts a node behind a real one)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from helpers import Nodes, encode, wait_until
+
+from neuronode.averaging import AllToAll, AveragingConfig, Prepared
+from neuronode.codec import ContributionEncoder, EncoderConfig
+from neuronode.diloco import average
+from neuronode.swarm.trust import agreed_host
+from neuronode.v1 import node_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 10_000
+
+
+def alive_ids(node: object) -> set[str]:
+    return {p.node_id for p in node.table.alive()}  # type: ignore[attr-defined]
+
+
+async def exchange(node: object, seed: int) -> object:
+    cfg = node.cfg  # type: ignore[attr-defined]
+    encoder = ContributionEncoder(EncoderConfig(codec="fp32", chunk_bytes=4096, zstd_level=1, byte_shuffle=False),
+                                  n_elements=N, sender_id=cfg.node_id)
+    protocol = AllToAll(AveragingConfig(node_id=cfg.node_id, codec="fp32", n_elements=N, sync_timeout_s=20.0,
+                                        min_contributors=3),
+                        transport=node.transport, encoder=encoder, encoder_pool=node.ctx.executor,  # type: ignore[attr-defined]
+                        aggregate=average, executor=node.ctx.executor)  # type: ignore[attr-defined]
+    own = encode(cfg.node_id, torch.randn(N, generator=torch.Generator().manual_seed(seed)))
+    return await protocol.exchange(Prepared(round_id=0, parts=[own], compensated=own.data.decode()))
+
+
+async def test_a_node_nobody_can_dial_averages_over_its_sessions_and_is_never_dialed(nodes: Nodes) -> None:
+    a = await nodes.start("a", n_elements=N)
+    b = await nodes.start("b", peers=[a.advertise], n_elements=N)
+    home = await nodes.start("home", peers=[a.advertise], n_elements=N, reachable="no")
+    for node, others in ((a, {"b", "home"}), (b, {"a", "home"}), (home, {"a", "b"})):
+        await wait_until(lambda n=node, o=others: alive_ids(n) == o, what=f"{node.cfg.node_id} to know {others}")
+    await wait_until(lambda: home.status()["sessions"] == ["a", "b"], what="home's sessions to a and b")
+    assert home.peers.node_info().reachable == pb.REACHABILITY_NO
+    assert all(not n.table.peers["home"].reachable for n in (a, b))
+    results = await asyncio.gather(*(exchange(n, seed) for seed, n in enumerate((a, b, home))))
+    assert all(r.contributors == ["a", "b", "home"] for r in results)  # type: ignore[attr-defined]
+    assert all(torch.equal(r.vector, results[0].vector) for r in results)  # type: ignore[attr-defined]
+    # Nobody dialed home: no channel to its address anywhere, yet it heard everyone.
+    assert all(home.advertise not in n.ctx.channels._channels for n in (a, b))
+
+
+def test_the_host_peers_agree_on_needs_two_of_them_and_never_loopback_for_remote_peers() -> None:
+    assert agreed_host({}) is None
+    assert agreed_host({"a": "203.0.113.5"}) == "203.0.113.5"  # the only peer: its word is all there is
+    assert agreed_host({"a": "203.0.113.5", "b": "198.51.100.7"}) is None  # they disagree
+    assert agreed_host({"a": "203.0.113.5", "b": "203.0.113.5", "c": "198.51.100.7"}) == "203.0.113.5"
+    assert agreed_host({"a": "127.0.0.1", "b": "203.0.113.5"}) == "203.0.113.5"  # remote peers win
+    assert agreed_host({"a": "127.0.0.1", "b": "127.0.0.1"}) == "127.0.0.1"  # all on this machine
