@@ -358,7 +358,7 @@ def verdict(t: Target, method: str, msg: Message) -> set[Code]:
             else {Code.PERMISSION_DENIED}
     if method == "PushContribution":  # chunks of random bytes never match their digest
         return {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED,
-                Code.DATA_LOSS}
+                Code.DATA_LOSS, Code.UNAVAILABLE}
     assert isinstance(msg, pb.StateRequest | pb.ReachRequest | pb.ContributionRequest)
     member = msg.node_id in t.members | {PACER}
     # Only the pacer surely is alive: a member the fuzzer greeted once is dead a few seconds later
@@ -584,7 +584,7 @@ CODES = {
     "total_elements": {Code.INVALID_ARGUMENT}, "chunk_count": {Code.INVALID_ARGUMENT},
     "chunk_elements": {Code.INVALID_ARGUMENT}, "weight": {Code.INVALID_ARGUMENT},
     "codec": {Code.INVALID_ARGUMENT}, "round": {Code.FAILED_PRECONDITION},
-    "swarm": {Code.PERMISSION_DENIED}, "sender": {Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED},
+    "swarm": {Code.PERMISSION_DENIED}, "sender": {Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED, Code.UNAVAILABLE},
     "truncate": {Code.DATA_LOSS}, "empty": {Code.INVALID_ARGUMENT}, "duplicate": {Code.INVALID_ARGUMENT},
     "swap": {Code.INVALID_ARGUMENT}, "extra": {Code.INVALID_ARGUMENT}, "index": {Code.INVALID_ARGUMENT},
     "midstream": {Code.INVALID_ARGUMENT}, "shard": {Code.INVALID_ARGUMENT},

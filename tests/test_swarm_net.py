@@ -485,11 +485,18 @@ async def test_contribution_for_a_closed_round_is_refused(greeted: Client) -> No
     await greeted.assert_serving()
 
 
-async def test_push_without_hello_is_refused(client: Client) -> None:
+async def test_a_push_that_arrives_before_its_senders_hello_is_retried_not_lost(client: Client) -> None:
+    """The join race (issue 18): a sender that learned us by peer exchange pushed before its
+    Hello reached us, and got FAILED_PRECONDITION, which senders never retry: the contribution
+    was lost for good and the round waited for it forever. Now it is UNAVAILABLE ("say Hello
+    first"), the sender retries, and once its Hello arrives the same stream is taken."""
     status, details, _ = await client.push(honest_chunks())
-    assert status == Code.FAILED_PRECONDITION, details
-    assert "Hello" in details
+    assert status == Code.UNAVAILABLE and "Hello" in details, (status, details)
     assert ROGUE not in client.node.book.contributors(0)
+    await client.hello()  # the sender's Hello arrives
+    status, details, _ = await client.push(honest_chunks())
+    assert status == Code.OK, details
+    assert ROGUE in client.node.book.contributors(0)
     await client.assert_serving()
 
 
@@ -556,9 +563,10 @@ async def test_mismatched_hello_is_refused(
     assert keyword in (refused.value.details() or "")
     assert set(client.node.table.peers) == set()
     assert client.advertise not in client.node.table.addresses  # nor will it be dialed
-    # A refused peer stays a stranger: its contributions are refused too.
+    # A refused peer stays a stranger: its contributions are not taken (until a Hello of its is).
     status, details, _ = await client.push(honest_chunks())
-    assert status == Code.FAILED_PRECONDITION, details
+    assert status == Code.UNAVAILABLE and "say Hello first" in details, details
+    assert ROGUE not in client.node.book.contributors(0)
     await client.assert_serving()
 
 

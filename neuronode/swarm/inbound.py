@@ -84,8 +84,9 @@ class Inbound:
         whole payload; `abort` stops the stream if its round closes first or it idles)."""
         self.check_swarm(chunk)
         peer = self.ctx.table.peers.get(chunk.sender_id)
-        if peer is None or peer.left:
-            raise Refusal("FAILED_PRECONDITION", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first")
+        if peer is None or peer.left:  # it may have learned us by peer exchange before its Hello came: it retries
+            raise Refusal("UNAVAILABLE", f"unknown sender '{chunk.sender_id[:MAX_ID_CHARS]}': say Hello first "
+                          "(its contribution is taken once its Hello arrived)")
         if not self.ctx.table.is_alive(peer):  # transient: its next Hello makes it one (the sender retries)
             raise Refusal("UNAVAILABLE", f"sender '{chunk.sender_id[:MAX_ID_CHARS]}' is not a live member here yet "
                           "(contributions are taken from live members only); its Hello makes it one")
