@@ -70,13 +70,14 @@ def rounds_done(node: Node) -> dict[int, dict[str, Any]]:
 def test_nodes_without_advertise_learn_the_address_their_peers_see(tmp_path: Path, net: Net) -> None:
     hosts = [net.public_host(name) for name in ("a", "b", "c", "d")]
     bootstrap = f"{hosts[0].ip}:{PORT}"
-    nodes = [HostNode(tmp_path, h, *ARGS, "--rounds", "3", "--min-peers", "4", "--node-id", h.name,
-                      *(("--peers", bootstrap) if h.name != "a" else ())) for h in hosts]
+    # Rounds of about a second: a (no bootstrap) dials its peers only once they advertise.
+    nodes = [HostNode(tmp_path, h, *ARGS, "--rounds", "5", "--inner-steps", "300", "--min-peers", "4",
+                      "--node-id", h.name, *(("--peers", bootstrap) if h.name != "a" else ())) for h in hosts]
     run(nodes)
     where = {h.name: f"{h.ip}:{PORT}" for h in hosts}
     statuses = {n.name: n.status() for n in nodes}
     for name, status in statuses.items():
-        assert status["round"] == 3, status
+        assert status["round"] == 5, status
         assert status["advertise"] == where[name] and status["observed_address"] == where[name].split(":")[0], status
         assert status["reachable"] == "yes", status
         # Its peers are known (and dialed) at their real addresses, never at 127.0.0.1.

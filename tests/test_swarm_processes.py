@@ -266,3 +266,31 @@ def test_a_member_with_another_codec_is_refused_at_hello_and_the_others_finish(t
     statuses = [n.status() for n in (a, b)]
     assert all(s["round"] == 3 for s in statuses) and statuses[0]["param_digest"] == statuses[1]["param_digest"]
     assert all(e["contributors"] == ["a", "b"] for n in (a, b) for e in n.events("round_done"))
+
+
+def test_a_contribution_cut_on_one_link_is_fetched_and_every_round_averages_everyone(tmp_path: Path) -> None:
+    """Issue 18: a's pushes to b break after one chunk, every try. b closes each round without
+    a's contribution at its deadline (then no longer waits for it: a is late there), sees c's and
+    d's receipts list it, and fetches it from one of them: every member averages all four, every
+    round, with one digest and no repair (before, b averaged three and parted every round)."""
+    common = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--sync-timeout", "6",
+              "--chunk-bytes", "65536", "--min-peers", "4")
+    a = Node(tmp_path, "a", *common, "--node-id", "a")
+    b, c, d = (Node(tmp_path, n, *common, "--node-id", n, "--peers", a.address) for n in "bcd")
+    plan = tmp_path / "faults-a.json"
+    plan.write_text(json.dumps({"cut_after_chunks": 1, "cut_to": [b.address], "cut_phase": "whole"}))
+    nodes = [a, b, c, d]
+    try:
+        a.start("--fault-file", str(plan))
+        for node in (b, c, d):
+            node.start()
+        finish(nodes, 300)
+    finally:
+        for node in nodes:
+            node.kill()
+    for node in nodes:
+        assert not repairs(node), (node.name, node.log()[-3000:])
+        assert all(e["contributors"] == ["a", "b", "c", "d"] for e in done(node).values()), \
+            (node.name, {r: e["contributors"] for r, e in done(node).items()})
+    assert [e["sender"] for e in b.events("fetched")] == ["a"] * 3, b.log()[-3000:]
+    assert len({n.status()["param_digest"] for n in nodes}) == 1
