@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
-from helpers import Nodes, encode, wait_until
+from helpers import Nodes, encode, key_of, wait_until
 
 from neuronode.averaging import AllToAll, AveragingConfig, Prepared
 from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.diloco import average
+from neuronode.swarm.security import Security
 from neuronode.swarm.trust import agreed_host
 from neuronode.v1 import node_pb2 as pb
 
@@ -60,3 +62,24 @@ def test_the_host_peers_agree_on_needs_two_of_them_and_never_loopback_for_remote
     assert agreed_host({"a": "203.0.113.5", "b": "203.0.113.5", "c": "198.51.100.7"}) == "203.0.113.5"
     assert agreed_host({"a": "127.0.0.1", "b": "203.0.113.5"}) == "203.0.113.5"  # remote peers win
     assert agreed_host({"a": "127.0.0.1", "b": "127.0.0.1"}) == "127.0.0.1"  # all on this machine
+
+
+async def test_a_session_is_for_a_live_member_speaking_for_itself(nodes: Nodes) -> None:
+    """Session requests answer like the other signed requests: a stranger FAILED_PRECONDITION,
+    a member's request not signed by its key PERMISSION_DENIED."""
+    a = await nodes.start("a", n_elements=N)
+    await nodes.start("b", peers=[a.advertise], n_elements=N)
+    await wait_until(lambda: alive_ids(a) == {"b"}, what="a to know b")
+    cases = [(pb.SessionRequest(node_id="stranger", swarm_id=a.cfg.swarm_id), grpc.StatusCode.FAILED_PRECONDITION),
+             (pb.SessionRequest(node_id="b", swarm_id=a.cfg.swarm_id), grpc.StatusCode.PERMISSION_DENIED),
+             (Security(node_id="b", swarm_id=a.cfg.swarm_id, key=key_of("not-b")).sign_request(
+                 "Session", pb.SessionRequest(node_id="b", swarm_id=a.cfg.swarm_id)), grpc.StatusCode.PERMISSION_DENIED)]
+    async with grpc.aio.insecure_channel(a.advertise) as channel:
+        call = channel.unary_stream("/neuronode.v1.Node/Session", request_serializer=pb.SessionRequest.SerializeToString,
+                                    response_deserializer=pb.SessionMessage.FromString)
+        for request, code in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in call(request, timeout=10):
+                    pass
+            assert refused.value.code() == code, (request.node_id, refused.value.details())
+    assert not a.sessions.carried
