@@ -106,11 +106,13 @@ def add_bench_parser(sub: Any) -> None:
                       help="run the nodes as a closed swarm with this secret, to measure the cost of "
                            "authentication (default: none)")
     sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
-    from neuronode.bench import quality, stall, utilization  # stdlib-only modules: cheap to import
+    # stdlib-only modules at import time (swarm imports torch when it runs): cheap to import
+    from neuronode.bench import quality, stall, swarm, utilization
 
     quality.add_parser(kinds)
     utilization.add_parser(kinds)
     stall.add_parser(kinds)
+    swarm.add_parser(kinds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,8 +171,15 @@ def run_bench(args: argparse.Namespace, parser: Parser) -> int:
         from neuronode.bench import quality, stall, utilization
 
         result = {"quality": quality, "utilization": utilization, "stall": stall}[args.bench].run(args)
+    elif args.bench == "swarm":
+        from neuronode.bench import swarm
+
+        result = swarm.run(args)
+        if not args.json:  # the one benchmark with a table for a person
+            print(swarm.format_table(result))
+            return 0
     else:
-        raise UsageError("neuronode bench: choose a benchmark: sync, quality, utilization or stall")
+        raise UsageError("neuronode bench: choose a benchmark: sync, quality, utilization, stall or swarm")
     print(json.dumps(result, sort_keys=True))
     return 0
 

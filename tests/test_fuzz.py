@@ -306,7 +306,7 @@ def hello_verdict(t: Target, req: pb.HelloRequest) -> set[Code]:
               *(r.round for r in receipts), *(e.round for e in info.echoes))
     statements = [(r, st) for r in receipts for st in r.statements]
     oversized = (len(info.receipts) > 6 or len(info.disputed) > 8 or len(info.echoes) > 1024
-                 or any(r.phase not in (0, 2) or len(r.statements) > 256 or len(r.maker_id) > 128 for r in receipts)
+                 or any(r.phase not in (0, 2) or len(r.statements) > 1024 or len(r.maker_id) > 128 for r in receipts)
                  or any(len(st.sender_id) > 128 or st.shard_index >= 256 or st.phase != r.phase or len(st.lineage) != 32
                         or len(st.body) != 32 for r, st in statements)
                  or any(len(e.maker_id) > 128 or len(e.receipt_hash) != 32 for e in info.echoes))

@@ -25,6 +25,7 @@ leaves our replica apart; the repair rule then reconciles it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable
@@ -37,6 +38,11 @@ QUORUM = 2  # listings (by members other than the maker) that make a statement c
 
 def lineage_hash(base_digest: str, members: Iterable[str]) -> bytes:
     """What a contribution was made for: the parameters it started from and the members."""
+    return _lineage_hash(base_digest, tuple(members))
+
+
+@functools.lru_cache(maxsize=64)  # a round has one or two lineages, asked for once per contribution
+def _lineage_hash(base_digest: str, members: tuple[str, ...]) -> bytes:
     return hashlib.sha256(json.dumps([base_digest, list(members)], separators=(",", ":")).encode()).digest()
 
 

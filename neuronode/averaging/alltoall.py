@@ -57,8 +57,10 @@ class AllToAll(Averaging):
             timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
             on_extend=sending.extend, fetchable=lambda: listed(self.transport.receipts(round_id, Phase.WHOLE)))
         got = same_lineage(got, own.lineage)
-        got = await self.agree(round_id, Phase.WHOLE, got, lambda: self.transport.round_peers(round_id) | set(got),
-                               lineage=lineage_hash(*own.lineage), publish=True)
+        # The round's members as it closed: one that appears later (a joiner, a ghost) has no receipt to wait for.
+        members = self.transport.round_peers(round_id) | set(got)
+        got = await self.agree(round_id, Phase.WHOLE, got, lambda: members, lineage=lineage_hash(*own.lineage),
+                               publish=True)
         waited = elapsed(started)
         if not got:  # not even ours counts (it reached too few members): no update, as for everyone
             return replace(self.nothing_heard(round_id), encode_s=prepared.encode_s, exchange_s=waited, sent=[own])
@@ -72,7 +74,8 @@ class AllToAll(Averaging):
         got = await self.listened(round_id, Phase.WHOLE, base_digest)
         if not got:
             return self.nothing_heard(round_id)
-        got = await self.agree(round_id, Phase.WHOLE, got, lambda: self.transport.round_peers(round_id) | set(got),
+        members = self.transport.round_peers(round_id) | set(got)
+        got = await self.agree(round_id, Phase.WHOLE, got, lambda: members,
                                lineage=lineage_hash(*next(iter(got.values())).lineage), publish=False)
         if not got:
             return self.nothing_heard(round_id)

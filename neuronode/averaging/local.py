@@ -45,6 +45,8 @@ class LocalSwarm:
         # (maker, receiver) -> the receipt that receiver sees instead of what maker published (a liar)
         self.told: dict[tuple[str, str], Receipt] = {}
         self.fetches = 0  # contributions members fetched from one another
+        self.receipts_published = 0  # receipts members published
+        self.receipts_delivered = 0  # each published receipt once per other live member (who may read it)
         # (sender, receiver) -> the contribution that receiver gets instead of what sender sent (a liar)
         self.forged: dict[tuple[str, str], Contribution] = {}
 
@@ -165,6 +167,8 @@ class LocalTransport:
 
     def publish_receipt(self, receipt: Receipt) -> None:
         self.member.receipts[(receipt.round_id, receipt.phase)] = receipt
+        self.swarm.receipts_published += 1
+        self.swarm.receipts_delivered += sum(m.alive and m is not self.member for m in self.swarm.members.values())
         self.swarm.notify_all()
 
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:

@@ -154,17 +154,20 @@ class Averaging:
     async def wait_for_receipts(self, round_id: int, phase: Phase, members: Callable[[], Iterable[str]]) -> None:
         """Until every member still in the round published its receipt, or the deadline. A member
         whose receipt did not come is late: no round waits for its receipt again until one comes
-        in time. (We wait even for a member whose contribution missed the deadline: what counts
-        depends on who published a receipt, so deciding before one that is coming could part us
-        from the members that got it.)"""
+        in time. Nor do we wait for a member whose contribution missed this phase's deadline (in
+        a swarm of two or three whose links fail both ways, members may then decide on
+        different sets of receipts and part; the repair rule reconciles them)."""
         book = self.transport.book
         deadline = self.clock.now() + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s
         while True:
             changed = book.changed()
             views = self.transport.member_views(round_id, phase, members())
             self.late_receipts -= {v.member for v in views if v.has_receipt}  # it came in time
+            # A member whose contribution missed this phase's deadline is slow or silent: waiting
+            # for its receipt too would cost a second deadline (its receipt counts if it comes).
+            late = self.late_receipts | {sender for ph, sender in book.late if ph == phase}
             waiting = sorted(v.member for v in views if v.present and not v.has_receipt and not v.past_round
-                             and v.member not in self.late_receipts)
+                             and v.member not in late)
             now = self.clock.now()
             if not waiting:
                 return

@@ -22,6 +22,7 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import derived_id, is_derived
 from neuronode.swarm.context import Context
+from neuronode.swarm.membership import MAX_MEMBERS
 from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -61,13 +62,13 @@ def check_sizes(info: pb.NodeInfo) -> None:
     """Refuse a Hello whose receipts, echoes or disputes exceed what an honest node sends."""
     receipts = [*info.receipts, *info.disputed]
     if (len(info.receipts) > MAX_RECEIPTS or len(info.disputed) > MAX_DISPUTED or len(info.echoes) > MAX_ECHOES
-            or any(r.phase not in (Phase.WHOLE, Phase.AVERAGED) or len(r.statements) > MAX_PEERS_LISTED
+            or any(r.phase not in (Phase.WHOLE, Phase.AVERAGED) or len(r.statements) > MAX_MEMBERS
                    or len(r.maker_id) > MAX_ID_CHARS for r in receipts)
             or any(len(s.sender_id) > MAX_ID_CHARS or s.shard_index >= MAX_PEERS_LISTED or s.phase != r.phase
                    or len(s.lineage) != 32 or len(s.body) != 32 for r in receipts for s in r.statements)
             or any(len(e.maker_id) > MAX_ID_CHARS or len(e.receipt_hash) != 32 for e in info.echoes)):
         raise Refusal("INVALID_ARGUMENT", f"hello carries at most {MAX_RECEIPTS} receipts of at most "
-                      f"{MAX_PEERS_LISTED} statements (whole or averaged phase, 32-byte hashes), "
+                      f"{MAX_MEMBERS} statements (whole or averaged phase, 32-byte hashes), "
                       f"{MAX_ECHOES} echoes and {MAX_DISPUTED} disputed receipts")
 
 
