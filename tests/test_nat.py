@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import FORKS, NODE_DEFAULTS, Forked, Node, finish, poll, run_cli
+from helpers import FORKS, NODE_DEFAULTS, Forked, Node, finish, poll, run_cli, run_to_end
 from netns import Host, Net, enter_namespace, net_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -53,16 +53,6 @@ class HostNode(Node):
         return super().status()
 
 
-def run(nodes: list[HostNode], timeout_s: float = 240) -> None:
-    try:
-        for node in nodes:
-            node.start()
-        finish(nodes, timeout_s)
-    finally:
-        for node in nodes:
-            node.kill()
-
-
 def rounds_done(node: Node) -> dict[int, dict[str, Any]]:
     return {e["round"]: e for e in node.events("round_done")}
 
@@ -73,7 +63,7 @@ def test_nodes_without_advertise_learn_the_address_their_peers_see(tmp_path: Pat
     # Rounds of about a second: a (no bootstrap) dials its peers only once they advertise.
     nodes = [HostNode(tmp_path, h, *ARGS, "--rounds", "5", "--inner-steps", "300", "--min-peers", "4",
                       "--node-id", h.name, *(("--peers", bootstrap) if h.name != "a" else ())) for h in hosts]
-    run(nodes)
+    run_to_end(nodes, 240)
     where = {h.name: f"{h.ip}:{PORT}" for h in hosts}
     statuses = {n.name: n.status() for n in nodes}
     for name, status in statuses.items():
@@ -92,7 +82,7 @@ def test_a_home_member_behind_nat_averages_every_round_through_its_sessions(tmp_
     nodes = [HostNode(tmp_path, p1, *common, "--node-id", "p1"),
              HostNode(tmp_path, p2, *common, "--node-id", "p2", "--peers", bootstrap),
              HostNode(tmp_path, home, *common, "--node-id", "home", "--peers", bootstrap)]
-    run(nodes)
+    run_to_end(nodes, 240)
     statuses = {n.name: n.status() for n in nodes}
     assert all(s["round"] == 5 for s in statuses.values()), statuses
     assert len({s["param_digest"] for s in statuses.values()}) == 1, statuses

@@ -4,6 +4,7 @@ a refusal is answered (a status code, a message a person can act on, a strike fo
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import grpc
 
@@ -12,6 +13,7 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.tls import peer_common_name
 from neuronode.swarm.context import Context
+from neuronode.swarm.membership import Peer
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import MAX_ID_CHARS, STATUS_CODES, Refusal
 
@@ -23,6 +25,23 @@ STRIKE_CODES = ("INVALID_ARGUMENT", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENT
 def caller_host(context: grpc.aio.ServicerContext) -> str:
     """The caller's IP from gRPC's peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5")."""
     return context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+def member_request(ctx: Context, method: str, request: Any, proven_id: str, what: str) -> Peer:
+    """The live member a signed request (FetchContribution, Session) speaks for; raises Refusal
+    for a stranger, a request for another id than the caller proved, or one not signed by the
+    member's key. `what` says what is served ("contributions are served", ...)."""
+    peer = ctx.table.peers.get(request.node_id)
+    if request.swarm_id != ctx.cfg.swarm_id or peer is None or not ctx.table.is_alive(peer):
+        raise Refusal("FAILED_PRECONDITION", f"{what} to live members only: say Hello first")
+    if ctx.security.secret and proven_id != request.node_id:
+        raise Refusal("PERMISSION_DENIED", f"a node calls {method} as itself only")
+    try:
+        ctx.security.check_request_signature(method, request, peer.public_key)
+    except AuthError as exc:
+        raise Refusal("PERMISSION_DENIED", f"{exc}: a {method} request speaks for "
+                      f"{request.node_id[:MAX_ID_CHARS]!r}, signed by that node's key only") from None
+    return peer
 
 
 class Admission:

@@ -21,8 +21,7 @@ import grpc
 from neuronode.averaging.agreement import Statement, statement_of
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
-from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission
+from neuronode.swarm.admission import Admission, member_request
 from neuronode.swarm.chunks import header_of, serialize_chunk
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
@@ -138,17 +137,7 @@ class Missed:
 
     def admit(self, request: pb.ContributionRequest, proven_id: str) -> Contribution:
         """The contribution a live member asks for; raises Refusal otherwise."""
-        ctx = self.ctx
-        peer = ctx.table.peers.get(request.node_id)
-        if request.swarm_id != ctx.cfg.swarm_id or peer is None or not ctx.table.is_alive(peer):
-            raise Refusal("FAILED_PRECONDITION", "contributions are served to live members only: say Hello first")
-        if ctx.security.secret and proven_id != request.node_id:
-            raise Refusal("PERMISSION_DENIED", "a node fetches contributions as itself only")
-        try:
-            ctx.security.check_request_signature("FetchContribution", request, peer.public_key)
-        except AuthError as exc:
-            raise Refusal("PERMISSION_DENIED", f"{exc}: a FetchContribution request speaks for "
-                          f"{request.node_id[:MAX_ID_CHARS]!r}, signed by that node's key only") from None
+        member_request(self.ctx, "FetchContribution", request, proven_id, "contributions are served")
         if self.serving.get(request.node_id, 0) >= MAX_FETCHES_PER_CALLER:
             raise Refusal("RESOURCE_EXHAUSTED", f"{MAX_FETCHES_PER_CALLER} contribution fetches of yours are "
                           "already streaming here; fetch the next once one finished")

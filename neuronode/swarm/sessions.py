@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from neuronode.events import fields
-from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission
+from neuronode.swarm.admission import Admission, member_request
 from neuronode.swarm.context import Context
 from neuronode.swarm.security import caller_id
-from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
+from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 
 if TYPE_CHECKING:
@@ -94,17 +93,7 @@ class Sessions:
                                                     response_serializer=pb.SessionMessage.SerializeToString)
 
     def admit(self, request: pb.SessionRequest, proven_id: str) -> None:
-        ctx = self.ctx
-        peer = ctx.table.peers.get(request.node_id)
-        if request.swarm_id != ctx.cfg.swarm_id or peer is None or not ctx.table.is_alive(peer):
-            raise Refusal("FAILED_PRECONDITION", "sessions are for live members only: say Hello first")
-        if ctx.security.secret and proven_id != request.node_id:
-            raise Refusal("PERMISSION_DENIED", "a node opens a session as itself only")
-        try:
-            ctx.security.check_request_signature("Session", request, peer.public_key)
-        except AuthError as exc:
-            raise Refusal("PERMISSION_DENIED", f"{exc}: a Session request speaks for "
-                          f"{request.node_id[:MAX_ID_CHARS]!r}, signed by that node's key only") from None
+        member_request(self.ctx, "Session", request, proven_id, "sessions are carried")
         if len(self.carried) >= MAX_SESSIONS and request.node_id not in self.carried:
             raise Refusal("RESOURCE_EXHAUSTED", f"this node carries {MAX_SESSIONS} sessions, its most; "
                           "open one to another reachable member")
