@@ -21,6 +21,7 @@ from neuronode.swarm import statesync
 from neuronode.swarm.context import Tasks
 from neuronode.swarm.membership import Peer, plan_catch_up
 from neuronode.swarm.node import SwarmNode
+from neuronode.swarm.trust import closed_without_us
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,6 +76,18 @@ async def test_one_member_claiming_it_closed_our_round_does_not_make_us_stand_as
 
 def peer(node_id: str, round_id: int, digests: dict[int, str]) -> Peer:
     return Peer(node_id=node_id, address=f"{node_id}:1", round=round_id, digests=digests, last_seen=1.0)
+
+
+def test_a_liar_claiming_our_round_closed_before_the_others_published_is_not_believed() -> None:
+    """We finished round 3 first: the honest peers have not published their round-3 digest
+    yet, and the liar claims it closed round 3 with our digest. The quorum counted only peers
+    that had published our digest (the liar alone: one of one), so we stood aside, listened to
+    the liar, and under --min-peers the others waited for us forever (a CI run did that)."""
+    honest = [peer(n, 3, {2: "d2"}) for n in ("b", "c", "d")]  # still closing round 2 -> 3
+    liar = peer("liar", 4, {2: "d2", 3: "d3"})
+    assert closed_without_us(3, "d3", [*honest, liar]) == []
+    honest[0] = peer("b", 4, {2: "d2", 3: "d3"})  # a member really closed it: now two say so
+    assert closed_without_us(3, "d3", [*honest, liar]) == ["b", "liar"]
 
 
 def test_a_round_claimed_far_ahead_of_every_other_member_is_not_believed() -> None:

@@ -25,12 +25,13 @@ def quorum(others: int) -> int:
 def closed_without_us(round_id: int, own_digest: str | None, peers: list[Peer]) -> list[str]:
     """Peers of our lineage (our digest at the start of `round_id`) that claim to have closed
     `round_id` already, when enough of them say so to stand aside: at least a quorum of the live
-    peers of our lineage (one liar claiming it alone changes nothing). [] otherwise."""
+    peers (one liar claiming it alone changes nothing, even while the others have not yet
+    published where they are). [] otherwise."""
     if own_digest is None:
         return []
-    ours = [p for p in believable(peers) if p.digests.get(round_id) == own_digest]
-    closed = sorted(p.node_id for p in ours if p.round == round_id + 1)
-    return closed if closed and len(closed) >= quorum(len(ours)) else []
+    live = believable(peers)
+    closed = sorted(p.node_id for p in live if p.digests.get(round_id) == own_digest and p.round == round_id + 1)
+    return closed if closed and len(closed) >= quorum(len(live)) else []
 
 
 @dataclass(frozen=True)
