@@ -22,6 +22,7 @@ import grpc
 from neuronode.config import is_wildcard_host
 from neuronode.events import fields
 from neuronode.swarm.context import Context
+from neuronode.swarm.membership import Peer
 from neuronode.swarm.trust import agreed_host, reachability
 from neuronode.swarm.wire import MAX_ADDRESS_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -166,7 +167,7 @@ class Reach:
                          "issue a certificate with --host %s, or set --advertise", host, ", ".join(hosts), host)
         return False
 
-    async def check(self, target: str, asked: list) -> str:  # type: ignore[type-arg]
+    async def check(self, target: str, asked: list[Peer]) -> str:
         """Ask `asked` (up to three live peers) to dial us back at `target`; the verdict needs a
         quorum of them (neuronode.swarm.trust.reachability)."""
         answers = await asyncio.gather(*(self.ask(p.address, target) for p in asked))
