@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -136,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NeuronodeError as exc:
         print(f"neuronode: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # `neuronode status | head`: the reader left; no traceback, nothing more to write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def run_start(args: argparse.Namespace) -> int:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_neuronode
+from helpers import neuronode_cmd, run_neuronode
 
 from neuronode.cli import main
 from neuronode.config import NodeConfig, build_config, flag_name
@@ -128,3 +131,30 @@ def test_status_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     assert code == 1 and len(err.strip().splitlines()) == 1
     code, err = run_cli(capsys, "status", "--peer", "bad-address")
     assert code == 2 and "--peer" in err
+
+
+def test_status_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+    """`neuronode status | head`: the reader is gone before we write; no traceback."""
+    (tmp_path / "node_id").write_text("n1\n")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run(neuronode_cmd("status", "--data-dir", str(tmp_path), "--json"), stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    finally:
+        os.close(write)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_status_of_a_data_dir_reads_the_checkpoint_without_torch(tmp_path: Path) -> None:
+    """Scripts poll `status --data-dir`: it reads the checkpoint's meta only, without importing
+    torch (seconds per call on a busy machine)."""
+    from neuronode.node import checkpoint
+
+    checkpoint.save(tmp_path, 3, {"node_id": "n1", "round": 3}, {"w": [1.0]})
+    code = ("import sys\nfrom neuronode.cli import main\n"
+            f"assert main(['status', '--data-dir', {str(tmp_path)!r}, '--json']) == 0\n"
+            "assert 'torch' not in sys.modules, 'status imported torch'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert '"round": 3' in out.stdout

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from neuronode.errors import CheckpointError
 from neuronode.events import fields
 
@@ -48,6 +46,8 @@ def checkpoint_dir(data_dir: str | Path) -> Path:
 
 def encode(meta: dict[str, Any], state: dict[str, Any]) -> bytes:
     """Serialize meta + state into the checkpoint byte layout (digest included)."""
+    import torch  # here, not at the top: `neuronode status --data-dir` reads meta only, without torch
+
     buf = io.BytesIO()
     torch.save(state, buf)
     meta_b = json.dumps(meta, sort_keys=True).encode()
@@ -74,6 +74,8 @@ def decode(blob: bytes, *, name: str = "checkpoint", meta_only: bool = False) ->
         raise CheckpointError(f"{name} has an inconsistent length")
     if meta_only:
         return meta, {}
+    import torch
+
     state = torch.load(io.BytesIO(body[pos:]), map_location="cpu", weights_only=False)
     return meta, state
 
