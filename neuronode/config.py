@@ -105,6 +105,9 @@ class NodeConfig:
     chunk_bytes: int = opt(1 << 20, "encoded bytes per contribution chunk")
     overlap: bool = opt(False, "sync round r in the background while round r+1 trains (one-round-delayed outer step)")
     max_upload_mbps: float = opt(0.0, "cap on what this node sends, in megabits per second (0: no cap)")
+    max_relay_mbps: float = opt(-1.0, "cap on what this node forwards between members nobody can dial (behind "
+                                "NAT), in megabits per second (-1: half of --max-upload-mbps, or no cap without "
+                                "one; 0: no cap)")
     sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
     min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
     heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
@@ -134,6 +137,10 @@ class NodeConfig:
     def authenticated(self) -> bool:
         """Whether peers must prove membership (shared secret and/or mutual TLS)."""
         return bool(self.secret_file or self.tls_cert)
+
+    def relay_mbps(self) -> float:
+        """--max-relay-mbps resolved: -1 is half of --max-upload-mbps (0, no cap, without one)."""
+        return self.max_upload_mbps / 2 if self.max_relay_mbps == -1 else self.max_relay_mbps
 
     def check_exposure(self) -> None:
         """Protected mode: without authentication, serve loopback only unless --open says so."""
@@ -171,6 +178,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "zstd_level": (lambda v: -1 <= v <= 22, "-1 (auto), 0 (off) or a level up to 22"),
     "round_seconds": (lambda v: v >= 0, "0 (off) or more"),
     "max_upload_mbps": (lambda v: v >= 0, "0 (no cap) or more"),
+    "max_relay_mbps": (lambda v: v == -1 or v >= 0, "-1 (half of --max-upload-mbps), 0 (no cap) or more"),
     "metrics_port": (lambda v: 0 <= v <= 65535, "a port between 1 and 65535, or 0 (off)"),
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "max_ids_per_host": (lambda v: v >= 1, "1 or more"),

@@ -54,7 +54,10 @@ def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
     for name in HONEST[1:3] if joiner else HONEST[1:]:
         nodes[name] = Node(tmp, name, *args, *min_peers, "--node-id", name, "--peers", h1.address)
     if behaviour:
-        nodes[LIAR] = Liar(tmp, LIAR, *args, "--node-id", LIAR, "--peers", h1.address, behaviour=behaviour)
+        # A liar the others wait for keeps in step with them (--min-peers too): one that ran
+        # ahead alone would finish its rounds and leave, and --min-peers would wait for good.
+        nodes[LIAR] = Liar(tmp, LIAR, *args, *(min_peers if accepted else ()), "--node-id", LIAR,
+                           "--peers", h1.address, behaviour=behaviour)
     try:
         for name, node in nodes.items():
             if name == LIAR and behaviour == "claim-closed":

@@ -369,6 +369,46 @@ async def test_reduce_scatter_equals_all_to_all_bit_for_bit(pools) -> None:  # n
     assert torch.equal(results[AllToAll][0].vector, results[ReduceScatter][0].vector)
 
 
+async def test_members_nobody_can_dial_send_slices_and_hear_averages_but_reduce_nothing(pools) -> None:  # noqa: ANN001
+    """Five members, d and e behind NAT: a, b and c reduce one shard each of everyone's slices;
+    d and e only send theirs and hear the averages. Every member ends with the average of all
+    five, bit for bit what all-to-all gives, without time passing (no deadline)."""
+    results = {}
+    for kind in (AllToAll, ReduceScatter):
+        swarm = Swarm(pools, kind, min_contributors=5)
+        swarm.local.undialable = {"d", "e"}
+        for name in "abcde":
+            swarm.join(name)
+        start = swarm.clock.now()
+        results[kind] = await asyncio.gather(*(swarm.round(n) for n in "abcde"))
+        assert identical(results[kind]) and results[kind][0].contributors == list("abcde"), results[kind][0]
+        assert swarm.clock.now() == start
+    assert torch.equal(results[AllToAll][0].vector, results[ReduceScatter][0].vector)
+    # Three shards, reduced by a, b and c; d and e sent slices only, and listed what they heard.
+    receipts = [r for m in swarm.local.members.values() for r in m.receipts.values()]
+    assert {(r.phase, r.maker) for r in receipts} == {(Phase.AVERAGED, n) for n in "abcde"}
+    assert {(s.sender, s.shard_index) for r in receipts for s in r.statements} == {("a", 0), ("b", 1), ("c", 2)}
+
+
+async def test_reduce_scatter_waits_while_no_member_can_be_dialed(pools) -> None:  # noqa: ANN001
+    """Everyone behind NAT: nobody could reduce, so the round waits (saying why), and goes on
+    once a member peers can dial joins."""
+    swarm = Swarm(pools, ReduceScatter, min_contributors=2)
+    swarm.local.undialable = {"d", "e"}
+    for name in "de":
+        swarm.join(name)
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "de"]
+    await until("both waiting", lambda: swarm.clock.waiting == 2)
+    swarm.clock.advance(TIMEOUT_S * 3)
+    await until("both waiting again", lambda: swarm.clock.waiting == 2)
+    assert not any(r.done() for r in rounds)
+    swarm.join("a")  # reachable: it reduces the one shard (it does not train this round)
+    rounds.append(asyncio.ensure_future(swarm.round("a")))
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    results = [r.result() for r in rounds]
+    assert identical(results) and results[0].contributors == ["a", "d", "e"]
+
+
 async def test_a_shard_only_one_other_member_got_gets_no_update_on_any_member(pools) -> None:  # noqa: ANN001
     """Three members, reducer c's averaged shard never reaches b: only a lists it (c's own word
     counts nowhere), fewer than two listings, so nobody applies it, b included."""

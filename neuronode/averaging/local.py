@@ -49,6 +49,7 @@ class LocalSwarm:
         self.receipts_delivered = 0  # each published receipt once per other live member (who may read it)
         # (sender, receiver) -> the contribution that receiver gets instead of what sender sent (a liar)
         self.forged: dict[tuple[str, str], Contribution] = {}
+        self.undialable: set[str] = set()  # members behind NAT: never reducers (they still reach everyone)
 
     def join(self, node_id: str, *, state: RoundState | None = None) -> LocalTransport:
         state = state or RoundState()
@@ -137,6 +138,9 @@ class LocalTransport:
 
     def alive(self) -> set[str]:
         return {m.node_id for m in self.others()}
+
+    def reducers(self, members: Iterable[str]) -> set[str]:
+        return set(members) - self.swarm.undialable
 
     def link_rate(self) -> float:
         return 0.0

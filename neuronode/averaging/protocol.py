@@ -61,7 +61,8 @@ class Prepared:
     round_id: int
     parts: list[Contribution]  # one, or one shard per member (reduce-scatter)
     compensated: torch.Tensor  # the pseudo-gradient they encode, error feedback included
-    members: tuple[str, ...] = ()
+    members: tuple[str, ...] = ()  # reduce-scatter: the reducers, one shard each
+    senders: tuple[str, ...] = ()  # reduce-scatter: every member of the round (the reducers and those nobody can dial)
     ranges: list[tuple[int, int]] = field(default_factory=list)
     encode_s: float = 0.0
 

@@ -50,6 +50,9 @@ class Transport(Protocol):
     def alive(self) -> set[str]:
         """Live peers (not us)."""
 
+    def reducers(self, members: Iterable[str]) -> set[str]:
+        """Which of `members` (us included) peers can dial: the reducers under reduce-scatter."""
+
     def link_rate(self) -> float:
         """Bytes/s our sends reach together (0: not measured yet)."""
 

@@ -208,7 +208,8 @@ class Daemon:
             n_elements=self.trainer.n_params, listen=self.cfg.listen, advertise=self.cfg.advertise,
             peers=self.cfg.peers, sync_timeout_s=self.cfg.sync_timeout, min_contributors=self.cfg.min_peers,
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
-            max_upload_mbps=self.cfg.max_upload_mbps, round_lag=2 if self.cfg.overlap else 1,
+            max_upload_mbps=self.cfg.max_upload_mbps, max_relay_mbps=self.cfg.relay_mbps(),
+            round_lag=2 if self.cfg.overlap else 1,
             settings=Settings.from_config(self.cfg), max_ids_per_host=self.cfg.max_ids_per_host,
             reachable=self.cfg.reachable,
         )
@@ -235,6 +236,7 @@ class Daemon:
             contributors=status["last_round_contributors"], utilization=status["utilization"],
             peers_alive=swarm.alive_count() if swarm is not None else 0,
             bytes_sent=sent, bytes_received=received, refusals=refusals,
+            bytes_relayed=int(status.get("bytes_relayed", 0)),
         )
 
     async def save_checkpoint(self) -> None:

@@ -35,6 +35,7 @@ class Snapshot:
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)
+    bytes_relayed: int = 0
 
 
 class NodeCollector(Collector):
@@ -54,6 +55,7 @@ class NodeCollector(Collector):
         yield labelled("neuronode_bytes_sent", "bytes sent, by peer", "peer", s.bytes_sent)
         yield labelled("neuronode_bytes_received", "bytes received, by peer", "peer", s.bytes_received)
         yield labelled("neuronode_refusals", "requests refused, by reason", "reason", s.refusals)
+        yield counter("neuronode_bytes_relayed", "bytes forwarded between members nobody can dial", s.bytes_relayed)
 
 
 def counter(name: str, doc: str, value: float) -> CounterMetricFamily:

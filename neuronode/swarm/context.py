@@ -76,6 +76,7 @@ class SwarmConfig:
     zstd_level: int = 1
     fault_file: str = ""
     max_upload_mbps: float = 0.0
+    max_relay_mbps: float = 0.0  # what we forward for members nobody can dial (0: no cap of its own)
     # How far a peer's reported round may trail a round it will still contribute to: 1, or 2
     # under --overlap (a node contributes to round r while round r-1's sync is still in flight).
     round_lag: int = 1

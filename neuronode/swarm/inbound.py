@@ -79,6 +79,20 @@ class Inbound:
         except AuthError as exc:
             raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
 
+    def check_relayed(self, chunk: Any, carrier: str) -> None:
+        """A contribution `carrier` relays over its session (neuronode.swarm.relay): its maker
+        is a member nobody can dial, and its signature (open_stream) proves what it says."""
+        table = self.ctx.table
+        for who in (carrier, chunk.sender_id):
+            if banned := table.banned_for(who):
+                raise Refusal("PERMISSION_DENIED", f"{who[:MAX_ID_CHARS]} is banned here for {banned:.0f} more "
+                              "seconds: it signed two different versions of one contribution or receipt")
+        maker = table.peers.get(chunk.sender_id)
+        if maker is not None and maker.reachable:
+            raise Refusal("INVALID_ARGUMENT", f"{carrier[:MAX_ID_CHARS]} relayed a contribution of "
+                          f"{chunk.sender_id[:MAX_ID_CHARS]}, which peers dial themselves; relays carry the "
+                          "contributions of members nobody can dial only")
+
     def open_stream(self, chunk: Any, abort: Abort | None = None) -> Assembler:
         """Check the header of a new stream and open its slot in the round book (reserving its
         whole payload; `abort` stops the stream if its round closes first or it idles)."""
@@ -158,7 +172,8 @@ class Inbound:
             raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not here")
         if chunk.phase == Phase.AVERAGED and reducer != chunk.sender_id:
             raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not the sender")
-        if len(chunk.contributors) > len(members):
-            raise Refusal("INVALID_ARGUMENT", "more contributors than members")
+        contributors = list(chunk.contributors)
+        if len(contributors) > MAX_PEERS_LISTED or contributors != sorted(set(contributors)):
+            raise Refusal("INVALID_ARGUMENT", f"contributors must be sorted unique node ids, at most {MAX_PEERS_LISTED}")
         start, stop = shard_ranges(self.ctx.cfg.n_elements, len(members), codec)[chunk.shard_index]
         return stop - start

@@ -49,6 +49,8 @@ class Peer:
     left: bool = False
     failures: int = 0
     reachable: bool = True  # False: it said peers cannot dial it (never dialed; reached over its session)
+    carried_by: tuple[str, ...] = ()  # members whose sessions carry it (it said; neuronode.swarm.relay)
+    advertised: bool = True  # it advertises an address of its own (not one still learning it)
 
 
 class PeerTable:
@@ -97,7 +99,8 @@ class PeerTable:
         self, node_id: str, address: str, *, round: int, param_digest: str,
         digests: dict[int, str], leaving: bool, contributes_from: int = 0,
         host: str = "",
-        public_key: bytes = b"", verified: bool = True, reachable: bool = True,
+        public_key: bytes = b"", verified: bool = True, reachable: bool = True, carried_by: tuple[str, ...] = (),
+        advertised: bool = True,
     ) -> bool:
         """Record a (verified, signed) message from a peer; True when the peer is new or came
         back. A new peer must pass `admit` (raises TableFull); its id is bound to `public_key`
@@ -138,6 +141,8 @@ class PeerTable:
         peer.last_seen = self.clock.now()
         peer.failures = 0
         peer.reachable = reachable
+        peer.carried_by = carried_by
+        peer.advertised = advertised
         peer.left = leaving
         return fresh and not leaving
 

@@ -27,6 +27,7 @@ from neuronode.swarm.membership import CatchUp, PeerTable, plan_catch_up
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.reach import Reach, host_of, join_host_port
 from neuronode.swarm.receipts import Receipts
+from neuronode.swarm.relay import Relay
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
@@ -61,7 +62,10 @@ class SwarmNode:
         self.reach = Reach(ctx)
         self.sessions = Sessions(ctx, peers=self.peers, transport=self.transport)
         self.transport.sessions = self.sessions
+        self.relay = self.transport.relay = Relay(ctx, sessions=self.sessions)
         self.peers.on_announce = self.sessions.announce
+        self.peers.on_relayable = self.relay.hello
+        self.peers.carried_by = lambda: list(self.sessions.open)
         self.peers.on_observed = self.reach.observe
         self.reach.on_change = self._reach_changed
         self.fetcher = StateFetch(ctx)
@@ -153,8 +157,8 @@ class SwarmNode:
     async def wait_first_contact(self, timeout_s: float) -> bool:
         return await self.peers.wait_first_contact(timeout_s)
 
-    async def check_reachable(self) -> None:
-        await self.reach.step()
+    async def check_reachable(self, *, again: bool = False) -> None:
+        await self.reach.step(again=again)
 
     def catch_up_plan(self) -> CatchUp | None:
         return plan_catch_up(self.cfg.node_id, self.state.round, self.state.digests, self.table.alive())
@@ -198,7 +202,7 @@ class SwarmNode:
             "protocol_version": PROTOCOL_VERSION, "agreement": self.peers.agreement,
             "state_transfers": self.fetcher.transfers, "states_served": self.donor.served,
             "reachable": self.reach.reachable, "observed_address": self.reach.observed_host,
-            "sessions": sorted(self.sessions.open),
+            "sessions": sorted(self.sessions.open), "bytes_relayed": self.relay.bytes_relayed,
             "bytes_sent": ctx.counters.bytes_sent, "bytes_received": ctx.counters.bytes_received,
             "buffered_bytes": ctx.book.buffered_bytes,
             # Members that hold bytes here were live when their streams opened (one may have died since).

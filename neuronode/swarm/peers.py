@@ -19,6 +19,7 @@ from neuronode.swarm.context import Context, Settings
 from neuronode.swarm.membership import KeyMismatch, TableFull, agreement
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.receipts import check_sizes as check_receipt_sizes
+from neuronode.swarm.relay import MAX_CARRIERS
 from neuronode.swarm.transport import FINAL_CODES
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
@@ -49,6 +50,8 @@ class Peers:
         self.receipts = receipts
         self.on_announce: Callable[[], None] = lambda: None  # our news to the sessions we carry
         self.on_observed: Callable[[str, str], None] = lambda peer_id, address: None  # where a peer sees us
+        self.on_relayable: Callable[[pb.HelloRequest], None] = lambda request: None  # a Hello we may relay
+        self.carried_by: Callable[[], list[str]] = list  # members whose sessions carry us
         self.agreement = "unknown"
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
@@ -65,7 +68,8 @@ class Peers:
             contributes_from=state.contributes_from, param_digest=state.param_digest,
             recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
             leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public,
-            reachable=REACHABILITY_TO_PB[ctx.reachable])
+            reachable=REACHABILITY_TO_PB[ctx.reachable],
+            carried_by=sorted(self.carried_by())[:MAX_CARRIERS] if ctx.reachable == "no" else [])
         self.receipts.fill(info)
         return info
 
@@ -96,9 +100,10 @@ class Peers:
                 or len(info.advertise) > MAX_ADDRESS_CHARS or len(info.manifest_hash) > MAX_ID_CHARS
                 or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64
                 or any(len(d.param_digest) > MAX_ID_CHARS for d in info.recent_digests)
-                or len(info.settings.averaging) > MAX_ID_CHARS or len(info.settings.aggregator) > MAX_ID_CHARS):
+                or len(info.settings.averaging) > MAX_ID_CHARS or len(info.settings.aggregator) > MAX_ID_CHARS
+                or len(info.carried_by) > MAX_CARRIERS or any(len(c) > MAX_ID_CHARS for c in info.carried_by)):
             raise Refusal("INVALID_ARGUMENT", "hello needs a node id and swarm id of at most 128 characters, "
-                          "an address of at most 256 and at most 64 recent digests")
+                          f"an address of at most 256, at most 64 recent digests and {MAX_CARRIERS} carriers")
         check_receipt_sizes(info)
         rounds = [info.round, info.contributes_from, *(d.round for d in info.recent_digests),
                   *(r.round for r in [*info.receipts, *info.disputed]), *(e.round for e in info.echoes)]
@@ -142,7 +147,8 @@ class Peers:
             info.node_id, info.advertise or dialed, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
             leaving=info.leaving, contributes_from=info.contributes_from, host=host,
-            public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO)
+            public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO,
+            carried_by=tuple(info.carried_by), advertised=bool(info.advertise))
         if verified:  # once its id is bound to its key (heard_from refuses another key)
             self.receipts.take(info)
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
@@ -264,6 +270,24 @@ class Peers:
         if resp.observed_address:
             self.on_observed(resp.info.node_id, resp.observed_address)
         return True
+
+    def take_relayed(self, carrier: str, request: pb.HelloRequest) -> None:
+        """A Hello of a member nobody can dial, relayed by `carrier` as its maker signed it
+        (neuronode.swarm.relay): checked as if the maker had called us. Members known only
+        through one carrier count toward that carrier's --max-ids-per-host."""
+        ctx, info = self.ctx, request.info
+        if info.node_id == ctx.cfg.node_id or info.reachable != pb.REACHABILITY_NO:
+            return  # ours, or a member we dial ourselves
+        try:
+            self.check_info(info)
+            ctx.security.check_hello_proof(request.auth_tag, request.timestamp_s, info, request.known_peers)
+            ctx.security.check_hello_signature(request)
+            verified = not ctx.security.tls_files or is_derived(info.node_id)
+            self.learn(info, list(request.known_peers), host=f"relayed-by:{carrier}", verified=verified)
+        except (Refusal, AuthError, KeyMismatch, TableFull) as exc:
+            ctx.say(f"relayed:{carrier}", logging.WARNING, "not taking the Hello of %s that %s relayed: %s",
+                    info.node_id[:MAX_ID_CHARS], carrier, exc,
+                    extra=fields("refused", what="relayed hello", peer_id=carrier, detail=str(exc)))
 
     async def leave(self, address: str) -> None:
         ctx = self.ctx

@@ -97,10 +97,12 @@ class Reach:
             await self.step()
             await self.ctx.clock.sleep(self.ctx.cfg.heartbeat_s)
 
-    async def step(self) -> None:
-        """Check our address when it is new, or its verdict old; one check at a time (a peer
-        dials a member back once a minute)."""
+    async def step(self, *, again: bool = False) -> None:
+        """Check our address when it is new, or its verdict old (`again`: now, whatever the
+        last verdict); one check at a time (a peer dials a member back once a minute)."""
         async with self._checking:
+            if again:
+                self.checked_for = ""
             await self._step()
 
     async def _step(self) -> None:

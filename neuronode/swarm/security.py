@@ -328,6 +328,6 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
               [receipt_summary(r) for r in info.disputed],
               [info.settings.codec, info.settings.averaging, info.settings.aggregator, info.settings.outer_lr,
                info.settings.outer_momentum, info.settings.overlap],
-              info.public_key.hex(), int(info.reachable),
+              info.public_key.hex(), int(info.reachable), list(info.carried_by),
               [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

@@ -61,6 +61,8 @@ class NodeService(pb_grpc.NodeServicer):
                 raise Refusal("UNAUTHENTICATED", f"{exc}; every Hello is signed by its node's key") from None
             if info.node_id != ctx.cfg.node_id:
                 self.peers.learn(info, list(request.known_peers), host=caller_host(context))
+                if info.reachable == pb.REACHABILITY_NO:
+                    self.peers.on_relayable(request)  # the other members nobody dials hear it through us
         except KeyMismatch as exc:
             await self.admission.refuse(context, Refusal("PERMISSION_DENIED", str(exc)), "hello")
         except TableFull as exc:

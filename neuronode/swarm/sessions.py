@@ -3,7 +3,9 @@
 Such a node (NodeInfo.reachable = NO, neuronode.swarm.reach) is never dialed. It opens one
 long-lived `Session` call to every reachable member it knows; the member streams over it what
 it would otherwise send by dialing: its signed Hello answer whenever it announces news (round,
-receipts), and its contributions, chunk by chunk, several at once as numbered streams. The node
+receipts), and its contributions, chunk by chunk, several at once as numbered streams; and what
+it relays from other members nobody can dial (their Hellos and contributions, as they signed
+them: neuronode.swarm.relay). The node
 itself still dials reachable members for everything it sends (Hello, contributions, fetches,
 state transfers). An idle session carries an empty message every KEEPALIVE_S, well inside the
 2-5 minutes after which home routers drop an idle connection.
@@ -145,11 +147,21 @@ class Sessions:
             if not session.queue.full():  # a full queue is busy with chunks: the next announcement carries it
                 session.queue.put_nowait(msg)
 
-    async def push(self, peer_id: str, chunks: AsyncIterator[bytes]) -> None:
-        """One contribution to `peer_id` over the session we carry for it."""
+    def offer(self, peer_id: str, msg: pb.SessionMessage) -> None:
+        """`msg` to `peer_id`'s session if it has room (a Hello we relay: the next one carries
+        the same news, so a busy session may drop it)."""
+        session = self.carried.get(peer_id)
+        if session is not None and not session.closed and not session.queue.full():
+            session.queue.put_nowait(msg)
+
+    async def push(self, peer_id: str, chunks: AsyncIterator[bytes], *, first: pb.SessionMessage | None = None) -> None:
+        """One contribution to `peer_id` over the session we carry for it (after `first`: the
+        Hello of the member whose contribution we relay, so that it knows the sender)."""
         session = self.carried.get(peer_id)
         if session is None:
             raise SessionClosed(f"no session of {peer_id}")
+        if first is not None:
+            await session.put(first)
         stream = next(session.streams)
         async for data in chunks:
             await session.put(pb.SessionMessage(chunk=data, stream=stream))
@@ -182,11 +194,15 @@ class Sessions:
                     self.open.add(peer_id)
                     logger.info("taking part through %s's session (not reachable from the internet)", peer_id,
                                 extra=fields("session_open", peer_id=peer_id))
+                    self.peers.announce()  # who carries us (NodeInfo.carried_by) decides who relays to us
                 await self.take(peer_id, address, msg, streams)
         except grpc.aio.AioRpcError as exc:
             logger.debug("session to %s ended: %s %s", peer_id, exc.code().name, exc.details())
         finally:
-            self.open.discard(peer_id)
+            if peer_id in self.open:
+                self.open.discard(peer_id)
+                if not self.ctx.leaving:
+                    self.peers.announce()  # another carrier relays to us now
             for queue in streams.values():
                 queue.put_nowait(None)  # a stream cut short: its receiver refuses it (DATA_LOSS)
 
@@ -194,6 +210,8 @@ class Sessions:
         """One message of a session we hold."""
         if msg.HasField("hello"):
             self.peers.take_answer(address, msg.hello)
+        elif msg.HasField("relayed"):
+            self.peers.take_relayed(peer_id, msg.relayed)
         elif msg.end:
             queue = streams.pop(msg.stream, None)
             if queue is not None:
@@ -213,7 +231,7 @@ class Sessions:
                 yield chunk
 
         try:
-            await self.transport.receive(chunks(), proven_id=peer_id if self.ctx.security.secret else "")
+            await self.transport.receive(chunks(), proven_id=peer_id if self.ctx.security.secret else "", carrier=peer_id)
         except Refusal as exc:
             self.ctx.say(f"session-refused:{peer_id}", logging.WARNING, "refused a contribution %s sent over its "
                          "session: %s", peer_id, exc, extra=fields("refused", what="contribution", code=exc.code,

@@ -16,7 +16,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -42,6 +42,9 @@ from neuronode.swarm.security import caller_id
 from neuronode.swarm.sessions import SessionClosed, Sessions
 from neuronode.swarm.wire import PB_TO_CODEC, Refusal
 from neuronode.v1 import node_pb2 as pb
+
+if TYPE_CHECKING:
+    from neuronode.swarm.relay import Relay
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +118,7 @@ class GrpcTransport:
         self._outbox: dict[tuple[Phase, int], Outbox] = {}
         self.missed = Missed(self)
         self.sessions: Sessions | None = None  # set by the node: sessions we carry for undialable members
+        self.relay: Relay | None = None  # set by the node: what we forward between them
 
     def carries(self, peer_id: str) -> bool:
         return self.sessions is not None and peer_id in self.sessions.carried
@@ -134,6 +138,20 @@ class GrpcTransport:
 
     def alive(self) -> set[str]:
         return {p.node_id for p in self.ctx.table.alive()}
+
+    def reducers(self, members: Iterable[str]) -> set[str]:
+        """Members peers can dial: they advertise an address and did not say peers cannot dial
+        it (what each says of itself, so every member reckons alike). A node still learning its
+        address is none yet."""
+        table, me = self.ctx.table, self.node_id
+        out = set()
+        for member in members:
+            if member == me:
+                if self.ctx.advertise and self.ctx.reachable != "no":
+                    out.add(member)
+            elif (peer := table.peers.get(member)) is not None and peer.reachable and peer.advertised:
+                out.add(member)
+        return out
 
     def link_rate(self) -> float:
         """Bytes/s our pushes reach together, capped by --max-upload-mbps (0: not measured)."""
@@ -179,8 +197,10 @@ class GrpcTransport:
     # ---- pushing ----------------------------------------------------------------------------
 
     def push_pending(self) -> None:
-        """Start pushes owed to live peers: new ones, or ones that moved into an open round.
-        Cheap to call on every message a peer sends."""
+        """Start pushes owed to live peers: new ones, or ones that moved into an open round
+        (and forwards we owe as a relay). Cheap to call on every message a peer sends."""
+        if self.relay is not None:
+            self.relay.pending()
         now, lag = self.ctx.clock.now(), self.ctx.cfg.round_lag
         for (phase, round_id), box in self._outbox.items():
             if now >= box.deadline:
@@ -295,9 +315,10 @@ class GrpcTransport:
                                                     response_serializer=pb.PushAck.SerializeToString)
 
     async def receive(self, chunks: AsyncIterator[Any], *, proven_id: str = "", certified_id: str = "",
-                      fetched: Statement | None = None) -> Contribution:
+                      fetched: Statement | None = None, carrier: str = "") -> Contribution:
         """Validate and file one incoming contribution stream, or (`fetched`: the statement of
-        one we asked a holder for) validate it and hand it back without filing it."""
+        one we asked a holder for) validate it and hand it back without filing it. `carrier`:
+        the member whose session delivered it (its own, or one it relays)."""
         first: Any = None
         first_key: tuple[Any, ...] = ()
         assembler: Assembler | None = None
@@ -328,7 +349,10 @@ class GrpcTransport:
                 header = chunk.header if isinstance(chunk, ChunkView) else chunk
                 if first is None:
                     if fetched is None:
-                        self.inbound.check_sender(header, proven_id, certified_id)
+                        if carrier and header.sender_id != carrier:
+                            self.inbound.check_relayed(header, carrier)
+                        else:
+                            self.inbound.check_sender(header, proven_id, certified_id)
                         assembler = self.inbound.open_stream(header, abort)
                     else:
                         assembler = self.inbound.open_fetched(header, fetched)
@@ -361,6 +385,8 @@ class GrpcTransport:
                 public_key=fetched.public_key if fetched is not None else peer.public_key if peer else b"")
             if fetched is None:
                 book.finish(got)
+                if self.relay is not None and not carrier and got.phase == Phase.WHOLE:
+                    self.relay.contribution(got)  # if its maker cannot reach the other members nobody dials
             return got
         except RoundRefused as exc:
             raise Refusal(exc.code, str(exc)) from None

@@ -50,7 +50,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "settings", "public_key", "receipts", "echoes", "disputed", "reachable")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "settings", "public_key", "receipts", "echoes", "disputed", "reachable", "carried_by")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class NodeInfo(_message.Message):
     ECHOES_FIELD_NUMBER: _ClassVar[int]
     DISPUTED_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_BY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -83,7 +84,8 @@ class NodeInfo(_message.Message):
     echoes: _containers.RepeatedCompositeFieldContainer[ReceiptEcho]
     disputed: _containers.RepeatedCompositeFieldContainer[Receipt]
     reachable: Reachability
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., echoes: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ..., disputed: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., reachable: _Optional[_Union[Reachability, str]] = ...) -> None: ...
+    carried_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., echoes: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ..., disputed: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., reachable: _Optional[_Union[Reachability, str]] = ..., carried_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Statement(_message.Message):
     __slots__ = ("sender_id", "phase", "shard_index", "lineage", "body", "signature", "public_key")
@@ -298,16 +300,18 @@ class SessionRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SessionMessage(_message.Message):
-    __slots__ = ("hello", "chunk", "stream", "end")
+    __slots__ = ("hello", "chunk", "stream", "end", "relayed")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     hello: HelloResponse
     chunk: bytes
     stream: int
     end: bool
-    def __init__(self, hello: _Optional[_Union[HelloResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., stream: _Optional[int] = ..., end: _Optional[bool] = ...) -> None: ...
+    relayed: HelloRequest
+    def __init__(self, hello: _Optional[_Union[HelloResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., stream: _Optional[int] = ..., end: _Optional[bool] = ..., relayed: _Optional[_Union[HelloRequest, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
@@ -400,7 +404,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions", "bytes_relayed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +430,7 @@ class StatusResponse(_message.Message):
     BUFFERED_BYTES_BOUND_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RELAYED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -451,4 +456,5 @@ class StatusResponse(_message.Message):
     buffered_bytes_bound: int
     observed_address: str
     sessions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ...) -> None: ...
+    bytes_relayed: int
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ..., bytes_relayed: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,164 @@
+"""Relays: how two members that nobody can dial (behind NAT, nothing forwarded) reach each other.
+
+Each such member holds a session to every reachable member (neuronode.swarm.sessions) and
+dials them for everything it sends. A reachable member that carries sessions forwards, over the
+receiver's session, what one home member sent it and another needs:
+
+- its Hellos, exactly as it signed them: the receiver checks them as if their maker had called
+  (so home members know each other's rounds, digests and receipts);
+- its contributions, as it signed them: the receiver checks the maker's signature on the
+  statement, whoever delivered it (neuronode.swarm.inbound).
+
+One relay per (maker, receiver): among the members the receiver says carry its sessions
+(`NodeInfo.carried_by`), the live one ranked first by a hash of (maker, receiver, member).
+The load spreads over the reachable members, and when the one in charge goes, the receiver's
+list changes and the next takes over. A relay can drop or delay what it forwards, never alter it
+undetected; a contribution it drops is fetched from another member whose receipt lists it
+(neuronode.swarm.missed), or missed as any withheld one.
+
+Bounds: forwarded chunks go at most at --max-relay-mbps (on top of --max-upload-mbps, which
+they share with everything the node sends) and only within the contribution's push window
+(--sync-timeout after it arrived); a Hello finds a full session queue and is dropped (the next
+heartbeat carries the news). `bytes_relayed` in status counts what went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
+
+from neuronode.codec import Contribution
+from neuronode.events import fields
+from neuronode.swarm.chunks import header_of, serialize_chunk
+from neuronode.swarm.context import Context
+from neuronode.swarm.ratelimit import UploadLimiter
+from neuronode.swarm.sessions import SessionClosed
+from neuronode.v1 import node_pb2 as pb
+
+if TYPE_CHECKING:
+    from neuronode.swarm.sessions import Sessions
+
+logger = logging.getLogger(__name__)
+
+MAX_CARRIERS = 64  # members a NodeInfo may name in carried_by
+MAX_HELLOS_KEPT = 1024  # the peer table's size
+
+
+def rank(maker: str, receiver: str, carrier: str) -> bytes:
+    """Rendezvous hash: the carrier with the lowest rank relays `maker`'s traffic to `receiver`."""
+    return hashlib.sha256(f"{maker}\0{receiver}\0{carrier}".encode()).digest()
+
+
+def relay_for(maker: str, receiver: str, carriers: Iterable[str]) -> str | None:
+    """Which of `carriers` (live members carrying `receiver`'s sessions) relays to it for `maker`."""
+    candidates = [c for c in carriers if c not in (maker, receiver)]
+    return min(candidates, key=lambda c: rank(maker, receiver, c)) if candidates else None
+
+
+class Relay:
+    """What we forward between members that nobody can dial (see the module docstring)."""
+
+    def __init__(self, ctx: Context, *, sessions: Sessions) -> None:
+        self.ctx = ctx
+        self.sessions = sessions
+        self.limit = UploadLimiter(ctx.cfg.max_relay_mbps)
+        self.bytes_relayed = 0
+        # (round, maker) -> a whole contribution pushed to us, and the end of its push window
+        self.held: dict[tuple[int, str], tuple[Contribution, float]] = {}
+        self.forwarded: set[tuple[int, str, str]] = set()  # (round, maker, receiver) started
+        self.hellos: dict[str, pb.HelloRequest] = {}  # the last Hello of each member nobody can dial
+
+    def receivers(self, maker: str) -> list[str]:
+        """Members whose session we carry and to which we relay for `maker`."""
+        ctx, me = self.ctx, self.ctx.cfg.node_id
+        if ctx.reachable == "no":
+            return []  # we cannot be dialed: nobody sends us anything to relay
+        out = []
+        for receiver in sorted(self.sessions.carried):
+            peer = ctx.table.peers.get(receiver)
+            if receiver == maker or peer is None or not ctx.table.is_alive(peer):
+                continue
+            carriers = {c for c in peer.carried_by if c == me or self.live(c)} | {me}
+            if relay_for(maker, receiver, carriers) == me:
+                out.append(receiver)
+        return out
+
+    def live(self, peer_id: str) -> bool:
+        peer = self.ctx.table.peers.get(peer_id)
+        return peer is not None and self.ctx.table.is_alive(peer)
+
+    def hello(self, request: pb.HelloRequest) -> None:
+        """A Hello a member nobody can dial sent us: on to the members we relay to for it (and
+        kept: it goes ahead of each contribution of its maker we forward, so the receiver knows
+        the maker first)."""
+        maker = request.info.node_id
+        self.hellos[maker] = request
+        if len(self.hellos) > MAX_HELLOS_KEPT:
+            live = {p.node_id for p in self.ctx.table.alive()}
+            self.hellos = {k: v for k, v in self.hellos.items() if k in live}
+        receivers = self.receivers(maker)
+        if receivers:
+            msg = pb.SessionMessage(relayed=request)
+            for receiver in receivers:
+                self.sessions.offer(receiver, msg)
+
+    def contribution(self, c: Contribution) -> None:
+        """A whole contribution its maker pushed us: kept for its push window, forwarded to the
+        members we relay to for it once its maker says nobody can dial it (now, or when it
+        decides so, or when a receiver's session comes up: `pending`)."""
+        now = self.ctx.clock.now()
+        self.held = {k: v for k, v in self.held.items() if v[1] > now}
+        self.held[(c.round_id, c.sender_id)] = (c, now + self.ctx.cfg.sync_timeout_s)
+        self.pending()
+
+    def pending(self) -> None:
+        """Start the forwards we owe: cheap to call on every message a peer sends."""
+        if not self.held:
+            return
+        now, table = self.ctx.clock.now(), self.ctx.table
+        for key, (c, deadline) in list(self.held.items()):
+            if deadline <= now:
+                del self.held[key]
+                self.forwarded = {f for f in self.forwarded if f[:2] != key}
+                continue
+            maker = table.peers.get(c.sender_id)
+            if maker is None or maker.reachable:
+                continue  # the others dial it themselves
+            for receiver in self.receivers(c.sender_id):
+                if (*key, receiver) not in self.forwarded:
+                    self.forwarded.add((*key, receiver))
+                    self.ctx.tasks.spawn(self.forward(receiver, c, deadline),
+                                         f"push-relay-r{c.round_id}-{c.sender_id}-{receiver}")
+
+    async def forward(self, receiver: str, c: Contribution, deadline: float) -> None:
+        ctx, backoff = self.ctx, 0.2
+        while (remaining := deadline - ctx.clock.now()) > 0:
+            try:
+                hello = self.hellos.get(c.sender_id)
+                await asyncio.wait_for(self.sessions.push(
+                    receiver, self.chunks(receiver, c),
+                    first=pb.SessionMessage(relayed=hello) if hello is not None else None), timeout=remaining)
+                logger.debug("round %d: relayed %s's %s to %s", c.round_id, c.sender_id, c.phase.label, receiver,
+                             extra=fields("relayed", round_id=c.round_id, peer_id=receiver, sender=c.sender_id))
+                return
+            except (SessionClosed, TimeoutError) as exc:
+                logger.debug("round %d: relaying %s's %s to %s failed (%s); retrying", c.round_id, c.sender_id,
+                             c.phase.label, receiver, exc)
+            await asyncio.sleep(min(backoff, max(0.0, deadline - ctx.clock.now())) * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, 5.0)
+
+    async def chunks(self, receiver: str, c: Contribution) -> AsyncIterator[bytes]:
+        """`c`'s chunks as its maker signed them (its statement and signature in every header)."""
+        header = header_of(c, swarm_id=self.ctx.cfg.swarm_id)
+        for index in range(c.data.count):
+            header.chunk_index, header.compressed = index, False
+            data = serialize_chunk(header, c.data.raw(index))
+            await self.limit.acquire(len(data))
+            await self.ctx.upload.acquire(len(data))
+            self.bytes_relayed += len(data)
+            self.ctx.counters.sent(receiver, len(data))
+            yield data
