@@ -138,7 +138,14 @@ def test_ctrl_c_stops_workers_and_exits_130(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, "bench never started"
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # seen twice in CI under load, never alone: say what hung
+            tree = subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:20,etime,args"], capture_output=True,
+                                  text=True, check=False).stdout
+            logs = {p.name: p.read_text()[-800:] for p in tmp_path.glob("neuronode-bench-*/*.log")}
+            raise AssertionError(f"bench sync still running 60 s after SIGINT (pid {proc.pid}):\n"
+                                 f"{[line for line in tree.splitlines() if 'neuronode' in line]}\n{logs}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -24,6 +24,7 @@ from neuronode.codec import (
     encode_frames,
     expected_raw_lens,
     get_codec,
+    repack,
     roundtrip,
     shuffle_width,
 )
@@ -402,3 +403,18 @@ def test_encoder_learns_what_zstd_saves_and_stops_when_it_does_not_pay() -> None
     assert 0.0 <= enc.saved_fraction < 0.5  # random floats: the byte planes help a little
     fast_link = enc.compress_rate * enc.saved_fraction * 2 + 1.0
     assert enc.encode(x, fast_link).zstd_level == 0
+
+
+@pytest.mark.parametrize("codec,shuffle", [("fp32", True), ("bf16", True), ("bf16", False), ("int8", True)])
+def test_a_held_chunk_repacked_decodes_to_its_raw_payload(codec: str, shuffle: bool) -> None:
+    """What a holder serves and a relay forwards: the raw payload compressed again (smaller for
+    float codecs), which the receiver decodes back bit for bit."""
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(3)) * 1e-3
+    (frame,) = list(encode_frames(x, codec=codec, chunk_bytes=1 << 20, zstd_level=0))
+    raw = frame.data
+    data, compressed = repack(raw, width=shuffle_width(codec, shuffle), zstd_level=1)
+    assert decode_frame(data, compressed, expected_raw_len=len(raw),
+                        shuffle_width=shuffle_width(codec, shuffle)) == raw
+    if codec in ("fp32", "bf16"):
+        assert compressed and len(data) < len(raw)
+    assert repack(raw, width=1, zstd_level=0) == (raw, False)

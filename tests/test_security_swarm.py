@@ -541,7 +541,7 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
                                             "public_key"} - {"statements"}
     for message, field in targets:
         if field.is_repeated:  # a repeated scalar: one more element
-            getattr(message, field.name).append(7)
+            getattr(message, field.name).append("x" if field.type == field.TYPE_STRING else 7)
             assert hello_body(info, known) != base, f"hello_body ignores {message.DESCRIPTOR.name}.{field.name}"
             del getattr(message, field.name)[-1]
             continue

@@ -5,6 +5,7 @@ in for a NAT here (tests/test_nat.py puts a node behind a real one)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -14,8 +15,10 @@ from helpers import Nodes, encode, key_of, wait_until
 from neuronode.averaging import AllToAll, AveragingConfig, Prepared
 from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.diloco import average
+from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.security import Security
 from neuronode.swarm.trust import agreed_host
+from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,6 +56,45 @@ async def test_a_node_nobody_can_dial_averages_over_its_sessions_and_is_never_di
     assert all(torch.equal(r.vector, results[0].vector) for r in results)  # type: ignore[attr-defined]
     # Nobody dialed home: no channel to its address anywhere, yet it heard everyone.
     assert all(home.advertise not in n.ctx.channels._channels for n in (a, b))
+
+
+async def test_two_nodes_nobody_can_dial_hear_each_other_through_a_relay_that_cannot_alter(nodes: Nodes) -> None:
+    """Two nodes behind "NAT" and one reachable member: the member relays their Hellos and
+    contributions (issue 17); a contribution a relay altered after its maker signed it is
+    refused, and so is a relayed one of a member peers dial themselves."""
+    a = await nodes.start("a", n_elements=N)
+    h1 = await nodes.start("h1", peers=[a.advertise], n_elements=N, reachable="no")
+    h2 = await nodes.start("h2", peers=[a.advertise], n_elements=N, reachable="no")
+    for node, others in ((a, {"h1", "h2"}), (h1, {"a", "h2"}), (h2, {"a", "h1"})):
+        await wait_until(lambda n=node, o=others: alive_ids(n) == o, what=f"{node.cfg.node_id} to know {others}")
+    assert h1.table.peers["h2"].host == "relayed-by:a" and h2.table.peers["h1"].host == "relayed-by:a"
+    await wait_until(lambda: h1.table.peers["h2"].carried_by == ("a",), what="h2 to say a carries it")
+    results = await asyncio.gather(*(exchange(n, seed) for seed, n in enumerate((a, h1, h2))))
+    assert all(r.contributors == ["a", "h1", "h2"] for r in results)  # type: ignore[attr-defined]
+    assert all(torch.equal(r.vector, results[0].vector) for r in results)  # type: ignore[attr-defined]
+    assert a.relay.bytes_relayed > 0 and a.status()["bytes_relayed"] == a.relay.bytes_relayed
+    assert h1.relay.bytes_relayed == 0  # nobody sends a node behind NAT anything to relay
+
+    async def relayed(c: object, to: object, *, carrier: str = "a") -> object:
+        async def chunks() -> object:
+            async for data in maker_chunks(c, swarm_id=to.cfg.swarm_id, executor=to.ctx.executor,  # type: ignore[attr-defined]
+                                           zstd_level=1):
+                yield data
+        return await to.transport.receive(chunks(), carrier=carrier)  # type: ignore[attr-defined]
+
+    honest = encode("h1", torch.ones(N), round_id=1)
+    h1.transport.sign(honest)
+    forged = dataclasses.replace(honest, weight=honest.weight * 3)  # the relay's change; h1's signature
+    with pytest.raises(Refusal) as refused:
+        await relayed(forged, h2)
+    assert refused.value.code == "PERMISSION_DENIED" and "not signed by 'h1'" in str(refused.value)
+    theirs = encode("a", torch.ones(N), round_id=1)  # a member peers dial, relayed (by h1): refused
+    a.transport.sign(theirs)
+    with pytest.raises(Refusal) as refused:
+        await relayed(theirs, h2, carrier="h1")
+    assert refused.value.code == "INVALID_ARGUMENT" and "relays carry" in str(refused.value)
+    got = await relayed(honest, h2)  # the honest one, relayed, is taken
+    assert got.sender_id == "h1" and got.weight == honest.weight  # type: ignore[attr-defined]
 
 
 def test_the_host_peers_agree_on_needs_two_of_them_and_never_loopback_for_remote_peers() -> None:

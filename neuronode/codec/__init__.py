@@ -26,6 +26,7 @@ from neuronode.codec.framing import (
     encode_frames,
     expected_raw_lens,
     receiving,
+    repack,
     roundtrip,
     shard_ranges,
     shuffle_width,
@@ -63,6 +64,7 @@ __all__ = [
     "encode_frames",
     "expected_raw_lens",
     "get_codec",
+    "repack",
     "roundtrip",
     "shuffle_width",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "decode_frame",
     "encode_frames",
     "expected_raw_lens",
+    "repack",
     "roundtrip",
     "shuffle_width",
 ]
@@ -178,6 +179,18 @@ def encode_frames(
         yield Frame(
             index=index, count=len(ranges), compressed=compressed, data=data, raw_len=len(raw)
         )
+
+
+def repack(raw: bytes, *, width: int, zstd_level: int) -> tuple[bytes, bool]:
+    """A received chunk's raw payload made into wire data again, as ``encode_frames`` makes it
+    (byte planes of ``width``, zstd at ``zstd_level`` when that is smaller): what a member that
+    holds another's contribution sends on. Returns (data, compressed)."""
+    _check_level(zstd_level)
+    if zstd_level:
+        packed = zstd.ZstdCompressor(level=zstd_level, write_content_size=True).compress(_shuffle(raw, width))
+        if len(packed) < len(raw):
+            return packed, True
+    return raw, False
 
 
 def immutable(buf: bytes) -> bytes:

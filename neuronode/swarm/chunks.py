@@ -9,9 +9,13 @@ received bytes: the bytes are exactly a ContributionChunk's, and any protobuf pa
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from functools import partial
 from typing import Any
 
-from neuronode.codec import Contribution
+from neuronode.codec import Contribution, repack, shuffle_width
 from neuronode.swarm.wire import CODEC_TO_PB, MAX_PEERS_LISTED, Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -46,6 +50,22 @@ def header_of(c: Contribution, *, tag: str = "", swarm_id: str = "") -> pb.Contr
         chunk_elements=c.chunk_elements, auth_tag=tag, shuffled=c.shuffled, base_digest=c.base_digest,
         phase=int(c.phase), shard_index=c.shard_index, shard_count=len(c.members),  # type: ignore[arg-type]
         members=c.members, contributors=c.contributors, signature=c.signature)
+
+
+async def maker_chunks(c: Contribution, *, swarm_id: str, executor: Executor,
+                       zstd_level: int) -> AsyncIterator[bytes]:
+    """Another member's contribution `c`, serialized chunk by chunk as its maker signed it (its
+    statement and signature in every header; payloads compressed again, off the event loop):
+    what a holder serves (FetchContribution) and a relay forwards. `zstd_level`: the node's
+    --zstd-level (auto, -1: level 1, cheap, and these bytes cross a home link twice)."""
+    zstd_level = 1 if zstd_level < 0 else zstd_level
+    header = header_of(c, swarm_id=swarm_id)
+    width, loop = shuffle_width(c.codec, c.shuffled), asyncio.get_running_loop()
+    for index in range(c.data.count):
+        data, compressed = await loop.run_in_executor(
+            executor, partial(repack, c.data.raw(index), width=width, zstd_level=zstd_level))
+        header.chunk_index, header.compressed = index, compressed
+        yield serialize_chunk(header, data)
 
 
 def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from neuronode.averaging.agreement import Statement, statement_of
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
 from neuronode.swarm.admission import Admission, member_request
-from neuronode.swarm.chunks import header_of, serialize_chunk
+from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -149,12 +149,10 @@ class Missed:
 
     async def stream(self, c: Contribution, caller: str, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx
-        header = header_of(c, swarm_id=ctx.cfg.swarm_id)
         started = ctx.clock.now()
         budget = max(2 * STALL_S, c.data.size_bytes / MIN_RATE_BYTES_PER_S)
-        for index in range(c.data.count):
-            header.chunk_index, header.compressed = index, False
-            data = serialize_chunk(header, c.data.raw(index))
+        async for data in maker_chunks(c, swarm_id=ctx.cfg.swarm_id, executor=ctx.executor,
+                                       zstd_level=ctx.cfg.zstd_level):
             await ctx.upload.acquire(len(data))
             remaining = started + budget - ctx.clock.now()
             try:

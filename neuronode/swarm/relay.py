@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from neuronode.codec import Contribution
 from neuronode.events import fields
-from neuronode.swarm.chunks import header_of, serialize_chunk
+from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
 from neuronode.swarm.ratelimit import UploadLimiter
 from neuronode.swarm.sessions import SessionClosed
@@ -109,10 +109,14 @@ class Relay:
     def contribution(self, c: Contribution) -> None:
         """A whole contribution its maker pushed us: kept for its push window, forwarded to the
         members we relay to for it once its maker says nobody can dial it (now, or when it
-        decides so, or when a receiver's session comes up: `pending`)."""
-        now = self.ctx.clock.now()
+        decides so, or when a receiver's session comes up: `pending`). One of a maker we can
+        dial is not kept: it reaches everyone itself (and a public swarm keeps nothing longer)."""
+        ctx, now = self.ctx, self.ctx.clock.now()
+        maker = ctx.table.peers.get(c.sender_id)
+        if ctx.reachable == "no" or maker is None or ctx.table.dialable(maker):
+            return
         self.held = {k: v for k, v in self.held.items() if v[1] > now}
-        self.held[(c.round_id, c.sender_id)] = (c, now + self.ctx.cfg.sync_timeout_s)
+        self.held[(c.round_id, c.sender_id)] = (c, now + ctx.cfg.sync_timeout_s)
         self.pending()
 
     def pending(self) -> None:
@@ -152,13 +156,12 @@ class Relay:
             backoff = min(backoff * 2, 5.0)
 
     async def chunks(self, receiver: str, c: Contribution) -> AsyncIterator[bytes]:
-        """`c`'s chunks as its maker signed them (its statement and signature in every header)."""
-        header = header_of(c, swarm_id=self.ctx.cfg.swarm_id)
-        for index in range(c.data.count):
-            header.chunk_index, header.compressed = index, False
-            data = serialize_chunk(header, c.data.raw(index))
+        """`c`'s chunks as its maker signed them, at the relay's and the node's upload caps."""
+        ctx = self.ctx
+        async for data in maker_chunks(c, swarm_id=ctx.cfg.swarm_id, executor=ctx.executor,
+                                       zstd_level=ctx.cfg.zstd_level):
             await self.limit.acquire(len(data))
-            await self.ctx.upload.acquire(len(data))
+            await ctx.upload.acquire(len(data))
             self.bytes_relayed += len(data)
-            self.ctx.counters.sent(receiver, len(data))
+            ctx.counters.sent(receiver, len(data))
             yield data
