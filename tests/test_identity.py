@@ -6,6 +6,7 @@ failed on the code before issue 15 (see the note on the issue)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import stat
 from pathlib import Path
 
@@ -223,3 +224,19 @@ async def test_hello_answers_under_made_up_ids_add_at_most_max_ids_per_host(node
         assert len(a.table.alive()) == 8
     finally:
         await asyncio.gather(*(s.stop(0) for s in servers))
+
+
+async def test_a_node_turned_away_by_the_ids_per_host_cap_says_why(nodes: Nodes, caplog: pytest.LogCaptureFixture) -> None:
+    """Many honest nodes on one host (a lab machine) met --max-ids-per-host: the ones turned away
+    said only "no bootstrap peer answered ... check the address" (24 nodes on one machine,
+    issue 18); now they log the peer's reason, which names the flag."""
+    a = await nodes.start("a", n_elements=N, max_ids_per_host=1)
+    await nodes.start("b", peers=[a.advertise], n_elements=N)
+    await wait_until(lambda: "b" in {p.node_id for p in a.table.alive()}, what="a to know b")
+    with caplog.at_level(logging.WARNING):
+        c = await nodes.start("c", peers=[a.advertise], n_elements=N)
+        await wait_until(lambda: any("turned us away" in r.getMessage() for r in caplog.records),
+                         what="c to say why a turned it away")
+    said = next(r.getMessage() for r in caplog.records if "turned us away" in r.getMessage())
+    assert "--max-ids-per-host" in said and a.advertise in said, said
+    assert "c" not in {p.node_id for p in a.table.alive()} and c.table.alive() == []

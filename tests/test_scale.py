@@ -23,7 +23,8 @@ pytestmark = [
 MEMBERS = 24
 ARGS = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
         "--inner-steps", "4", "--rounds", "3", "--min-peers", str(MEMBERS), "--sync-timeout", "60",
-        "--heartbeat-s", "2", "--swarm-id", "scale", "--device", "cpu")
+        "--heartbeat-s", "2", "--swarm-id", "scale", "--device", "cpu",
+        "--max-ids-per-host", str(MEMBERS))  # all on 127.0.0.1: the default (16) turns the rest away
 
 
 def test_24_members_average_all_24_contributions_every_round(tmp_path: Path) -> None:

@@ -238,6 +238,10 @@ class Peers:
             if refused:
                 ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details(),
                         extra=fields("refused_by", address=address, code=exc.code().name, detail=exc.details()))
+            elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retried, but say why: a limit may need raising
+                ctx.say(f"turned-away:{address}", logging.WARNING, "peer at %s turned us away for now (we retry): %s",
+                        address, exc.details(), extra=fields("refused_by", address=address, code=exc.code().name,
+                                                              detail=exc.details()))
             else:
                 logger.debug("hello to %s failed: %s", address, exc.code().name)
             return False
