@@ -158,3 +158,12 @@ def test_status_of_a_data_dir_reads_the_checkpoint_without_torch(tmp_path: Path)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert '"round": 3' in out.stdout
+
+
+def test_relay_cap_defaults_to_half_the_upload_cap() -> None:
+    assert NodeConfig(max_upload_mbps=20).relay_mbps() == 10
+    assert NodeConfig().relay_mbps() == 0  # no upload cap: no relay cap of its own
+    assert NodeConfig(max_upload_mbps=20, max_relay_mbps=5).relay_mbps() == 5
+    assert NodeConfig(max_upload_mbps=20, max_relay_mbps=0).relay_mbps() == 0
+    with pytest.raises(ConfigError, match="--max-relay-mbps"):
+        NodeConfig(max_relay_mbps=-2)
