@@ -18,8 +18,9 @@ undetected; a contribution it drops is fetched from another member whose receipt
 
 Bounds: forwarded chunks go at most at --max-relay-mbps (on top of --max-upload-mbps, which
 they share with everything the node sends) and only within the contribution's push window
-(--sync-timeout after it arrived); a Hello finds a full session queue and is dropped (the next
-heartbeat carries the news). `bytes_relayed` in status counts what went out.
+(--sync-timeout after it arrived) while our round is at most one past it, so a relay holds at
+most two rounds of each home member's contribution; a Hello finds a full session queue and is
+dropped (the next heartbeat carries the news). `bytes_relayed` in status counts what went out.
 """
 
 from __future__ import annotations
@@ -115,9 +116,13 @@ class Relay:
         maker = ctx.table.peers.get(c.sender_id)
         if ctx.reachable == "no" or maker is None or ctx.table.dialable(maker):
             return
-        self.held = {k: v for k, v in self.held.items() if v[1] > now}
         self.held[(c.round_id, c.sender_id)] = (c, now + ctx.cfg.sync_timeout_s)
         self.pending()
+
+    def stale(self, c: Contribution, deadline: float, now: float) -> bool:
+        """Past its push window, or of a round the swarm left (we are two rounds on: in step,
+        nobody takes it any more). Short rounds under a long --sync-timeout keep no backlog."""
+        return deadline <= now or c.round_id + 1 < self.ctx.state.round
 
     def pending(self) -> None:
         """Start the forwards we owe: cheap to call on every message a peer sends."""
@@ -125,7 +130,7 @@ class Relay:
             return
         now, table = self.ctx.clock.now(), self.ctx.table
         for key, (c, deadline) in list(self.held.items()):
-            if deadline <= now:
+            if self.stale(c, deadline, now):
                 del self.held[key]
                 self.forwarded = {f for f in self.forwarded if f[:2] != key}
                 continue
