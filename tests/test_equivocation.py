@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import Nodes, encode, key_of, wait_until
 
-from neuronode.averaging.agreement import Receipt, statement_of
-from neuronode.codec import Phase
+from neuronode.averaging.agreement import Receipt, decide, receipt_of, statement_of
+from neuronode.codec import Contribution, Phase
 from neuronode.swarm.context import Settings
 from neuronode.swarm.receipts import receipt_to_pb
 from neuronode.swarm.security import Security
@@ -93,3 +93,47 @@ async def test_one_receipt_told_to_everyone_bans_nobody(nodes: Nodes, refused_ad
                      what="a and b to hear each other's echo")
     assert a.table.banned_for(LIAR) == 0 and b.table.banned_for(LIAR) == 0
     assert not a.receipts.disputes and not b.receipts.disputes
+
+
+async def test_a_contribution_of_a_member_we_never_met_counts_when_a_quorum_lists_it(nodes: Nodes) -> None:
+    """x (a named id) contributed to round 1 and a and b hold it; c never met x (x stopped
+    greeting before c joined: in the adversary run, a member that impersonates another once it
+    caught up). c checks x's statement against the key it names, agrees with a and b that it
+    counts, and fetches it from a: the three average the same contributions. (Before, c dropped
+    the statement as unverifiable and closed the round without x, apart from a and b.)"""
+    a = await nodes.start("a", n_elements=N)
+    b = await nodes.start("b", peers=[a.advertise], n_elements=N)
+    c = await nodes.start("c", peers=[a.advertise], n_elements=N)
+    for node in (a, b, c):
+        await wait_until(lambda n=node: len(n.table.alive()) == 2, what="the swarm to form")
+    held = encode("x", torch.arange(N, dtype=torch.float32), round_id=1)
+    held.signature = Security(node_id="x", swarm_id=a.cfg.swarm_id, key=key_of("x")).sign_statement(statement_of(held))
+    held.public_key = key_of("x").public
+    statement = statement_of(held)
+    for node in (a, b):
+        node.transport.retain(1, Phase.WHOLE, [held], for_s=60)
+        node.transport.publish_receipt(receipt_of(1, Phase.WHOLE, node.cfg.node_id, [held]))
+    await wait_until(lambda: c.transport.member_views(1, Phase.WHOLE, ["a", "b"])[0].has_receipt
+                     and c.transport.member_views(1, Phase.WHOLE, ["a", "b"])[1].has_receipt,
+                     what="c to hold a's and b's receipts")
+    decision = decide(c.transport.receipts(1, Phase.WHOLE), [], lineage=statement.lineage)
+    assert decision.agreed == {("x", 0): statement}, decision
+    got = await c.transport.fetch(statement, decision.holders[("x", 0)], timeout_s=10)
+    assert got is not None and got.digest == held.digest and got.public_key == key_of("x").public
+    # One maker's word is not enough: a lists a statement of b (whom c met) under another key,
+    # and two versions of absent y under a key of its choosing (which would frame y as an
+    # equivocator). c counts none of them, and bans nobody.
+    forged = [forge("b", 1.0), forge("y", 1.0), forge("y", 2.0)]
+    a.transport.publish_receipt(receipt_of(1, Phase.WHOLE, "a", [held, *forged]))
+    await wait_until(lambda: len(c.transport.receipts(1, Phase.WHOLE)) == 3, what="c to hold a's second receipt")
+    listed = {s.sender for r in c.transport.receipts(1, Phase.WHOLE) for s in r.statements}
+    assert listed == {"x"}, listed
+    assert not decide(c.transport.receipts(1, Phase.WHOLE), [], lineage=statement.lineage).equivocators
+
+
+def forge(sender: str, value: float) -> Contribution:
+    """A round-1 contribution of `sender` signed with a key that is not its own."""
+    c = encode(sender, torch.full((N,), value), round_id=1)
+    c.signature = Security(node_id=sender, swarm_id="net-test", key=key_of("liar")).sign_statement(statement_of(c))
+    c.public_key = key_of("liar").public
+    return c

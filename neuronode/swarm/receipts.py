@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from neuronode.averaging.agreement import Receipt, Statement
+from neuronode.averaging.agreement import QUORUM, Receipt, Statement
 from neuronode.codec.contribution import Phase
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
@@ -110,10 +110,38 @@ class Receipts:
 
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         """Every version of every maker's receipt of `round_id`'s `phase` that reached us from
-        its maker, as statements we checked (a statement of a named id we never met counts
-        nowhere: nothing to check its word against; checked again once we meet it)."""
-        return [self.view(m) for (rd, ph, _), versions in self.held.items() if rd == round_id and ph == phase
-                for m in versions.values()]
+        its maker, as statements we checked against their sender's key: the one it is bound to
+        here, or for a named id we never met, the one a quorum of makers vouch for (`vouched`)."""
+        versions = [m for (rd, ph, _), held in self.held.items() if rd == round_id and ph == phase
+                    for m in held.values()]
+        vouched = self.vouched(versions)
+        return [self.view(m, vouched) for m in versions]
+
+    def vouched(self, versions: list[pb.Receipt]) -> dict[str, bytes]:
+        """For each named id we never met (it stopped greeting before we joined, or we share no
+        relay with it), the one key statements of it carry in the receipts of at least QUORUM
+        makers. Members list only what they received from a maker they met, so a quorum's key is
+        as good as the listing rule itself; one maker's word (a liar naming its own key for an
+        absent member, to fake its equivocation) is not enough. The binding itself still comes
+        only from the member's own Hello."""
+        keys: dict[str, dict[bytes, set[str]]] = {}
+        for m in versions:
+            for s in m.statements:
+                if len(s.public_key) == 32 and self.unbound(s.sender_id):
+                    keys.setdefault(s.sender_id, {}).setdefault(s.public_key, set()).add(m.maker_id)
+        vouched = {}
+        for sender, by_key in keys.items():
+            strong = [key for key, makers in by_key.items() if len(makers) >= QUORUM]
+            if len(strong) == 1:
+                vouched[sender] = strong[0]
+        return vouched
+
+    def unbound(self, node_id: str) -> bool:
+        """A named id whose key we do not know (never met; not one a key proves)."""
+        if node_id == self.ctx.cfg.node_id or is_derived(node_id):
+            return False
+        peer = self.ctx.table.peers.get(node_id)
+        return peer is None or not peer.public_key
 
     def makers(self, round_id: int, phase: Phase) -> set[str]:
         return {maker for (rd, ph, maker) in self.held if rd == round_id and ph == phase}
@@ -149,12 +177,14 @@ class Receipts:
             raise Refusal("PERMISSION_DENIED", f"receipt of round {m.round} from {m.maker_id[:MAX_ID_CHARS]} lists a "
                           "statement its sender did not sign")
 
-    def view(self, m: pb.Receipt) -> Receipt:
+    def view(self, m: pb.Receipt, vouched: dict[str, bytes] | None = None) -> Receipt:
         """`m` less the statements we cannot check, or whose signature does not verify."""
         receipt = receipt_from_pb(m)
         kept = []
         for s in receipt.statements:
             key = self.key_of(s.sender, s.public_key)
+            if key is None and vouched and vouched.get(s.sender) == s.public_key and self.unbound(s.sender):
+                key = s.public_key
             if key is None:
                 continue
             if (s.sender, s.signature) not in self._verified:
