@@ -37,8 +37,8 @@ def claim(node: Any, *, round_offset: int = 0, digests: dict[int, str] | None = 
     add `digests` ({round: param_digest}) to its recent digests."""
     honest = node.peers.node_info
 
-    def lying() -> pb.NodeInfo:
-        info = honest()
+    def lying(*args: Any, **kwargs: Any) -> pb.NodeInfo:
+        info = honest(*args, **kwargs)
         info.round += round_offset
         for round_id, digest in sorted((digests or {}).items()):
             info.recent_digests.add(round=round_id, param_digest=digest)
@@ -153,8 +153,8 @@ async def hold_state_slots(node: Any) -> None:
 
 
 def impersonating(victim: str, honest_info: Callable[[Any], pb.NodeInfo]) -> Callable[[Any], pb.NodeInfo]:
-    def lying(self: Any) -> pb.NodeInfo:
-        info = honest_info(self)
+    def lying(self: Any, *args: Any, **kwargs: Any) -> pb.NodeInfo:
+        info = honest_info(self, *args, **kwargs)
         # Once the swarm formed (every member knows every other: a named id is bound to the first
         # key a node sees it with, so speaking first would squat it; SECURITY.md says so).
         if self.ctx.state.round >= 1 and victim in {p.node_id for p in self.ctx.table.alive()}:
@@ -174,8 +174,8 @@ def haunting(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitabl
         ghosts = [await ghost(f"ghost-{n}") for n in range(GHOSTS)]
         honest_known = self.peers.known_peers
 
-        def known() -> list[pb.PeerRecord]:  # once the swarm formed (on one host, ghosts that come
-            listed = honest_known()              # first would take the honest members' places)
+        def known(**kwargs: Any) -> list[pb.PeerRecord]:  # once the swarm formed (on one host, ghosts that
+            listed = honest_known(**kwargs)                  # come first would take the honest members' places)
             if len(self.table.alive()) < HONEST_MEMBERS:
                 return listed
             return [*listed, *(pb.PeerRecord(node_id=g, address=a) for g, a, _ in ghosts)]
@@ -246,8 +246,8 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
     liar's own word, only not the one the others get)."""
     target: dict[int, str] = {}
 
-    def info(self: Any) -> pb.NodeInfo:
-        out = honest_info(self)
+    def info(self: Any, *args: Any, **kwargs: Any) -> pb.NodeInfo:
+        out = honest_info(self, *args, **kwargs)
         victim = self.ctx.table.peers.get(VICTIM)
         if victim is None or target.get(id(self)) != victim.address:
             return out
@@ -265,9 +265,9 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
                 out.receipts[i].CopyFrom(receipt_to_pb(r))
         return out
 
-    async def lying_hello(self: Any, address: str) -> bool:
+    async def lying_hello(self: Any, address: str, *args: Any, **kwargs: Any) -> bool:
         target[id(self)] = address  # hello() builds its request first thing, before it awaits
-        return await hello(self, address)
+        return await hello(self, address, *args, **kwargs)
 
     return info, lying_hello
 
@@ -281,8 +281,8 @@ def apply(behaviour: str) -> None:
     honest_info = Peers.node_info
 
     def claiming(round_offset: int, fake: bool) -> Callable[[Peers], pb.NodeInfo]:
-        def lying(self: Peers) -> pb.NodeInfo:
-            info = honest_info(self)
+        def lying(self: Peers, *args: Any, **kwargs: Any) -> pb.NodeInfo:
+            info = honest_info(self, *args, **kwargs)
             info.round += round_offset
             if fake:  # the swarm's history, then a newest round nobody else has
                 info.recent_digests.add(round=info.round, param_digest=FAKE_DIGEST)

@@ -85,8 +85,8 @@ async def test_a_member_answering_hello_as_another_id_is_refused(nodes: Nodes) -
     await wait_until(lambda: {"b", "liar"} <= {p.node_id for p in a.table.alive()}, what="a to know b and the liar")
     honest_info = liar.peers.node_info
 
-    def as_b() -> pb.NodeInfo:
-        info = honest_info()
+    def as_b(to: str | None = None) -> pb.NodeInfo:
+        info = honest_info(to)
         info.node_id = "b"  # signed with the liar's own key: it has no other
         return info
 
@@ -96,8 +96,8 @@ async def test_a_member_answering_hello_as_another_id_is_refused(nodes: Nodes) -
     # Nor can it speak first for a derived id it does not hold the key of.
     stranger = NodeKey.generate().derived_id
 
-    def as_stranger() -> pb.NodeInfo:
-        info = honest_info()
+    def as_stranger(to: str | None = None) -> pb.NodeInfo:
+        info = honest_info(to)
         info.node_id = stranger
         return info
 

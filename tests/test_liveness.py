@@ -11,7 +11,14 @@ from helpers import swarm_config
 from neuronode.averaging import RoundState
 from neuronode.clock import ManualClock
 from neuronode.swarm.context import Context
-from neuronode.swarm.membership import PeerTable, round_peers
+from neuronode.swarm.membership import (
+    MIN_FANOUT,
+    PeerTable,
+    fanout,
+    heartbeat_targets,
+    rotation,
+    round_peers,
+)
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.security import Security
@@ -48,6 +55,45 @@ def test_round_peers_are_live_in_reach_of_the_round_and_contributing() -> None:
     heard(table, "listener", round=5, contributes_from=6)
     assert round_peers(table, 5, round_lag=1) == {"lagging", "same", "ahead"}
     assert round_peers(table, 5, round_lag=2) == {"behind", "lagging", "same", "ahead"}  # --overlap
+
+
+@pytest.mark.parametrize("n_peers", [12, 200, 1000])
+def test_sampled_heartbeats_greet_log_n_peers_and_keep_every_live_one_alive(n_peers: int) -> None:
+    """Each heartbeat greets `fanout(N)` live peers (everyone up to MIN_FANOUT), the ones heard
+    from least recently; even if no peer ever greeted us first, every live one stays alive
+    (each is greeted within `rotation(N)` heartbeats, inside the scaled timeout), and one that
+    stops answering is dead within that timeout plus one rotation."""
+    clock = ManualClock()
+    heartbeat_s = 2.0
+    table = PeerTable(self_id="me", dead_after_s=3 * heartbeat_s, clock=clock)
+    for n in range(n_peers):
+        heard(table, f"p{n:04d}")
+    k = min(fanout(n_peers), n_peers)
+    assert (k < n_peers) == (n_peers > MIN_FANOUT) and k <= max(MIN_FANOUT, 2 * n_peers.bit_length())  # O(log N)
+    crashed = "p0003"
+    last_greeted = {node_id: 0 for node_id in table.peers}
+    beats = 3 * rotation(n_peers) + 2
+    for beat in range(1, beats + 1):
+        clock.advance(heartbeat_s * 1.2)  # the longest jittered interval
+        targets = heartbeat_targets(table)
+        live = {p.address: p.node_id for p in table.alive()}
+        greeting = [a for a in targets if a in live]
+        assert len(greeting) == min(k, len(live)), beat
+        assert set(targets) - set(greeting) <= {table.peers[crashed].address}  # the dead: always tried (with backoff)
+        for address in greeting:
+            node_id = live[address]
+            assert beat - last_greeted[node_id] <= rotation(n_peers), (beat, node_id)
+            last_greeted[node_id] = beat
+            if node_id != crashed or beat < 2:  # its answer is what we hear from it
+                heard_again(table, node_id, address)
+            else:
+                table.mark_failure(address)  # as Peers.dial_failed does
+        assert {p.node_id for p in table.alive()} >= set(table.peers) - {crashed}, beat
+    assert crashed not in {p.node_id for p in table.alive()}
+
+
+def heard_again(table: PeerTable, node_id: str, address: str) -> None:
+    table.heard_from(node_id, address, round=0, param_digest="", digests={}, leaving=False)
 
 
 @pytest.fixture

@@ -237,6 +237,8 @@ class Daemon:
             peers_alive=swarm.alive_count() if swarm is not None else 0,
             bytes_sent=sent, bytes_received=received, refusals=refusals,
             bytes_relayed=int(status.get("bytes_relayed", 0)),
+            control_bytes_sent=int(status.get("control_bytes_sent", 0)),
+            control_bytes_received=int(status.get("control_bytes_received", 0)),
         )
 
     async def save_checkpoint(self) -> None:

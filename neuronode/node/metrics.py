@@ -36,6 +36,8 @@ class Snapshot:
     bytes_received: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)
     bytes_relayed: int = 0
+    control_bytes_sent: int = 0
+    control_bytes_received: int = 0
 
 
 class NodeCollector(Collector):
@@ -56,6 +58,9 @@ class NodeCollector(Collector):
         yield labelled("neuronode_bytes_received", "bytes received, by peer", "peer", s.bytes_received)
         yield labelled("neuronode_refusals", "requests refused, by reason", "reason", s.refusals)
         yield counter("neuronode_bytes_relayed", "bytes forwarded between members nobody can dial", s.bytes_relayed)
+        yield counter("neuronode_control_bytes_sent", "bytes of Hellos and their answers sent", s.control_bytes_sent)
+        yield counter("neuronode_control_bytes_received", "bytes of Hellos and their answers received",
+                      s.control_bytes_received)
 
 
 def counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -2,12 +2,19 @@
 
 Pure bookkeeping (no sockets): the node feeds it what Hello calls and heartbeats learn.
 A peer is alive while we heard from it within `dead_after_s` and it has not said it is leaving.
+
+Heartbeats go to `fanout(N)` peers an interval (those we heard from least recently), not to
+all N: a node then sends and answers about 2·fanout Hellos a heartbeat, O(log N), and hears
+from each peer at least every ceil(N / fanout) heartbeats, so a peer is dead after that many
+times the base timeout (`PeerTable.dead_after_s`). Up to MIN_FANOUT members, everyone greets
+everyone every heartbeat.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -22,6 +29,30 @@ logger = logging.getLogger(__name__)
 MAX_MEMBERS = 1024  # node ids the table holds at most (peers long dead are pruned first)
 MAX_IDS_PER_HOST = 16  # live node ids one host (the address a peer calls from) may hold
 PRUNE_AFTER_DEAD_S = 600.0  # a peer dead (or gone) this long is forgotten
+MIN_FANOUT = 16  # peers a heartbeat (and peer exchange) reaches at least: all of a swarm this small
+
+
+def fanout(n_peers: int) -> int:
+    """How many peers one heartbeat greets (and one peer exchange lists) among `n_peers`."""
+    return max(MIN_FANOUT, math.ceil(2 * math.log2(n_peers + 1)))
+
+
+def rotation(n_peers: int) -> int:
+    """Heartbeats until every one of `n_peers` was greeted once (1 up to MIN_FANOUT)."""
+    return max(1, math.ceil(n_peers / fanout(n_peers)))
+
+
+def heartbeat_targets(table: PeerTable, *, skip: Iterable[str] = ()) -> list[str]:
+    """Addresses one heartbeat greets: every known address that is not a live peer's (new
+    ones, bootstrap peers, the dead: the caller's backoff paces those), and the `fanout` live
+    peers we heard from least recently (one that failed our last Hello last: a crashed peer
+    must not take a slot every heartbeat until it is declared dead)."""
+    skipped = set(skip)
+    live = {p.address: p for p in table.alive() if p.address}
+    targets = [a for a in table.dial_targets() if a not in skipped]
+    others = [a for a in targets if a not in live]
+    stale = sorted((a for a in targets if a in live), key=lambda a: (live[a].failures > 0, live[a].last_seen, a))
+    return others + stale[:fanout(len(live))]
 
 
 class TableFull(Exception):
@@ -59,7 +90,7 @@ class PeerTable:
     def __init__(self, *, self_id: str, dead_after_s: float, clock: Clock | None = None,
                  max_members: int = MAX_MEMBERS, max_ids_per_host: int = MAX_IDS_PER_HOST) -> None:
         self.self_id = self_id
-        self.dead_after_s = dead_after_s
+        self.base_dead_after_s = dead_after_s  # with everyone greeted every heartbeat
         self.clock = clock or Clock()
         self.max_members = max_members
         self.max_ids_per_host = max_ids_per_host
@@ -72,6 +103,12 @@ class PeerTable:
         self.addresses.add(address)
         if bootstrap:
             self.bootstrap.add(address)
+
+    @property
+    def dead_after_s(self) -> float:
+        """Silence after which a peer is dead: the base timeout per heartbeat rotation (module
+        docstring), so that sampled heartbeats never make a live peer look dead."""
+        return self.base_dead_after_s * rotation(len(self.peers))
 
     def admit(self, node_id: str, host: str) -> None:
         """Raise TableFull unless a new `node_id` calling from `host` may join the table."""

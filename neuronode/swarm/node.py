@@ -204,6 +204,8 @@ class SwarmNode:
             "reachable": self.reach.reachable, "observed_address": self.reach.observed_host,
             "sessions": sorted(self.sessions.open), "bytes_relayed": self.relay.bytes_relayed,
             "bytes_sent": ctx.counters.bytes_sent, "bytes_received": ctx.counters.bytes_received,
+            "control_bytes_sent": ctx.counters.control_bytes_sent,
+            "control_bytes_received": ctx.counters.control_bytes_received,
             "buffered_bytes": ctx.book.buffered_bytes,
             # Members that hold bytes here were live when their streams opened (one may have died since).
             "buffered_bytes_bound": buffered_bytes_bound(

@@ -16,7 +16,7 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import is_derived
 from neuronode.swarm.context import Context, Settings
-from neuronode.swarm.membership import KeyMismatch, TableFull, agreement
+from neuronode.swarm.membership import KeyMismatch, TableFull, agreement, fanout, heartbeat_targets
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.receipts import check_sizes as check_receipt_sizes
 from neuronode.swarm.relay import MAX_CARRIERS
@@ -53,6 +53,7 @@ class Peers:
         self.on_relayable: Callable[[pb.HelloRequest], None] = lambda request: None  # a Hello we may relay
         self.carried_by: Callable[[], list[str]] = list  # members whose sessions carry us
         self.agreement = "unknown"
+        self._mark = 0  # what the latest node_info(to=...) told its peer (Receipts.fill)
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
         for address in ctx.cfg.peers:
@@ -60,8 +61,16 @@ class Peers:
 
     # ---- what we say ---------------------------------------------------------------------
 
-    def node_info(self) -> pb.NodeInfo:
+    def info_for(self, to: str | None) -> tuple[pb.NodeInfo, int]:
+        """`node_info(to)` and the mark to pass to `delivered` once `to` got it."""
+        info = self.node_info(to)
+        return info, self._mark
+
+    def node_info(self, to: str | None = None) -> pb.NodeInfo:
+        """What we tell everyone (`to` None), or peer `to` (the receipts and echoes it lacks only)."""
         ctx, state = self.ctx, self.ctx.state
+        if ctx.reachable == "no":
+            to = None  # relays forward our Hellos as signed to the others: they must say everything
         info = pb.NodeInfo(
             node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,
             manifest_hash=ctx.cfg.manifest_hash, advertise=ctx.advertise, round=state.round,
@@ -70,12 +79,19 @@ class Peers:
             leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public,
             reachable=REACHABILITY_TO_PB[ctx.reachable],
             carried_by=sorted(self.carried_by())[:MAX_CARRIERS] if ctx.reachable == "no" else [])
-        self.receipts.fill(info)
+        self._mark = self.receipts.fill(info, to=to)
         return info
 
-    def known_peers(self) -> list[pb.PeerRecord]:
-        return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in self.ctx.table.alive()
-                if self.ctx.table.dialable(p)][:MAX_PEERS_LISTED]  # an address nobody can dial is no use to anyone
+    def delivered(self, to: str, mark: int) -> None:
+        self.receipts.sent(to, mark)
+
+    def known_peers(self, *, full: bool = True) -> list[pb.PeerRecord]:
+        """Peer exchange: every live member we can dial (to a newcomer), else a random sample of
+        `fanout` of them (news spreads by gossip; docs/protocol.md gives the cost)."""
+        dialable = [p for p in self.ctx.table.alive() if self.ctx.table.dialable(p)]  # nobody can use the rest
+        if not full:
+            dialable = random.sample(dialable, min(len(dialable), fanout(len(dialable) + 1)))
+        return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in dialable][:MAX_PEERS_LISTED]
 
     def publish_receipt(self, receipt: Receipt) -> None:
         self.receipts.publish(receipt)
@@ -88,7 +104,7 @@ class Peers:
             return
         for peer in self.ctx.table.alive():
             if self.ctx.table.dialable(peer):  # one that cannot be dialed hears us over its session
-                self.ctx.tasks.spawn(self.hello(peer.address), f"announce-{peer.node_id}")
+                self.ctx.tasks.spawn(self.hello(peer.address, to=peer.node_id), f"announce-{peer.node_id}")
         self.on_announce()
 
     # ---- what we hear --------------------------------------------------------------------
@@ -149,10 +165,11 @@ class Peers:
             leaving=info.leaving, contributes_from=info.contributes_from, host=host,
             public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO,
             carried_by=tuple(info.carried_by), advertised=bool(info.advertise))
-        if verified:  # once its id is bound to its key (heard_from refuses another key)
-            self.receipts.take(info)
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
             self.ctx.book.forgive(info.node_id)
+            self.receipts.forget(info.node_id)  # and it holds nothing we sent before
+        if verified:  # once its id is bound to its key (heard_from refuses another key)
+            self.receipts.take(info)
         for rec in known[:MAX_PEERS_LISTED]:
             if (rec.node_id != self.ctx.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
                     and len(table.addresses) < MAX_KNOWN_ADDRESSES):
@@ -170,9 +187,10 @@ class Peers:
         warned_at = 0.0
         while True:
             now = ctx.clock.now()
-            targets = [a for a in ctx.table.dial_targets()
-                       if a != ctx.advertise and self._backoff.get(a, (0.0, 0.0))[0] <= now]
-            results = await asyncio.gather(*(self.hello(a) for a in targets))
+            live = {p.address: p.node_id for p in ctx.table.alive()}
+            targets = [a for a in heartbeat_targets(ctx.table, skip=[ctx.advertise])
+                       if self._backoff.get(a, (0.0, 0.0))[0] <= now]
+            results = await asyncio.gather(*(self.hello(a, to=live.get(a)) for a in targets))
             bootstrap_ok = any(ok for a, ok in zip(targets, results, strict=True) if a in ctx.cfg.peers)
             if ctx.cfg.peers and not bootstrap_ok and not ctx.table.alive():
                 unanswered_since = unanswered_since or now
@@ -224,9 +242,12 @@ class Peers:
         if channel is not None:
             self.ctx.tasks.spawn(channel.close(), f"close-{address}")
 
-    async def hello(self, address: str) -> bool:
+    async def hello(self, address: str, *, to: str | None = None) -> bool:
+        """Greet the node at `address` (live peer `to`: only the receipts and echoes it lacks,
+        a sample of the peers we know; anyone else: everything)."""
         ctx = self.ctx
-        req = pb.HelloRequest(info=self.node_info(), known_peers=self.known_peers())
+        info, mark = self.info_for(to)
+        req = pb.HelloRequest(info=info, known_peers=self.known_peers(full=to is None))
         ctx.security.sign_hello(req)
         try:
             await asyncio.sleep(ctx.faults.before_call(address))
@@ -246,6 +267,9 @@ class Peers:
                 logger.debug("hello to %s failed: %s", address, exc.code().name)
             return False
         self._backoff.pop(address, None)
+        ctx.counters.control(sent=req.ByteSize(), received=resp.ByteSize())
+        if to is not None and resp.info.node_id == to:
+            self.delivered(to, mark)
         if resp.info.node_id == ctx.cfg.node_id:
             ctx.table.addresses.discard(address)  # that address is ourselves
             return True

@@ -12,6 +12,7 @@ serve as proof.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,6 +34,7 @@ MAX_RECEIPTS = 2 * RECEIPT_ROUNDS  # in one NodeInfo (two phases)
 KEEP_ROUNDS = 8  # rounds of other members' receipts we keep
 MAX_ECHOES = 1024
 MAX_DISPUTED = 8
+MAX_VERSIONS_HEARD = 4  # echoed hashes we remember per receipt slot
 EQUIVOCATION_BAN_S = 3600.0  # a member caught signing two versions of one thing
 
 
@@ -84,6 +86,15 @@ class Receipts:
         self.relayed: dict[tuple[int, Phase, str], dict[bytes, pb.Receipt]] = {}
         self.disputes: dict[bytes, pb.Receipt] = {}  # versions we hold that an echo contradicted
         self._verified: dict[tuple[str, bytes], int] = {}  # (sender, signature) of statements checked -> round
+        # What each peer already has from us (`fill(to=...)`): our receipts it echoed back in
+        # its latest Hello, and how far into `_log` (every version we came to hold, in order)
+        # our echoes to it went. Heartbeats then carry only news: O(1) bytes, not O(N).
+        self._own_hash: dict[tuple[int, Phase], bytes] = {}
+        self._acked: dict[str, set[bytes]] = {}
+        self._log: list[tuple[int, tuple[int, Phase, str], bytes]] = []  # (seq, slot, hash)
+        self._seq = 0
+        self._echoed_to: dict[str, int] = {}
+        self._heard: dict[tuple[int, Phase, str], set[bytes]] = {}  # echoes members sent us, by slot
 
     # ---- ours ----------------------------------------------------------------------------------
 
@@ -91,20 +102,42 @@ class Receipts:
         security = self.ctx.security
         signed = replace(receipt, public_key=security.key.public)
         signed = replace(signed, signature=security.sign_receipt(signed))
-        self.own[(receipt.round_id, receipt.phase)] = receipt_to_pb(signed)
+        key = (receipt.round_id, receipt.phase)
+        self.own[key] = receipt_to_pb(signed)
+        self._own_hash[key] = security.receipt_hash(signed)
         for phase in Phase:
             for old in sorted(k for k in self.own if k[1] == phase)[:-RECEIPT_ROUNDS]:
                 del self.own[old]
+                self._own_hash.pop(old, None)
 
-    def fill(self, info: pb.NodeInfo) -> None:
-        """Our receipts, echoes and disputes into a NodeInfo we send."""
-        info.receipts.extend(self.own[k] for k in sorted(self.own))
+    def fill(self, info: pb.NodeInfo, *, to: str | None = None) -> int:
+        """Our receipts, echoes and disputes into a NodeInfo we send; to peer `to`, only what
+        it lacks: our receipts it did not echo back yet, echoes we did not send it yet (and,
+        always, echoes of its own receipts: its acknowledgement). Returns the mark to pass to
+        `sent(to, mark)` once the message was delivered."""
         newest = self.ctx.state.round
+        acked = self._acked.get(to, set()) if to is not None else set()
+        info.receipts.extend(self.own[k] for k in sorted(self.own) if self._own_hash.get(k) not in acked)
+        since = self._echoed_to.get(to, 0) if to is not None else 0
+        start = bisect.bisect_right(self._log, since, key=lambda entry: entry[0])
+        fresh = {(slot, h) for _, slot, h in self._log[start:]}
+        if to is not None:  # its own receipts, whatever we sent before: that is how it knows we hold them
+            fresh |= {(slot, h) for slot, versions in self.held.items() if slot[2] == to for h in versions}
         echoes = [pb.ReceiptEcho(round=round_id, phase=int(phase), maker_id=maker, receipt_hash=h)  # type: ignore[arg-type]
-                  for (round_id, phase, maker), versions in sorted(self.held.items())
-                  if round_id + RECEIPT_ROUNDS > newest for h in sorted(versions)]
+                  for (round_id, phase, maker), h in sorted(fresh)
+                  if round_id + RECEIPT_ROUNDS > newest and (round_id, phase, maker) in self.held]
         info.echoes.extend(echoes[-MAX_ECHOES:])
         info.disputed.extend(list(self.disputes.values())[-MAX_DISPUTED:])
+        return self._seq
+
+    def sent(self, to: str, mark: int) -> None:
+        """`to` received what `fill(to=to)` returned `mark` for."""
+        self._echoed_to[to] = max(self._echoed_to.get(to, 0), mark)
+
+    def forget(self, peer_id: str) -> None:
+        """A peer that is new or back (it restarted, or we had lost it) holds nothing of ours."""
+        self._acked.pop(peer_id, None)
+        self._echoed_to.pop(peer_id, None)
 
     # ---- theirs --------------------------------------------------------------------------------
 
@@ -160,8 +193,16 @@ class Receipts:
             if key is not None and m.maker_id != self.ctx.cfg.node_id and self.recent(m.round):
                 self.check(m, key)
                 self.keep(m, self.relayed)
+        me = self.ctx.cfg.node_id
+        self._acked[info.node_id] = {e.receipt_hash for e in info.echoes if e.maker_id == me}
         for e in info.echoes:
-            for h, m in self.held.get((e.round, Phase(e.phase), e.maker_id), {}).items():
+            slot = (e.round, Phase(e.phase), e.maker_id)
+            if e.maker_id == me or not self.recent(e.round):
+                continue
+            heard = self._heard.setdefault(slot, set())
+            if len(heard) < MAX_VERSIONS_HEARD:  # two already prove a lie
+                heard.add(e.receipt_hash)
+            for h, m in self.held.get(slot, {}).items():
                 if h != e.receipt_hash:
                     self.disputes.setdefault(h, m)
         self.prune()
@@ -215,6 +256,11 @@ class Receipts:
         if digest in versions:
             return
         versions[digest] = m
+        if store is self.held:
+            self._seq += 1
+            self._log.append((self._seq, slot, digest))
+            if any(h != digest for h in self._heard.get(slot, ())):  # a member echoed another version
+                self.disputes.setdefault(digest, m)
         if len({**self.held.get(slot, {}), **self.relayed.get(slot, {})}) > 1:
             self.equivocated(*slot)
         self.on_change()
@@ -241,5 +287,9 @@ class Receipts:
                 del store[slot]
         for digest in [d for d, r in self.disputes.items() if not self.recent(r.round)]:
             del self.disputes[digest]
+        for slot in [k for k in self._heard if not self.recent(k[0])]:
+            del self._heard[slot]
+        if self._log and not self.recent(self._log[0][1][0]):
+            self._log = [entry for entry in self._log if self.recent(entry[1][0])]
         for key in [k for k, round_id in self._verified.items() if not self.recent(round_id)]:
             del self._verified[key]

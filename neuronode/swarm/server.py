@@ -37,6 +37,12 @@ class Counters:
     per_peer_sent: dict[str, int] = field(default_factory=dict)
     per_peer_received: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)  # by reason (gRPC status code)
+    control_bytes_sent: int = 0  # Hellos (heartbeats, announcements, peer exchange) and their answers
+    control_bytes_received: int = 0
+
+    def control(self, *, sent: int = 0, received: int = 0) -> None:
+        self.control_bytes_sent += sent
+        self.control_bytes_received += received
 
     def sent(self, peer_id: str, size: int) -> None:
         self.bytes_sent += size

@@ -59,6 +59,8 @@ class NodeService(pb_grpc.NodeServicer):
                 ctx.security.check_hello_signature(request)
             except AuthError as exc:
                 raise Refusal("UNAUTHENTICATED", f"{exc}; every Hello is signed by its node's key") from None
+            caller = ctx.table.peers.get(info.node_id)
+            known = caller is not None and ctx.table.is_alive(caller)  # a newcomer gets every peer we know
             if info.node_id != ctx.cfg.node_id:
                 self.peers.learn(info, list(request.known_peers), host=caller_host(context))
                 if info.reachable == pb.REACHABILITY_NO:
@@ -69,9 +71,14 @@ class NodeService(pb_grpc.NodeServicer):
             await self.admission.refuse(context, Refusal("RESOURCE_EXHAUSTED", str(exc)), "hello")
         except Refusal as exc:
             await self.admission.refuse(context, exc, "hello")
-        resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers(),
+        to = info.node_id if known else None
+        answer, mark = self.peers.info_for(to)
+        resp = pb.HelloResponse(info=answer, known_peers=self.peers.known_peers(full=not known),
                                 observed_address=context.peer().split(":", 1)[-1])  # where the caller's connection comes from
         ctx.security.sign_hello(resp)
+        ctx.counters.control(sent=resp.ByteSize(), received=request.ByteSize())
+        if to is not None:
+            self.peers.delivered(to, mark)
         return resp
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:

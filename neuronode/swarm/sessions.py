@@ -136,6 +136,7 @@ class Sessions:
         resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers(),
                                 observed_address=caller.split(":", 1)[-1] if caller else "")
         self.ctx.security.sign_hello(resp)
+        self.ctx.counters.control(sent=resp.ByteSize())
         return resp
 
     def announce(self) -> None:
@@ -143,9 +144,12 @@ class Sessions:
         if not self.carried:
             return
         msg = pb.SessionMessage(hello=self.hello())
+        queued = 0
         for session in self.carried.values():
             if not session.queue.full():  # a full queue is busy with chunks: the next announcement carries it
                 session.queue.put_nowait(msg)
+                queued += 1
+        self.ctx.counters.control(sent=(queued - 1) * msg.hello.ByteSize())  # hello() counted one
 
     def offer(self, peer_id: str, msg: pb.SessionMessage) -> None:
         """`msg` to `peer_id`'s session if it has room (a Hello we relay: the next one carries
