@@ -58,9 +58,6 @@ def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
         # ahead alone would finish its rounds and leave, and --min-peers would wait for good.
         nodes[LIAR] = Liar(tmp, LIAR, *args, *(min_peers if accepted else ()), "--node-id", LIAR,
                            "--peers", h1.address, behaviour=behaviour)
-    # Under impersonate, h3 joins once the liar speaks as h2 (after round 1): h3 never meets the
-    # liar as itself, yet must average the liar's round-1 and round-2 contributions the others hold.
-    late = nodes.pop("h3") if behaviour == "impersonate" else None
     try:
         for name, node in nodes.items():
             if name == LIAR and behaviour == "claim-closed":
@@ -68,9 +65,6 @@ def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
                 # takes that one peer's word (a quorum of one), which is not what this tests.
                 poll("h1 to know the honest members", lambda: len(h1.events("peer_joined")) >= 3, timeout_s=60)
             node.start()
-        if late is not None:
-            poll("h1 past round 1", lambda: any(e["round"] >= 1 for e in h1.events("round_done")), timeout_s=120)
-            nodes["h3"] = late.start()
         if joiner:
             poll("h1 at round 2", lambda: any(e["round"] >= 2 for e in h1.events("round_done")), timeout_s=120)
             via = nodes[LIAR] if behaviour else h1

@@ -5,11 +5,15 @@ rule under a ManualClock). Real SwarmNodes on 127.0.0.1:0."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from helpers import Nodes, wait_until
 
 from neuronode.averaging.agreement import receipt_of
+from neuronode.bench import membership
 from neuronode.codec import Phase
+from neuronode.errors import ConfigError
 from neuronode.swarm.membership import MIN_FANOUT
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,3 +63,21 @@ async def test_peer_exchange_lists_every_peer_to_a_newcomer_and_a_sample_to_the_
     assert {m.advertise for m in members} <= newcomer.table.addresses  # all from the hub's first answer
     assert len(hub.peers.known_peers(full=False)) == MIN_FANOUT
     assert len(hub.peers.known_peers()) == len(hub.table.alive())
+
+
+def test_bench_membership_measures_less_heartbeat_traffic_than_the_greet_everyone_reference() -> None:
+    """`neuronode bench membership` at a small size: every member greets at most every peer a
+    heartbeat, and once each peer holds the round's receipts, heartbeats no longer carry them
+    (bytes are counted, never seconds)."""
+    parser = argparse.ArgumentParser()
+    membership.configure(parser)
+    result = membership.run(parser.parse_args(["--members", "6", "--rounds", "1", "--heartbeats", "3",
+                                               "--heartbeat-s", "0.5"]))
+    assert {"members", "fanout", "control_bytes_per_member_per_heartbeat", "hellos_per_member_per_heartbeat",
+            "control_bytes_per_member_per_round", "reference_control_bytes_per_member_per_heartbeat",
+            "reference_hellos_per_member_per_heartbeat", "reference_control_bytes_per_member_per_round",
+            "heartbeat_bytes_ratio"} <= set(result)
+    assert result["fanout"] == 5
+    assert 0 < result["heartbeat_bytes_ratio"] < 0.8, result
+    with pytest.raises(ConfigError, match="--members 1"):
+        membership.run(parser.parse_args(["--members", "1"]))

@@ -17,7 +17,7 @@ from neuronode.config import NodeConfig
 from neuronode.events import Throttled
 from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import Faults
-from neuronode.swarm.membership import MAX_IDS_PER_HOST, MAX_MEMBERS, PeerTable
+from neuronode.swarm.membership import MAX_IDS_PER_HOST, MAX_MEMBERS, MIN_FANOUT, PeerTable
 from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Channels, Counters
@@ -83,6 +83,9 @@ class SwarmConfig:
     settings: Settings = Settings()
     max_ids_per_host: int = MAX_IDS_PER_HOST
     reachable: str = "auto"  # --reachable
+    # False: every heartbeat greets every peer and every Hello says everything (receipts, echoes,
+    # all known peers): the protocol before issue 18, which `bench membership` measures against.
+    sampled_membership: bool = True
 
 
 class Tasks:
@@ -165,7 +168,8 @@ class Context:
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock,
-                               max_ids_per_host=cfg.max_ids_per_host)
+                               max_ids_per_host=cfg.max_ids_per_host,
+                               min_fanout=MIN_FANOUT if cfg.sampled_membership else MAX_MEMBERS)
         self.book = RoundBook(first_round=self.state.round, clock=self.clock,
                               max_sender_bytes=sender_bytes_bound(cfg.n_elements, cfg.settings.codec, window=2),
                               idle_s=max(STREAM_IDLE_MIN_S, cfg.sync_timeout_s))

@@ -32,14 +32,14 @@ PRUNE_AFTER_DEAD_S = 600.0  # a peer dead (or gone) this long is forgotten
 MIN_FANOUT = 16  # peers a heartbeat (and peer exchange) reaches at least: all of a swarm this small
 
 
-def fanout(n_peers: int) -> int:
+def fanout(n_peers: int, min_fanout: int = MIN_FANOUT) -> int:
     """How many peers one heartbeat greets (and one peer exchange lists) among `n_peers`."""
-    return max(MIN_FANOUT, math.ceil(2 * math.log2(n_peers + 1)))
+    return max(min_fanout, math.ceil(2 * math.log2(n_peers + 1)))
 
 
-def rotation(n_peers: int) -> int:
-    """Heartbeats until every one of `n_peers` was greeted once (1 up to MIN_FANOUT)."""
-    return max(1, math.ceil(n_peers / fanout(n_peers)))
+def rotation(n_peers: int, min_fanout: int = MIN_FANOUT) -> int:
+    """Heartbeats until every one of `n_peers` was greeted once (1 up to `min_fanout`)."""
+    return max(1, math.ceil(n_peers / fanout(n_peers, min_fanout)))
 
 
 def heartbeat_targets(table: PeerTable, *, skip: Iterable[str] = ()) -> list[str]:
@@ -52,7 +52,7 @@ def heartbeat_targets(table: PeerTable, *, skip: Iterable[str] = ()) -> list[str
     targets = [a for a in table.dial_targets() if a not in skipped]
     others = [a for a in targets if a not in live]
     stale = sorted((a for a in targets if a in live), key=lambda a: (live[a].failures > 0, live[a].last_seen, a))
-    return others + stale[:fanout(len(live))]
+    return others + stale[:fanout(len(live), table.min_fanout)]
 
 
 class TableFull(Exception):
@@ -88,9 +88,11 @@ class PeerTable:
     """Peers by node id, plus bootstrap addresses whose id we don't know yet."""
 
     def __init__(self, *, self_id: str, dead_after_s: float, clock: Clock | None = None,
-                 max_members: int = MAX_MEMBERS, max_ids_per_host: int = MAX_IDS_PER_HOST) -> None:
+                 max_members: int = MAX_MEMBERS, max_ids_per_host: int = MAX_IDS_PER_HOST,
+                 min_fanout: int = MIN_FANOUT) -> None:
         self.self_id = self_id
         self.base_dead_after_s = dead_after_s  # with everyone greeted every heartbeat
+        self.min_fanout = min_fanout  # peers a heartbeat greets at least (module docstring)
         self.clock = clock or Clock()
         self.max_members = max_members
         self.max_ids_per_host = max_ids_per_host
@@ -108,7 +110,7 @@ class PeerTable:
     def dead_after_s(self) -> float:
         """Silence after which a peer is dead: the base timeout per heartbeat rotation (module
         docstring), so that sampled heartbeats never make a live peer look dead."""
-        return self.base_dead_after_s * rotation(len(self.peers))
+        return self.base_dead_after_s * rotation(len(self.peers), self.min_fanout)
 
     def admit(self, node_id: str, host: str) -> None:
         """Raise TableFull unless a new `node_id` calling from `host` may join the table."""

@@ -69,7 +69,7 @@ class Peers:
     def node_info(self, to: str | None = None) -> pb.NodeInfo:
         """What we tell everyone (`to` None), or peer `to` (the receipts and echoes it lacks only)."""
         ctx, state = self.ctx, self.ctx.state
-        if ctx.reachable == "no":
+        if ctx.reachable == "no" or not ctx.cfg.sampled_membership:
             to = None  # relays forward our Hellos as signed to the others: they must say everything
         info = pb.NodeInfo(
             node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,
@@ -88,9 +88,10 @@ class Peers:
     def known_peers(self, *, full: bool = True) -> list[pb.PeerRecord]:
         """Peer exchange: every live member we can dial (to a newcomer), else a random sample of
         `fanout` of them (news spreads by gossip; docs/protocol.md gives the cost)."""
-        dialable = [p for p in self.ctx.table.alive() if self.ctx.table.dialable(p)]  # nobody can use the rest
+        table = self.ctx.table
+        dialable = [p for p in table.alive() if table.dialable(p)]  # nobody can use the rest
         if not full:
-            dialable = random.sample(dialable, min(len(dialable), fanout(len(dialable) + 1)))
+            dialable = random.sample(dialable, min(len(dialable), fanout(len(dialable) + 1, table.min_fanout)))
         return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in dialable][:MAX_PEERS_LISTED]
 
     def publish_receipt(self, receipt: Receipt) -> None:

@@ -39,10 +39,13 @@ class Counters:
     refusals: dict[str, int] = field(default_factory=dict)  # by reason (gRPC status code)
     control_bytes_sent: int = 0  # Hellos (heartbeats, announcements, peer exchange) and their answers
     control_bytes_received: int = 0
+    control_messages_sent: int = 0
 
     def control(self, *, sent: int = 0, received: int = 0) -> None:
+        """A Hello (or answer) of `sent` bytes went out, and/or one of `received` bytes came in."""
         self.control_bytes_sent += sent
         self.control_bytes_received += received
+        self.control_messages_sent += sent > 0
 
     def sent(self, peer_id: str, size: int) -> None:
         self.bytes_sent += size

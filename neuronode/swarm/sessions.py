@@ -109,7 +109,9 @@ class Sessions:
         session = self.carried[peer_id] = Carried(peer_id)
         logger.info("carrying a session for %s (peers cannot dial it)", peer_id,
                     extra=fields("session_carried", peer_id=peer_id))
-        session.queue.put_nowait(pb.SessionMessage(hello=self.hello(context.peer())))
+        first = self.hello(context.peer())
+        self.ctx.counters.control(sent=first.ByteSize())
+        session.queue.put_nowait(pb.SessionMessage(hello=first))
         self.transport.push_pending()  # what we owe it goes over the session now
         try:
             while not session.closed and not ctx.leaving:
@@ -136,7 +138,6 @@ class Sessions:
         resp = pb.HelloResponse(info=self.peers.node_info(), known_peers=self.peers.known_peers(),
                                 observed_address=caller.split(":", 1)[-1] if caller else "")
         self.ctx.security.sign_hello(resp)
-        self.ctx.counters.control(sent=resp.ByteSize())
         return resp
 
     def announce(self) -> None:
@@ -144,12 +145,10 @@ class Sessions:
         if not self.carried:
             return
         msg = pb.SessionMessage(hello=self.hello())
-        queued = 0
         for session in self.carried.values():
             if not session.queue.full():  # a full queue is busy with chunks: the next announcement carries it
                 session.queue.put_nowait(msg)
-                queued += 1
-        self.ctx.counters.control(sent=(queued - 1) * msg.hello.ByteSize())  # hello() counted one
+                self.ctx.counters.control(sent=msg.hello.ByteSize())
 
     def offer(self, peer_id: str, msg: pb.SessionMessage) -> None:
         """`msg` to `peer_id`'s session if it has room (a Hello we relay: the next one carries
