@@ -14,7 +14,7 @@ from neuronode.averaging.agreement import receipt_of
 from neuronode.bench import membership
 from neuronode.codec import Phase
 from neuronode.errors import ConfigError
-from neuronode.swarm.membership import MIN_FANOUT
+from neuronode.swarm.peers import PEX_SAMPLE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,16 +52,16 @@ async def test_a_receipt_rides_hellos_to_a_peer_until_it_echoes_it_back(nodes: N
 
 
 async def test_peer_exchange_lists_every_peer_to_a_newcomer_and_a_sample_to_the_others(nodes: Nodes) -> None:
-    """With more live peers than MIN_FANOUT, a newcomer learns all of them from the first answer;
-    a known peer's Hello lists a sample of MIN_FANOUT."""
+    """A newcomer learns every member from the first answer; a Hello to a member that knows the
+    swarm lists a sample of PEX_SAMPLE."""
     many = dict(n_elements=N, heartbeat_s=1.0, max_ids_per_host=64)  # all on 127.0.0.1
     hub = await nodes.start("hub", **many)
-    members = [await nodes.start(f"m{n:02d}", peers=[hub.advertise], **many) for n in range(MIN_FANOUT + 2)]
+    members = [await nodes.start(f"m{n:02d}", peers=[hub.advertise], **many) for n in range(PEX_SAMPLE + 4)]
     await wait_until(lambda: len(hub.table.alive()) == len(members), what="the hub to know every member", timeout_s=60)
     newcomer = await nodes.start("newcomer", **many)  # no bootstrap peer: it greets only whom we tell it to
     assert await newcomer.peers.hello(hub.advertise)
     assert {m.advertise for m in members} <= newcomer.table.addresses  # all from the hub's first answer
-    assert len(hub.peers.known_peers(full=False)) == MIN_FANOUT
+    assert len(hub.peers.known_peers(full=False)) == PEX_SAMPLE
     assert len(hub.peers.known_peers()) == len(hub.table.alive())
 
 

@@ -16,7 +16,13 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import is_derived
 from neuronode.swarm.context import Context, Settings
-from neuronode.swarm.membership import KeyMismatch, TableFull, agreement, fanout, heartbeat_targets
+from neuronode.swarm.membership import (
+    MAX_MEMBERS,
+    KeyMismatch,
+    TableFull,
+    agreement,
+    heartbeat_targets,
+)
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.receipts import check_sizes as check_receipt_sizes
 from neuronode.swarm.relay import MAX_CARRIERS
@@ -37,6 +43,7 @@ logger = logging.getLogger(__name__)
 REACHABILITY_TO_PB = {"unknown": pb.REACHABILITY_UNSPECIFIED, "yes": pb.REACHABILITY_YES, "no": pb.REACHABILITY_NO}
 
 MAX_KNOWN_ADDRESSES = 1024
+PEX_SAMPLE = 8  # peers a Hello to a member that knows the swarm lists
 OFF_LOOP_PEERS = 256  # with this many live peers, agreement is worked out in a worker thread
 MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact in a double)
 
@@ -87,11 +94,12 @@ class Peers:
 
     def known_peers(self, *, full: bool = True) -> list[pb.PeerRecord]:
         """Peer exchange: every live member we can dial (to a newcomer), else a random sample of
-        `fanout` of them (news spreads by gossip; docs/protocol.md gives the cost)."""
+        PEX_SAMPLE of them (a member greets every address it learns, so news of a newcomer
+        spreads from the newcomer itself; docs/protocol.md gives the cost)."""
         table = self.ctx.table
         dialable = [p for p in table.alive() if table.dialable(p)]  # nobody can use the rest
-        if not full:
-            dialable = random.sample(dialable, min(len(dialable), fanout(len(dialable) + 1, table.min_fanout)))
+        if not full and table.min_fanout < MAX_MEMBERS:  # (the greet-everyone reference lists all)
+            dialable = random.sample(dialable, min(len(dialable), PEX_SAMPLE))
         return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in dialable][:MAX_PEERS_LISTED]
 
     def publish_receipt(self, receipt: Receipt) -> None:

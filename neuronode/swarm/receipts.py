@@ -199,9 +199,10 @@ class Receipts:
             slot = (e.round, Phase(e.phase), e.maker_id)
             if e.maker_id == me or not self.recent(e.round):
                 continue
-            heard = self._heard.setdefault(slot, set())
-            if len(heard) < MAX_VERSIONS_HEARD:  # two already prove a lie
-                heard.add(e.receipt_hash)
+            if e.maker_id in self.ctx.table.peers:  # a member's (bounded: not any id a Hello names)
+                heard = self._heard.setdefault(slot, set())
+                if len(heard) < MAX_VERSIONS_HEARD:  # two already prove a lie
+                    heard.add(e.receipt_hash)
             for h, m in self.held.get(slot, {}).items():
                 if h != e.receipt_hash:
                     self.disputes.setdefault(h, m)
@@ -291,5 +292,9 @@ class Receipts:
             del self._heard[slot]
         if self._log and not self.recent(self._log[0][1][0]):
             self._log = [entry for entry in self._log if self.recent(entry[1][0])]
+        known = self.ctx.table.peers
+        if len(self._acked) + len(self._echoed_to) > 2 * len(known) + 64:  # peers forgotten since
+            self._acked = {p: hashes for p, hashes in self._acked.items() if p in known}
+            self._echoed_to = {p: mark for p, mark in self._echoed_to.items() if p in known}
         for key in [k for k, round_id in self._verified.items() if not self.recent(round_id)]:
             del self._verified[key]

@@ -15,7 +15,7 @@ from neuronode.security.auth import AuthError
 from neuronode.swarm.admission import Admission, caller_host
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import KeyMismatch, TableFull
-from neuronode.swarm.peers import Peers
+from neuronode.swarm.peers import PEX_SAMPLE, Peers
 from neuronode.swarm.reach import Reach
 from neuronode.swarm.security import NODE_SERVICE_PREFIX, caller_id
 from neuronode.swarm.statesync import Donor
@@ -60,7 +60,10 @@ class NodeService(pb_grpc.NodeServicer):
             except AuthError as exc:
                 raise Refusal("UNAUTHENTICATED", f"{exc}; every Hello is signed by its node's key") from None
             caller = ctx.table.peers.get(info.node_id)
-            known = caller is not None and ctx.table.is_alive(caller)  # a newcomer gets every peer we know
+            # A newcomer (or one back, or one that lists fewer peers than a sample holds: it
+            # restarted) gets every peer we know; a member that knows the swarm, a sample.
+            known = (caller is not None and ctx.table.is_alive(caller)
+                     and len(request.known_peers) >= min(PEX_SAMPLE, len(ctx.table.alive()) - 1))
             if info.node_id != ctx.cfg.node_id:
                 self.peers.learn(info, list(request.known_peers), host=caller_host(context))
                 if info.reachable == pb.REACHABILITY_NO:
