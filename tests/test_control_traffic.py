@@ -77,7 +77,7 @@ def test_bench_membership_measures_less_heartbeat_traffic_than_the_greet_everyon
             "control_bytes_per_member_per_round", "reference_control_bytes_per_member_per_heartbeat",
             "reference_hellos_per_member_per_heartbeat", "reference_control_bytes_per_member_per_round",
             "heartbeat_bytes_ratio"} <= set(result)
-    assert result["fanout"] == 5
+    assert result["fanout"] == 5 and result["members_that_lost_a_peer"] == 0
     assert 0 < result["heartbeat_bytes_ratio"] < 0.8, result
     with pytest.raises(ConfigError, match="--members 1"):
         membership.run(parser.parse_args(["--members", "1"]))

@@ -12,8 +12,11 @@ bytes of Hellos and answers each member sends over `--heartbeats` quiet heartbea
 
 JSON keys: `members`, `heartbeat_s`, `fanout` (peers a heartbeat greets),
 `control_bytes_per_member_per_heartbeat` and `hellos_per_member_per_heartbeat` (quiet),
-`control_bytes_per_member_per_round` (the round's announcements and receipts), the same three
-under `reference_...`, and `heartbeat_bytes_ratio` (today / reference).
+`control_bytes_per_member_per_round` (the round's announcements and receipts),
+`members_that_lost_a_peer` (members that saw a live peer die during the count: the process could
+not keep up, and the figures undercount), the same four under `reference_...`, and
+`heartbeat_bytes_ratio` (today / reference); when the reference cannot run at that size in one
+process, `reference_error` says why instead.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def sent(members: list[Any]) -> tuple[int, int]:
 
 
 async def measure(args: argparse.Namespace, *, sampled: bool) -> dict[str, float]:
-    from neuronode.swarm.membership import MAX_MEMBERS, MIN_FANOUT, fanout
+    from neuronode.swarm.membership import MAX_MEMBERS, MIN_FANOUT, fanout, rotation
 
     n = args.members
     executor = ThreadPoolExecutor(2, thread_name_prefix="bench")
@@ -100,16 +103,17 @@ async def measure(args: argparse.Namespace, *, sampled: bool) -> dict[str, float
         for round_id in range(1, args.rounds + 1):
             await one_round(members, round_id, FORM_TIMEOUT_S)
         round_bytes = (sent(members)[0] - bytes_before) / n / args.rounds
-        # Let the last round's announcements settle before counting quiet heartbeats.
-        await asyncio.sleep(2 * args.heartbeat_s)
+        # Let the round's news settle before counting quiet heartbeats: each peer is greeted
+        # once a rotation, and that first greeting after a round carries our echoes of it.
+        await asyncio.sleep((rotation(n - 1, MIN_FANOUT if sampled else MAX_MEMBERS) + 2) * args.heartbeat_s)
         bytes_before, messages_before = sent(members)
         started = time.monotonic()
         await asyncio.sleep(args.heartbeats * args.heartbeat_s)
         beats = (time.monotonic() - started) / args.heartbeat_s
         bytes_after, messages_after = sent(members)
-        if not all(m.alive_count() == n - 1 for m in members):
-            raise BenchError("membership bench: a member lost a live peer during the quiet heartbeats "
-                             "(the machine is too busy for this many members: try a longer --heartbeat-s)")
+        # Members that lost a live peer meanwhile: the process could not keep up (the reference
+        # at a few dozen members on 2 cores); its figures then undercount what it would send.
+        lost = sum(m.alive_count() < n - 1 for m in members)
     finally:
         await asyncio.gather(*(m.stop(grace_s=0.2) for m in members), return_exceptions=True)
         executor.shutdown()
@@ -118,7 +122,18 @@ async def measure(args: argparse.Namespace, *, sampled: bool) -> dict[str, float
         "control_bytes_per_member_per_heartbeat": round((bytes_after - bytes_before) / n / beats, 1),
         "hellos_per_member_per_heartbeat": round((messages_after - messages_before) / n / beats, 2),
         "control_bytes_per_member_per_round": round(round_bytes, 1),
+        "members_that_lost_a_peer": lost,
     }
+
+
+async def both(args: argparse.Namespace) -> tuple[dict[str, float] | None, str, dict[str, float]]:
+    """The reference (or why it could not run at this size in one process), then today's."""
+    try:
+        reference: dict[str, float] | None = await measure(args, sampled=False)
+        failed = ""
+    except BenchError as exc:
+        reference, failed = None, str(exc)
+    return reference, failed, await measure(args, sampled=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,12 +144,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           (args.heartbeats >= 1, f"--heartbeats {args.heartbeats}: count at least 1"),
           (args.heartbeat_s > 0, f"--heartbeat-s {args.heartbeat_s}: must be positive"))
     started = time.perf_counter()
-    reference = asyncio.run(measure(args, sampled=False))
-    today = asyncio.run(measure(args, sampled=True))
+    reference, failed, today = asyncio.run(both(args))  # one event loop: grpc.aio binds to the first
     result: dict[str, Any] = {"members": args.members, "heartbeat_s": args.heartbeat_s, "rounds": args.rounds,
-                              **today, **{f"reference_{k}": v for k, v in reference.items() if k != "fanout"}}
-    result["heartbeat_bytes_ratio"] = round(today["control_bytes_per_member_per_heartbeat"]
-                                            / max(1.0, reference["control_bytes_per_member_per_heartbeat"]), 3)
+                              **today}
+    if reference is not None:
+        result.update({f"reference_{k}": v for k, v in reference.items() if k != "fanout"})
+        result["heartbeat_bytes_ratio"] = round(today["control_bytes_per_member_per_heartbeat"]
+                                                / max(1.0, reference["control_bytes_per_member_per_heartbeat"]), 3)
+    else:
+        result["reference_error"] = failed
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 

@@ -247,6 +247,20 @@ def round_peers(table: PeerTable, round_id: int, *, round_lag: int) -> set[str]:
             if round_id - round_lag <= p.round <= round_id + 1 and p.contributes_from <= round_id}
 
 
+def reducers(table: PeerTable, members: Iterable[str], *, self_dialable: bool) -> set[str]:
+    """Members peers can dial: they advertise an address and did not say peers cannot dial it
+    (what each says of itself, so every member reckons alike; `self_dialable` is what we say).
+    A node still learning its address is none yet."""
+    out = set()
+    for member in members:
+        if member == table.self_id:
+            if self_dialable:
+                out.add(member)
+        elif (peer := table.peers.get(member)) is not None and peer.reachable and peer.advertised:
+            out.add(member)
+    return out
+
+
 def member_views(table: PeerTable, makers: set[str], round_id: int, members: Iterable[str]) -> list[MemberView]:
     """What we know of every member of `round_id` but us: `makers` published their receipt."""
     views = []

@@ -35,7 +35,7 @@ from neuronode.swarm.chunks import ChunkView, header_of, parse_chunk, serialize_
 from neuronode.swarm.context import Context
 from neuronode.swarm.faults import FaultInjected
 from neuronode.swarm.inbound import Inbound, bound_digest, check_same_stream, stream_key
-from neuronode.swarm.membership import member_views, round_peers
+from neuronode.swarm.membership import member_views, reducers, round_peers
 from neuronode.swarm.missed import Missed
 from neuronode.swarm.receipts import EQUIVOCATION_BAN_S, Receipts
 from neuronode.swarm.security import caller_id
@@ -140,18 +140,7 @@ class GrpcTransport:
         return {p.node_id for p in self.ctx.table.alive()}
 
     def reducers(self, members: Iterable[str]) -> set[str]:
-        """Members peers can dial: they advertise an address and did not say peers cannot dial
-        it (what each says of itself, so every member reckons alike). A node still learning its
-        address is none yet."""
-        table, me = self.ctx.table, self.node_id
-        out = set()
-        for member in members:
-            if member == me:
-                if self.ctx.advertise and self.ctx.reachable != "no":
-                    out.add(member)
-            elif (peer := table.peers.get(member)) is not None and peer.reachable and peer.advertised:
-                out.add(member)
-        return out
+        return reducers(self.ctx.table, members, self_dialable=bool(self.ctx.advertise) and self.ctx.reachable != "no")
 
     def link_rate(self) -> float:
         """Bytes/s our pushes reach together, capped by --max-upload-mbps (0: not measured)."""
