@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy neuronode
 
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

@@ -143,5 +143,9 @@ def test_one_liar_among_four_honest_members_changes_nothing(tmp_path_factory: py
         assert nodes["h4"].events("adopted"), nodes["h4"].log()[-3000:]
     else:  # the joiner refused the liar's state, then adopted a vouched one
         h4 = nodes["h4"]
-        assert rejected_donors(h4)[:1] == [LIAR], h4.log()[-3000:]
+        # Donors go by round, then id: the liar comes first unless h4 planned at the instant a
+        # round closed, when an honest member already said round r + 1 and the liar not yet
+        # (seen once in CI). The liar's state was then never offered; check_honest still holds.
+        first = h4.events("catching_up")[0]["donors"][0]
+        assert first != LIAR or rejected_donors(h4)[:1] == [LIAR], h4.log()[-3000:]
         assert h4.events("adopted"), h4.log()[-3000:]

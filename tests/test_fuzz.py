@@ -967,7 +967,10 @@ def test_closed_node_refuses_hostile_contributions_from_members(nodes: Fuzzed, p
     chunks = hostile_stream(t, plan, sender_id=member)
     code, details, _ = t.call("PushContribution", [c.SerializeToString() for c in chunks],
                               metadata=t.proof(member, "PushContribution"))
-    assert code in plan.codes() | {Code.PERMISSION_DENIED}, f"{code}: {details}"
+    # The node keeps training: on a busy machine its round may close while the stream is still
+    # arriving, and the stream is then aborted before its content is judged (seen under load).
+    closed = code == Code.ABORTED and "round closed" in details
+    assert code in plan.codes() | {Code.PERMISSION_DENIED} or closed, f"{code}: {details}"
     t.assert_alive()
 
 
