@@ -255,12 +255,13 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
             if out.shards_received and out.shards_received[-1].shards:
                 del out.shards_received[-1].shards[-1]
             return out
-        from neuronode.swarm.receipts import receipt_from_pb, receipt_to_pb
+        from neuronode.codec.contribution import Phase
+        from neuronode.swarm.receipts import receipt_to_pb
 
         for i, m in enumerate(out.receipts):
-            if m.statements:
-                r = receipt_from_pb(m)
-                r = dataclasses.replace(r, statements=r.statements[:-1])
+            own = self.receipts.own.get((m.round, Phase(m.phase)))
+            if own is not None and own.statements:  # whole, whatever form the honest one took
+                r = dataclasses.replace(own, statements=own.statements[:-1], listed_digest=b"")
                 r = dataclasses.replace(r, signature=self.ctx.security.sign_receipt(r))
                 out.receipts[i].CopyFrom(receipt_to_pb(r))
         return out

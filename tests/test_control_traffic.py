@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from helpers import Nodes, wait_until
+import torch
+from helpers import Nodes, encode, key_of, wait_until
 
-from neuronode.averaging.agreement import receipt_of
+from neuronode.averaging.agreement import decide, receipt_of, statement_of
 from neuronode.bench import membership
-from neuronode.codec import Phase
+from neuronode.codec import Contribution, Phase
 from neuronode.errors import ConfigError
 from neuronode.swarm.peers import PEX_SAMPLE
+from neuronode.swarm.receipts import receipt_to_pb
+from neuronode.swarm.security import Security
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,3 +84,57 @@ def test_bench_membership_measures_less_heartbeat_traffic_than_the_greet_everyon
     assert 0 < result["heartbeat_bytes_ratio"] < 0.8, result
     with pytest.raises(ConfigError, match="--members 1"):
         membership.run(parser.parse_args(["--members", "1"]))
+
+
+def signed(sender_key: str, value: float) -> Contribution:
+    """A round-1 contribution of the derived id of key `sender_key`, signed by it."""
+    key = key_of(sender_key)
+    c = encode(key.derived_id, torch.full((N,), value), round_id=1)
+    c.signature = Security(node_id=key.derived_id, swarm_id="net-test", key=key).sign_statement(statement_of(c))
+    c.public_key = key.public
+    return c
+
+
+async def test_receipts_travel_compact_and_a_member_that_missed_a_contribution_gets_the_list_whole(
+        nodes: Nodes) -> None:
+    """a, b and c hold contributions p and q, d only p. A receipt to a peer whose own receipt
+    lists the same travels as its digest alone; to one that does not, as 8-byte ids, which a, b
+    and c rebuild d's receipt from. d cannot rebuild theirs (it lacks q): it asks their makers,
+    gets the statements whole, agrees that q counts and fetches it. (Before, every receipt
+    carried every statement whole, about 210 bytes each, to every member.)"""
+    names = "abcd"
+    first = await nodes.start("a", n_elements=N)
+    members = [first] + [await nodes.start(n, peers=[first.advertise], n_elements=N) for n in names[1:]]
+    a, b, c, d = members
+    for node in members:
+        await wait_until(lambda n=node: len(n.table.alive()) == 3, what="the swarm to form")
+    asked: dict[str, list[str]] = {n: [] for n in names}  # whom each member asked for a list whole
+    for node in members:
+        node.receipts.on_want = lambda maker, n=node, want=node.receipts.on_want: (
+            asked[n.cfg.node_id].append(maker), want(maker))
+    p, q = signed("p", 1.0), signed("q", 2.0)
+    for node in (a, b, c):
+        node.transport.retain(1, Phase.WHOLE, [p, q], for_s=60)
+        node.transport.publish_receipt(receipt_of(1, Phase.WHOLE, node.cfg.node_id, [p, q]))
+    d.transport.publish_receipt(receipt_of(1, Phase.WHOLE, "d", [p]))
+    await wait_until(lambda: all(holds_receipt(x, y.cfg.node_id) for x in members for y in members if x is not y),
+                     what="every member to hold every other member's receipt")
+    (to_b,) = a.peers.node_info("b").receipts or [None]
+    if to_b is not None:  # b may have echoed it back already; the form a uses is what counts
+        assert not to_b.statements and not to_b.statement_ids
+    form = {to: a.receipts.form((1, Phase.WHOLE), to) for to in "bcd"}
+    assert form == {"b": "digest", "c": "digest", "d": "full" if asked["d"] == ["a"] else "ids"}, (form, asked)
+    whole = a.peers.node_info().receipts[0]
+    assert len(whole.statements) == 2
+    compact = receipt_to_pb(a.receipts.own[(1, Phase.WHOLE)], "ids")
+    assert compact.ByteSize() + 2 * 150 < whole.ByteSize()  # each statement whole is about 210 bytes, an id 8
+    # d could not rebuild a's, b's or c's list (it lacks q's statement): it asked one maker for
+    # the list whole (the others' name the same digest); a, b and c asked nobody.
+    assert len(asked["d"]) == 1 and asked["d"][0] in "abc" and not asked["a"] + asked["b"] + asked["c"], asked
+    decision = decide(d.transport.receipts(1, Phase.WHOLE), [statement_of(p)], lineage=statement_of(q).lineage)
+    assert set(decision.agreed) == {(p.sender_id, 0), (q.sender_id, 0)}
+    got = await d.transport.fetch(statement_of(q), decision.holders[(q.sender_id, 0)], timeout_s=10)
+    assert got is not None and got.digest == q.digest
+    for node in (a, b, c):  # they rebuilt d's list from its ids: they hold p
+        (r,) = [r for r in node.transport.receipts(1, Phase.WHOLE) if r.maker == "d"]
+        assert [s.sender for s in r.statements] == [p.sender_id]

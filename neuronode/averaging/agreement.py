@@ -3,7 +3,9 @@
 Every contribution comes with its maker's signed `Statement` (round, sender, phase, shard, the
 lineage it was made in and a hash of everything else). When a member closes a phase of a round
 (whole contributions under all-to-all, averaged shards under reduce-scatter) it publishes a
-`Receipt`: the statements of the contributions it holds from others. The rule (`decide`):
+`Receipt`: the statements of the contributions it holds, its own included (so that members
+holding the same contributions publish the same list, which the rule counts once: `Listings`).
+The rule (`decide`):
 
 - A statement counts when receipts of at least `QUORUM` members other than its maker list it
   (every other member, when fewer published one). Never on its maker's word: a member that
@@ -28,7 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from neuronode.codec.contribution import Contribution, Phase
@@ -82,9 +84,19 @@ def statement_of(c: Contribution) -> Statement:
                      signature=c.signature, public_key=c.public_key)
 
 
+def statements_digest(statements: Iterable[Statement]) -> bytes:
+    """sha256 of a list of statements (signatures included): what a receipt's signature covers
+    of them, and how receipts listing the same statements are told apart from the rest."""
+    return hashlib.sha256(json.dumps(
+        [[s.sender, int(s.phase), int(s.shard_index), s.lineage.hex(), s.body.hex(), s.signature.hex()]
+         for s in statements], separators=(",", ":")).encode()).digest()
+
+
 @dataclass(frozen=True)
 class Receipt:
-    """What one member (`maker`) holds of one round's phase: its contributions' statements."""
+    """What one member (`maker`) holds of one round's phase: its contributions' statements.
+    `listed_digest` is `statements_digest(statements)` when the maker's list is not at hand (a
+    receipt kept as proof only) or was already computed; `digest` computes it otherwise."""
 
     round_id: int
     phase: Phase
@@ -92,12 +104,92 @@ class Receipt:
     statements: tuple[Statement, ...]  # sorted by slot
     signature: bytes = field(default=b"", compare=False, repr=False)
     public_key: bytes = field(default=b"", compare=False, repr=False)
+    listed_digest: bytes = field(default=b"", compare=False, repr=False)
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        return self.listed_digest or statements_digest(self.statements)
 
 
 def receipt_of(round_id: int, phase: Phase, maker: str, held: Iterable[Contribution]) -> Receipt:
-    """Our receipt: the statements of what we hold from others (ours would count nowhere)."""
-    statements = sorted((statement_of(c) for c in held if c.sender_id != maker), key=lambda s: s.slot)
+    """Our receipt: the statements of what we hold, ours included (it counts nowhere, but
+    members that hold the same then list the same)."""
+    statements = sorted((statement_of(c) for c in held), key=lambda s: s.slot)
     return Receipt(round_id=round_id, phase=phase, maker=maker, statements=tuple(statements))
+
+
+class Listings:
+    """Who lists which statement, over receipts of one round's phase, counted once per distinct
+    list: with N makers that mostly hold the same N statements this is O(N) work, not O(N²).
+    A maker's listing of its own statement counts nowhere; a maker with several versions (it
+    equivocated) counts once per statement whichever versions list it."""
+
+    def __init__(self, receipts: Iterable[Receipt]) -> None:
+        groups: dict[bytes, tuple[tuple[Statement, ...], set[str]]] = {}
+        for r in receipts:
+            groups.setdefault(r.digest, (r.statements, set()))[1].add(r.maker)
+        self.makers: set[str] = set().union(*(who for _, who in groups.values()))
+        seen: dict[str, int] = {}
+        for _, who in groups.values():
+            for m in who:
+                seen[m] = seen.get(m, 0) + 1
+        several = {m for m, n in seen.items() if n > 1}
+        self._groups = [(statements, who - several) for statements, who in groups.values()]
+        self._in: dict[Statement, list[int]] = {}  # statement -> the groups listing it
+        self._count: dict[Statement, int] = {}
+        for g, (statements, once) in enumerate(self._groups):
+            for s in statements:
+                self._in.setdefault(s, []).append(g)
+                self._count[s] = self._count.get(s, 0) + len(once) - (s.sender in once)
+        self._several: dict[str, set[Statement]] = {}
+        for statements, who in groups.values():
+            for m in who & several:
+                self._several.setdefault(m, set()).update(statements)
+        for m, listed in self._several.items():
+            for s in listed:
+                if s.sender != m:
+                    self._count[s] += 1
+        self._sets: dict[int, set[Statement]] = {}
+
+    def __iter__(self) -> Iterator[Statement]:
+        return iter(self._count)
+
+    def count(self, s: Statement) -> int:
+        """Makers other than its sender that list `s`."""
+        return self._count.get(s, 0)
+
+    def makers_of(self, s: Statement) -> set[str]:
+        """The makers other than its sender that list `s` (O(N): ask for few statements)."""
+        who = set().union(*(self._groups[g][1] for g in self._in.get(s, ())))
+        who |= {m for m, listed in self._several.items() if s in listed}
+        return who - {s.sender}
+
+    def lists(self, maker: str, s: Statement) -> bool:
+        if maker in self._several:
+            return s in self._several[maker]
+        for g in self._in.get(s, ()):
+            if maker in self._groups[g][1]:
+                return True
+        return False
+
+
+class Holders(Mapping[tuple[str, int], list[str]]):
+    """Who holds each agreed contribution (the makers listing it, then its sender), worked out
+    for the slots asked for only: a member fetches a few, and there are N of them."""
+
+    def __init__(self, agreed: dict[tuple[str, int], Statement], listings: Listings) -> None:
+        self._agreed = agreed
+        self._listings = listings
+
+    def __getitem__(self, slot: tuple[str, int]) -> list[str]:
+        s = self._agreed[slot]
+        return sorted(self._listings.makers_of(s)) + [s.sender]
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self._agreed)
+
+    def __len__(self) -> int:
+        return len(self._agreed)
 
 
 @dataclass(frozen=True)
@@ -106,7 +198,7 @@ class Decision:
     from them); the makers proven to have equivocated, with the two statements that prove it."""
 
     agreed: dict[tuple[str, int], Statement]
-    holders: dict[tuple[str, int], list[str]]
+    holders: Mapping[tuple[str, int], list[str]]
     equivocators: dict[str, tuple[Statement, Statement]]
 
 
@@ -116,15 +208,10 @@ def decide(receipts: Iterable[Receipt], held: Iterable[Statement], *, lineage: b
     hold (ours included), which count like any listed one; one that no member but its maker
     published a receipt for (it is alone in the round, or we only listen to its maker) needs
     no listing."""
-    receipts = list(receipts)
-    makers = {r.maker for r in receipts}
-    listed: dict[Statement, set[str]] = {s: set() for s in held}
-    for receipt in receipts:
-        for s in receipt.statements:
-            if s.sender != receipt.maker:  # a maker's word on its own contribution counts nowhere
-                listed.setdefault(s, set()).add(receipt.maker)
+    listings = Listings(receipts)
+    makers = listings.makers
     by_slot: dict[tuple[str, int], list[Statement]] = {}
-    for s in listed:
+    for s in {*held, *listings}:
         by_slot.setdefault(s.slot, []).append(s)
     equivocators: dict[str, tuple[Statement, Statement]] = {}
     for slot, versions in sorted(by_slot.items()):
@@ -132,12 +219,10 @@ def decide(receipts: Iterable[Receipt], held: Iterable[Statement], *, lineage: b
             a, b = sorted(versions, key=lambda s: (s.lineage, s.body))[:2]
             equivocators[slot[0]] = (a, b)
     agreed: dict[tuple[str, int], Statement] = {}
-    holders: dict[tuple[str, int], list[str]] = {}
     for slot, (s, *_) in sorted(by_slot.items()):
         if s.sender in equivocators or s.lineage != lineage:
             continue
-        need = min(QUORUM, len(makers - {s.sender}))
-        if len(listed[s]) >= need:
+        need = min(QUORUM, len(makers) - (s.sender in makers))
+        if listings.count(s) >= need:
             agreed[slot] = s
-            holders[slot] = sorted(listed[s]) + ([s.sender] if s.sender not in listed[s] else [])
-    return Decision(agreed=agreed, holders=holders, equivocators=equivocators)
+    return Decision(agreed=agreed, holders=Holders(agreed, listings), equivocators=equivocators)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from neuronode.averaging.agreement import QUORUM, Receipt, lineage_hash
+from neuronode.averaging.agreement import QUORUM, Listings, Receipt, lineage_hash
 from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.codec import Contribution, Phase
@@ -24,12 +24,8 @@ logger = logging.getLogger(__name__)
 
 def listed(receipts: list[Receipt]) -> set[str]:
     """Senders whose contributions at least QUORUM members (besides the sender) say they hold."""
-    makers: dict[str, set[str]] = {}
-    for r in receipts:
-        for s in r.statements:
-            if s.sender != r.maker:
-                makers.setdefault(s.sender, set()).add(r.maker)
-    return {sender for sender, by in makers.items() if len(by) >= QUORUM}
+    listings = Listings(receipts)
+    return {s.sender for s in listings if listings.count(s) >= QUORUM}
 
 
 class AllToAll(Averaging):

@@ -20,6 +20,7 @@ import torch
 
 from neuronode.averaging.agreement import (
     Decision,
+    Listings,
     Receipt,
     Statement,
     decide,
@@ -202,13 +203,14 @@ class Averaging:
     def retain(self, round_id: int, phase: Phase, agreed: dict[str, Contribution], receipts: list[Receipt]) -> None:
         """Keep serving what we average to members whose receipt lacks it (or who published none
         yet): they will fetch it; the rest of what we held for the round is let go."""
-        listed: dict[Statement, set[str]] = {}
-        for r in receipts:
-            for s in r.statements:
-                listed.setdefault(s, set()).add(r.maker)
-        members = {r.maker for r in receipts} | set(self.transport.round_peers(round_id)) | set(agreed)
-        wanted = [c for c in agreed.values()
-                  if members - listed.get(statement_of(c), set()) - {c.sender_id, self.cfg.node_id}]
+        me, listings = self.cfg.node_id, Listings(receipts)
+        members = listings.makers | set(self.transport.round_peers(round_id)) | set(agreed)
+
+        def missed_by_some(c: Contribution) -> bool:  # a member other than its sender and us lacks it
+            s = statement_of(c)
+            lacking = len(members - {c.sender_id, me}) - listings.count(s) + (me != c.sender_id and listings.lists(me, s))
+            return lacking > 0
+        wanted = [c for c in agreed.values() if missed_by_some(c)]
         self.transport.retain(round_id, phase, wanted, for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
 
     def nothing_heard(self, round_id: int) -> Average:

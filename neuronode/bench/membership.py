@@ -64,8 +64,9 @@ async def wait_for(what: str, predicate: Any, timeout_s: float) -> None:
 
 
 async def one_round(members: list[Any], round_id: int, timeout_s: float) -> None:
-    """Every member moves to `round_id` and publishes a receipt listing every other member's
-    statement of the round; returns once every member holds every other member's receipt."""
+    """Every member moves to `round_id` and publishes a receipt listing every member's statement
+    of the round (its own included, as receipt_of does: everyone then lists the same); returns
+    once every member holds every other member's receipt."""
     from neuronode.averaging.agreement import Receipt, Statement
     from neuronode.codec import Phase
 
@@ -77,7 +78,7 @@ async def one_round(members: list[Any], round_id: int, timeout_s: float) -> None
                                             public_key=m.ctx.security.key.public)
     for m in members:
         m.ctx.state.round = round_id
-        listed = tuple(s for sender, s in sorted(statements.items()) if sender != m.cfg.node_id)
+        listed = tuple(s for _, s in sorted(statements.items()))
         m.transport.publish_receipt(Receipt(round_id, Phase.WHOLE, m.cfg.node_id, listed))
     n = len(members)
     await wait_for(f"every member to hold round {round_id}'s receipts",

@@ -55,6 +55,7 @@ class Peers:
         self.ctx = ctx
         self.on_news = on_news
         self.receipts = receipts
+        receipts.on_want = self.ask
         self.on_announce: Callable[[], None] = lambda: None  # our news to the sessions we carry
         self.on_observed: Callable[[str, str], None] = lambda peer_id, address: None  # where a peer sees us
         self.on_relayable: Callable[[pb.HelloRequest], None] = lambda request: None  # a Hello we may relay
@@ -115,6 +116,14 @@ class Peers:
             if self.ctx.table.dialable(peer):  # one that cannot be dialed hears us over its session
                 self.ctx.tasks.spawn(self.hello(peer.address, to=peer.node_id), f"announce-{peer.node_id}")
         self.on_announce()
+
+    def ask(self, maker: str) -> None:
+        """Greet `maker` now: our Hello names the receipt of it we could not rebuild
+        (NodeInfo.wanted), and its answer carries the statements whole."""
+        table = self.ctx.table
+        peer = table.peers.get(maker)
+        if self.ctx.started and peer is not None and table.is_alive(peer) and table.dialable(peer):
+            self.ctx.tasks.spawn(self.hello(peer.address, to=maker), f"want-{maker}")
 
     # ---- what we hear --------------------------------------------------------------------
 

@@ -8,16 +8,25 @@ a member holding another version of that receipt publishes it (NodeInfo.disputed
 then holds two versions signed by one maker has the proof that it told members different things,
 and bans it. Only versions received from their maker count in a round's decision; relayed ones
 serve as proof.
+
+A receipt lists N statements of about 210 bytes: sent whole to every member every round, that is
+O(N²) bytes per member. So a receipt to a live peer travels compact: its list's digest (which the
+signature covers) and 8 bytes per statement (`short_id`); to a peer whose own receipt of the
+round has the same list, the digest alone. The receiver rebuilds the list from statements it
+holds (its own receipt's, and every list it rebuilt); when it lacks one (it missed a
+contribution), it asks the maker for the statements in full (NodeInfo.wanted) and keeps the
+compact receipt until they come. Lists are worked on once per distinct list, not per receipt.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from neuronode.averaging.agreement import QUORUM, Receipt, Statement
+from neuronode.averaging.agreement import QUORUM, Receipt, Statement, statements_digest
 from neuronode.codec.contribution import Phase
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
@@ -35,6 +44,8 @@ KEEP_ROUNDS = 8  # rounds of other members' receipts we keep
 MAX_ECHOES = 1024
 MAX_DISPUTED = 8
 MAX_VERSIONS_HEARD = 4  # echoed hashes we remember per receipt slot
+MAX_WANTED = 64  # receipts one Hello asks for in full
+ID_BYTES = 8  # a statement's short id in a compact receipt
 EQUIVOCATION_BAN_S = 3600.0  # a member caught signing two versions of one thing
 
 
@@ -48,15 +59,27 @@ def statement_from_pb(m: pb.Statement, round_id: int) -> Statement:
                      lineage=m.lineage, body=m.body, signature=m.signature, public_key=m.public_key)
 
 
-def receipt_to_pb(r: Receipt) -> pb.Receipt:
-    return pb.Receipt(round=r.round_id, phase=int(r.phase), maker_id=r.maker,  # type: ignore[arg-type]
-                      statements=[statement_to_pb(s) for s in r.statements], signature=r.signature,
-                      public_key=r.public_key)
+def short_id(s: Statement) -> bytes:
+    """What a compact receipt says of a statement (a hint: the rebuilt list must hash to the
+    signed digest, so a collision only costs asking for the list in full)."""
+    return hashlib.sha256(s.signature + s.lineage + s.body).digest()[:ID_BYTES]
+
+
+def receipt_to_pb(r: Receipt, form: str = "full") -> pb.Receipt:
+    """`r` on the wire: its statements in "full", their short "ids", or its "digest" only."""
+    m = pb.Receipt(round=r.round_id, phase=int(r.phase), maker_id=r.maker, signature=r.signature,  # type: ignore[arg-type]
+                   public_key=r.public_key, listed_digest=r.digest)
+    if form == "full":
+        m.statements.extend(statement_to_pb(s) for s in r.statements)
+    elif form == "ids":
+        m.statement_ids = b"".join(short_id(s) for s in r.statements)
+    return m
 
 
 def receipt_from_pb(m: pb.Receipt) -> Receipt:
-    return Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id,
-                   statements=tuple(statement_from_pb(s, m.round) for s in m.statements),
+    """A receipt in full form (or, with no statements, the empty list: see `Receipts.rebuild`)."""
+    statements = tuple(statement_from_pb(s, m.round) for s in m.statements)
+    return Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id, statements=statements,
                    signature=m.signature, public_key=m.public_key)
 
 
@@ -64,14 +87,20 @@ def check_sizes(info: pb.NodeInfo) -> None:
     """Refuse a Hello whose receipts, echoes or disputes exceed what an honest node sends."""
     receipts = [*info.receipts, *info.disputed]
     if (len(info.receipts) > MAX_RECEIPTS or len(info.disputed) > MAX_DISPUTED or len(info.echoes) > MAX_ECHOES
+            or len(info.wanted) > MAX_WANTED
             or any(r.phase not in (Phase.WHOLE, Phase.AVERAGED) or len(r.statements) > MAX_MEMBERS
-                   or len(r.maker_id) > MAX_ID_CHARS for r in receipts)
+                   or len(r.maker_id) > MAX_ID_CHARS or len(r.listed_digest) not in (0, 32)
+                   or len(r.statement_ids) > ID_BYTES * MAX_MEMBERS or len(r.statement_ids) % ID_BYTES
+                   for r in receipts)
             or any(len(s.sender_id) > MAX_ID_CHARS or s.shard_index >= MAX_PEERS_LISTED or s.phase != r.phase
                    or len(s.lineage) != 32 or len(s.body) != 32 for r in receipts for s in r.statements)
-            or any(len(e.maker_id) > MAX_ID_CHARS or len(e.receipt_hash) != 32 for e in info.echoes)):
+            or any(len(e.maker_id) > MAX_ID_CHARS or len(e.receipt_hash) != 32 for e in [*info.echoes, *info.wanted])):
         raise Refusal("INVALID_ARGUMENT", f"hello carries at most {MAX_RECEIPTS} receipts of at most "
-                      f"{MAX_MEMBERS} statements (whole or averaged phase, 32-byte hashes), "
-                      f"{MAX_ECHOES} echoes and {MAX_DISPUTED} disputed receipts")
+                      f"{MAX_MEMBERS} statements or {ID_BYTES}-byte ids (whole or averaged phase, 32-byte "
+                      f"hashes), {MAX_ECHOES} echoes, {MAX_WANTED} wanted and {MAX_DISPUTED} disputed receipts")
+
+
+Slot = tuple[int, Phase, str]  # (round, phase, maker)
 
 
 class Receipts:
@@ -80,44 +109,59 @@ class Receipts:
     def __init__(self, ctx: Context, *, on_change: Callable[[], None]) -> None:
         self.ctx = ctx
         self.on_change = on_change  # a receipt arrived or a member was banned: waits re-evaluate
-        self.own: dict[tuple[int, Phase], pb.Receipt] = {}
-        # Receipts as their makers signed them, every version: from the maker itself, and relayed.
-        self.held: dict[tuple[int, Phase, str], dict[bytes, pb.Receipt]] = {}
-        self.relayed: dict[tuple[int, Phase, str], dict[bytes, pb.Receipt]] = {}
-        self.disputes: dict[bytes, pb.Receipt] = {}  # versions we hold that an echo contradicted
+        self.on_want: Callable[[str], None] = lambda maker: None  # greet `maker`: we want a list in full
+        self.own: dict[tuple[int, Phase], Receipt] = {}
+        # Receipts as their makers signed them, every version: from the maker itself, and relayed
+        # (a relayed one may come without its list: it is proof only).
+        self.held: dict[Slot, dict[bytes, Receipt]] = {}
+        self.relayed: dict[Slot, dict[bytes, Receipt]] = {}
+        self.disputes: dict[bytes, Receipt] = {}  # versions we hold that an echo contradicted
         self._verified: dict[tuple[str, bytes], int] = {}  # (sender, signature) of statements checked -> round
+        # Lists we know (our own receipts', every one we rebuilt or got whole), by digest, and
+        # their statements by short id: what compact receipts are rebuilt from.
+        self._lists: dict[bytes, tuple[int, tuple[Statement, ...]]] = {}  # digest -> (round, statements)
+        self._pool: dict[tuple[int, Phase], dict[bytes, Statement]] = {}
+        self._checked: set[bytes] = set()  # digests of lists whose statements passed `check`
+        # Compact receipts we could not rebuild yet, and the lists we asked their makers for.
+        self._pending: dict[tuple[Slot, bytes], tuple[pb.Receipt, bytes]] = {}  # -> (receipt, maker's key)
+        self._wanted: dict[Slot, bytes] = {}
+        self._wants_full: dict[str, set[tuple[int, Phase]]] = {}  # peer -> our receipts it asked for whole
         # What each peer already has from us (`fill(to=...)`): our receipts it echoed back in
         # its latest Hello, and how far into `_log` (every version we came to hold, in order)
         # our echoes to it went. Heartbeats then carry only news: O(1) bytes, not O(N).
         self._own_hash: dict[tuple[int, Phase], bytes] = {}
         self._acked: dict[str, set[bytes]] = {}
-        self._log: list[tuple[int, tuple[int, Phase, str], bytes]] = []  # (seq, slot, hash)
+        self._log: list[tuple[int, Slot, bytes]] = []  # (seq, slot, hash)
         self._seq = 0
         self._echoed_to: dict[str, int] = {}
-        self._heard: dict[tuple[int, Phase, str], set[bytes]] = {}  # echoes members sent us, by slot
+        self._heard: dict[Slot, set[bytes]] = {}  # echoes members sent us, by slot
 
     # ---- ours ----------------------------------------------------------------------------------
 
     def publish(self, receipt: Receipt) -> None:
         security = self.ctx.security
-        signed = replace(receipt, public_key=security.key.public)
+        signed = replace(receipt, public_key=security.key.public, listed_digest=receipt.digest)
         signed = replace(signed, signature=security.sign_receipt(signed))
         key = (receipt.round_id, receipt.phase)
-        self.own[key] = receipt_to_pb(signed)
+        self.own[key] = signed
         self._own_hash[key] = security.receipt_hash(signed)
+        self.learn_list(receipt.round_id, receipt.phase, signed.digest, signed.statements)
         for phase in Phase:
             for old in sorted(k for k in self.own if k[1] == phase)[:-RECEIPT_ROUNDS]:
                 del self.own[old]
                 self._own_hash.pop(old, None)
 
     def fill(self, info: pb.NodeInfo, *, to: str | None = None) -> int:
-        """Our receipts, echoes and disputes into a NodeInfo we send; to peer `to`, only what
-        it lacks: our receipts it did not echo back yet, echoes we did not send it yet (and,
-        always, echoes of its own receipts: its acknowledgement). Returns the mark to pass to
-        `sent(to, mark)` once the message was delivered."""
+        """Our receipts, echoes, disputes and wants into a NodeInfo we send; to peer `to`, only
+        what it lacks: our receipts it did not echo back yet, compact (module docstring), and
+        echoes we did not send it yet (and, always, echoes of its own receipts: its
+        acknowledgement). To anyone else (`to` None): everything, whole. Returns the mark to
+        pass to `sent(to, mark)` once the message was delivered."""
         newest = self.ctx.state.round
         acked = self._acked.get(to, set()) if to is not None else set()
-        info.receipts.extend(self.own[k] for k in sorted(self.own) if self._own_hash.get(k) not in acked)
+        for key in sorted(self.own):
+            if self._own_hash.get(key) not in acked:
+                info.receipts.append(receipt_to_pb(self.own[key], self.form(key, to)))
         since = self._echoed_to.get(to, 0) if to is not None else 0
         start = bisect.bisect_right(self._log, since, key=lambda entry: entry[0])
         fresh = {(slot, h) for _, slot, h in self._log[start:]}
@@ -127,8 +171,19 @@ class Receipts:
                   for (round_id, phase, maker), h in sorted(fresh)
                   if round_id + RECEIPT_ROUNDS > newest and (round_id, phase, maker) in self.held]
         info.echoes.extend(echoes[-MAX_ECHOES:])
-        info.disputed.extend(list(self.disputes.values())[-MAX_DISPUTED:])
+        info.disputed.extend(receipt_to_pb(r, "digest") for r in list(self.disputes.values())[-MAX_DISPUTED:])
+        wanted = [pb.ReceiptEcho(round=slot[0], phase=int(slot[1]), maker_id=slot[2], receipt_hash=digest)  # type: ignore[arg-type]
+                  for slot, digest in sorted(self._wanted.items()) if to is None or slot[2] == to]
+        info.wanted.extend(wanted[:MAX_WANTED])
         return self._seq
+
+    def form(self, key: tuple[int, Phase], to: str | None) -> str:
+        """How our receipt of `key` travels to `to` (receipt_to_pb): whole to anyone but a live
+        peer, or when it asked; the digest alone when its own receipt lists the same; else ids."""
+        if to is None or key in self._wants_full.get(to, ()):
+            return "full"
+        theirs = self.held.get((key[0], key[1], to), {})
+        return "digest" if any(r.digest == self.own[key].digest for r in theirs.values()) else "ids"
 
     def sent(self, to: str, mark: int) -> None:
         """`to` received what `fill(to=to)` returned `mark` for."""
@@ -144,24 +199,36 @@ class Receipts:
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         """Every version of every maker's receipt of `round_id`'s `phase` that reached us from
         its maker, as statements we checked against their sender's key: the one it is bound to
-        here, or for a named id we never met, the one a quorum of makers vouch for (`vouched`)."""
-        versions = [m for (rd, ph, _), held in self.held.items() if rd == round_id and ph == phase
-                    for m in held.values()]
+        here, or for a named id we never met, the one a quorum of makers vouch for (`vouched`).
+        Receipts listing one list share one checked tuple (work once per distinct list)."""
+        versions = [r for (rd, ph, _), held in self.held.items() if rd == round_id and ph == phase
+                    for r in held.values()]
         vouched = self.vouched(versions)
-        return [self.view(m, vouched) for m in versions]
+        views: dict[bytes, tuple[tuple[Statement, ...], bytes]] = {}
+        out = []
+        for r in versions:
+            if r.digest not in views:
+                kept = self.checked(r.statements, vouched)
+                views[r.digest] = (kept, r.digest if len(kept) == len(r.statements) else statements_digest(kept))
+            kept, digest = views[r.digest]
+            out.append(replace(r, statements=kept, listed_digest=digest))
+        return out
 
-    def vouched(self, versions: list[pb.Receipt]) -> dict[str, bytes]:
+    def vouched(self, versions: list[Receipt]) -> dict[str, bytes]:
         """For each named id we never met (it stopped greeting before we joined, or we share no
         relay with it), the one key statements of it carry in the receipts of at least QUORUM
         makers. Members list only what they received from a maker they met, so a quorum's key is
         as good as the listing rule itself; one maker's word (a liar naming its own key for an
         absent member, to fake its equivocation) is not enough. The binding itself still comes
         only from the member's own Hello."""
+        lists: dict[bytes, tuple[tuple[Statement, ...], set[str]]] = {}
+        for r in versions:
+            lists.setdefault(r.digest, (r.statements, set()))[1].add(r.maker)
         keys: dict[str, dict[bytes, set[str]]] = {}
-        for m in versions:
-            for s in m.statements:
-                if len(s.public_key) == 32 and self.unbound(s.sender_id):
-                    keys.setdefault(s.sender_id, {}).setdefault(s.public_key, set()).add(m.maker_id)
+        for statements, makers in lists.values():
+            for s in statements:
+                if len(s.public_key) == 32 and self.unbound(s.sender):
+                    keys.setdefault(s.sender, {}).setdefault(s.public_key, set()).update(makers - {s.sender})
         vouched = {}
         for sender, by_key in keys.items():
             strong = [key for key, makers in by_key.items() if len(makers) >= QUORUM]
@@ -186,15 +253,15 @@ class Receipts:
             if m.maker_id != info.node_id or m.public_key != info.public_key:
                 raise Refusal("INVALID_ARGUMENT", "a Hello's receipts are its sender's own (others' travel as disputes)")
             if self.recent(m.round):
-                self.check(m, info.public_key)
-                self.keep(m, self.held)
+                self.take_own(m, info.public_key)
         for m in info.disputed:
             key = self.key_of(m.maker_id, m.public_key)
             if key is not None and m.maker_id != self.ctx.cfg.node_id and self.recent(m.round):
-                self.check(m, key)
-                self.keep(m, self.relayed)
+                self.keep(self.proof(m, key), self.relayed)
         me = self.ctx.cfg.node_id
         self._acked[info.node_id] = {e.receipt_hash for e in info.echoes if e.maker_id == me}
+        self._wants_full[info.node_id] = {(w.round, Phase(w.phase)) for w in info.wanted
+                                          if w.maker_id == me and w.phase in (Phase.WHOLE, Phase.AVERAGED)}
         for e in info.echoes:
             slot = (e.round, Phase(e.phase), e.maker_id)
             if e.maker_id == me or not self.recent(e.round):
@@ -203,27 +270,111 @@ class Receipts:
                 heard = self._heard.setdefault(slot, set())
                 if len(heard) < MAX_VERSIONS_HEARD:  # two already prove a lie
                     heard.add(e.receipt_hash)
-            for h, m in self.held.get(slot, {}).items():
+            for h, r in self.held.get(slot, {}).items():
                 if h != e.receipt_hash:
-                    self.disputes.setdefault(h, m)
+                    self.disputes.setdefault(h, r)
         self.prune()
 
-    def check(self, m: pb.Receipt, key: bytes) -> None:
-        """Raise Refusal unless `m` carries `key`'s signature and every statement in it whose
-        sender's key we know carries that sender's."""
+    def take_own(self, m: pb.Receipt, key: bytes) -> None:
+        """A maker's receipt from the maker: kept once its list is at hand (module docstring)."""
+        slot = (m.round, Phase(m.phase), m.maker_id)
+        rebuilt = self.rebuild(m)
+        if rebuilt is None:
+            self.pend(slot, m, key)
+            return
+        receipt = Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id, statements=rebuilt[1],
+                          signature=m.signature, public_key=m.public_key, listed_digest=rebuilt[0])
+        self.check(receipt, key)
+        self._pending.pop((slot, rebuilt[0]), None)
+        if self._wanted.get(slot) == rebuilt[0]:
+            del self._wanted[slot]
+        self.keep(receipt, self.held)
+
+    def rebuild(self, m: pb.Receipt) -> tuple[bytes, tuple[Statement, ...]] | None:
+        """(digest, list) of a wire receipt: its statements when it carries them (refused when
+        they do not hash to the digest it names), a list we know by its digest, or one rebuilt
+        from its short ids; None when we lack a statement it lists (we ask for it whole)."""
+        phase = Phase(m.phase)
+        known = self._lists.get(m.listed_digest)
+        if known is not None:  # the signature covers the digest: its list is the one we know
+            return m.listed_digest, known[1]
+        if m.statements or not m.listed_digest:
+            receipt = receipt_from_pb(m)
+            if m.listed_digest and receipt.digest != m.listed_digest:
+                raise Refusal("INVALID_ARGUMENT", f"receipt of round {m.round} from {m.maker_id[:MAX_ID_CHARS]}: its "
+                              "statements do not hash to the digest it names")
+            self.learn_list(m.round, phase, receipt.digest, receipt.statements)
+            return receipt.digest, receipt.statements
+        pool = self._pool.get((m.round, phase), {})
+        ids = m.statement_ids
+        found = [pool.get(ids[i:i + ID_BYTES]) for i in range(0, len(ids), ID_BYTES)]
+        if any(s is None for s in found):
+            return None
+        statements = tuple(s for s in found if s is not None)
+        if statements_digest(statements) != m.listed_digest:
+            return None  # an id collision, or a lie: the list whole settles it
+        self.learn_list(m.round, phase, m.listed_digest, statements)
+        return m.listed_digest, statements
+
+    def learn_list(self, round_id: int, phase: Phase, digest: bytes, statements: tuple[Statement, ...]) -> None:
+        """A list whose digest we checked: compact receipts naming it, or its statements, rebuild
+        now (and those we kept waiting are tried again)."""
+        if digest in self._lists:
+            return
+        self._lists[digest] = (round_id, statements)
+        pool = self._pool.setdefault((round_id, phase), {})
+        for s in statements:
+            pool.setdefault(short_id(s), s)
+        for (slot, _), (m, key) in list(self._pending.items()):
+            if slot[:2] == (round_id, phase) and (slot, m.listed_digest) in self._pending:
+                try:
+                    self.take_own(m, key)
+                except Refusal as exc:
+                    self._pending.pop((slot, m.listed_digest), None)
+                    logger.warning("round %d: not taking the receipt of %s: %s", slot[0], slot[2], exc,
+                                   extra=fields("refused", what="receipt", peer_id=slot[2], detail=str(exc)))
+
+    def pend(self, slot: Slot, m: pb.Receipt, key: bytes) -> None:
+        """Keep a compact receipt we cannot rebuild, and ask its maker for the list whole: at
+        once from the first maker of a list new to us, with every Hello to each maker after."""
+        if len([k for k in self._pending if k[0] == slot]) >= MAX_VERSIONS_HEARD:
+            return
+        digest = m.listed_digest
+        asked = digest in self._wanted.values()
+        self._pending[(slot, digest)] = (m, key)
+        self._wanted[slot] = digest
+        if not asked:
+            self.on_want(slot[2])
+
+    def proof(self, m: pb.Receipt, key: bytes) -> Receipt:
+        """A relayed version (a dispute): its maker's signature over its digest is all it proves."""
+        digest = m.listed_digest or receipt_from_pb(m).digest
+        receipt = Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id, statements=(),
+                          signature=m.signature, public_key=m.public_key, listed_digest=digest)
         try:
-            self.ctx.security.check_receipt(receipt_from_pb(m), key)
+            self.ctx.security.check_receipt(receipt, key)
         except AuthError as exc:
             raise Refusal("PERMISSION_DENIED", f"receipt of round {m.round} from {m.maker_id[:MAX_ID_CHARS]}: {exc}") from None
-        if len(self.view(m).statements) < sum(self.key_of(s.sender_id, s.public_key) is not None for s in m.statements):
-            raise Refusal("PERMISSION_DENIED", f"receipt of round {m.round} from {m.maker_id[:MAX_ID_CHARS]} lists a "
-                          "statement its sender did not sign")
+        return receipt
 
-    def view(self, m: pb.Receipt, vouched: dict[str, bytes] | None = None) -> Receipt:
-        """`m` less the statements we cannot check, or whose signature does not verify."""
-        receipt = receipt_from_pb(m)
+    def check(self, r: Receipt, key: bytes) -> None:
+        """Raise Refusal unless `r` carries `key`'s signature and every statement in it whose
+        sender's key we know carries that sender's (once per distinct list)."""
+        try:
+            self.ctx.security.check_receipt(r, key)
+        except AuthError as exc:
+            raise Refusal("PERMISSION_DENIED", f"receipt of round {r.round_id} from {r.maker[:MAX_ID_CHARS]}: {exc}") from None
+        if r.digest in self._checked:
+            return
+        if len(self.checked(r.statements)) < sum(self.key_of(s.sender, s.public_key) is not None for s in r.statements):
+            raise Refusal("PERMISSION_DENIED", f"receipt of round {r.round_id} from {r.maker[:MAX_ID_CHARS]} lists a "
+                          "statement its sender did not sign")
+        self._checked.add(r.digest)
+
+    def checked(self, statements: tuple[Statement, ...], vouched: dict[str, bytes] | None = None) -> tuple[Statement, ...]:
+        """`statements` less those we cannot check, or whose signature does not verify."""
         kept = []
-        for s in receipt.statements:
+        for s in statements:
             key = self.key_of(s.sender, s.public_key)
             if key is None and vouched and vouched.get(s.sender) == s.public_key and self.unbound(s.sender):
                 key = s.public_key
@@ -234,9 +385,9 @@ class Receipts:
                     self.ctx.security.check_statement(s, key)
                 except AuthError:
                     continue
-                self._verified[(s.sender, s.signature)] = m.round
+                self._verified[(s.sender, s.signature)] = s.round_id
             kept.append(s)
-        return replace(receipt, statements=tuple(kept))
+        return statements if len(kept) == len(statements) else tuple(kept)
 
     def key_of(self, node_id: str, public_key: bytes) -> bytes | None:
         """The key `node_id` speaks with: the one it is bound to here, or the one its derived id
@@ -250,18 +401,18 @@ class Receipts:
             return public_key
         return None
 
-    def keep(self, m: pb.Receipt, store: dict[tuple[int, Phase, str], dict[bytes, pb.Receipt]]) -> None:
-        slot = (m.round, Phase(m.phase), m.maker_id)
-        digest = self.ctx.security.receipt_hash(receipt_from_pb(m))
+    def keep(self, r: Receipt, store: dict[Slot, dict[bytes, Receipt]]) -> None:
+        slot = (r.round_id, r.phase, r.maker)
+        digest = self.ctx.security.receipt_hash(r)
         versions = store.setdefault(slot, {})
         if digest in versions:
             return
-        versions[digest] = m
+        versions[digest] = r
         if store is self.held:
             self._seq += 1
             self._log.append((self._seq, slot, digest))
             if any(h != digest for h in self._heard.get(slot, ())):  # a member echoed another version
-                self.disputes.setdefault(digest, m)
+                self.disputes.setdefault(digest, r)
         if len({**self.held.get(slot, {}), **self.relayed.get(slot, {})}) > 1:
             self.equivocated(*slot)
         self.on_change()
@@ -274,8 +425,8 @@ class Receipts:
                            round_id, maker, phase.label, EQUIVOCATION_BAN_S,
                            extra=fields("equivocation", round_id=round_id, peer_id=maker, what="receipt"))
         for store in (self.held, self.relayed):
-            for digest, m in store.get((round_id, phase, maker), {}).items():
-                self.disputes.setdefault(digest, m)
+            for digest, r in store.get((round_id, phase, maker), {}).items():
+                self.disputes.setdefault(digest, r)
 
     def recent(self, round_id: int) -> bool:
         """Receipts of rounds near ours only: a member naming a far round cannot push the rest out."""
@@ -286,15 +437,25 @@ class Receipts:
         for store in (self.held, self.relayed):
             for slot in [k for k in store if not self.recent(k[0])]:
                 del store[slot]
-        for digest in [d for d, r in self.disputes.items() if not self.recent(r.round)]:
+        for digest in [d for d, r in self.disputes.items() if not self.recent(r.round_id)]:
             del self.disputes[digest]
         for slot in [k for k in self._heard if not self.recent(k[0])]:
             del self._heard[slot]
+        for key in [k for k in self._pending if not self.recent(k[0][0])]:
+            del self._pending[key]
+        for slot in [k for k in self._wanted if not self.recent(k[0])]:
+            del self._wanted[slot]
+        for digest in [d for d, (round_id, _) in self._lists.items() if not self.recent(round_id)]:
+            del self._lists[digest]
+            self._checked.discard(digest)
+        for pool_key in [k for k in self._pool if not self.recent(k[0])]:
+            del self._pool[pool_key]
         if self._log and not self.recent(self._log[0][1][0]):
             self._log = [entry for entry in self._log if self.recent(entry[1][0])]
         known = self.ctx.table.peers
-        if len(self._acked) + len(self._echoed_to) > 2 * len(known) + 64:  # peers forgotten since
+        if len(self._acked) + len(self._echoed_to) + len(self._wants_full) > 3 * len(known) + 64:  # peers forgotten since
             self._acked = {p: hashes for p, hashes in self._acked.items() if p in known}
             self._echoed_to = {p: mark for p, mark in self._echoed_to.items() if p in known}
-        for key in [k for k, round_id in self._verified.items() if not self.recent(round_id)]:
-            del self._verified[key]
+            self._wants_full = {p: keys for p, keys in self._wants_full.items() if p in known}
+        for checked in [k for k, round_id in self._verified.items() if not self.recent(round_id)]:
+            del self._verified[checked]

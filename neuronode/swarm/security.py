@@ -302,18 +302,16 @@ def statement_fields(swarm_id: str, s: Statement) -> tuple[Any, ...]:
 
 
 def receipt_fields(swarm_id: str, r: Receipt) -> tuple[Any, ...]:
-    """What a receipt's signature covers: its round, phase and maker, and every statement it lists."""
-    listed = hashlib.sha256(json.dumps(
-        [[s.sender, int(s.phase), int(s.shard_index), s.lineage.hex(), s.body.hex(), s.signature.hex()]
-         for s in r.statements], separators=(",", ":")).encode()).hexdigest()
-    return (swarm_id, int(r.round_id), int(r.phase), r.maker, listed)
+    """What a receipt's signature covers: its round, phase and maker, and the digest of the
+    statements it lists (agreement.statements_digest)."""
+    return (swarm_id, int(r.round_id), int(r.phase), r.maker, r.digest.hex())
 
 
 def receipt_summary(r: pb.Receipt) -> list[Any]:
     """Every field of a wire receipt, for hello_body."""
     return [r.round, int(r.phase), r.maker_id, r.signature.hex(), r.public_key.hex(),
             [[s.sender_id, int(s.phase), s.shard_index, s.lineage.hex(), s.body.hex(), s.signature.hex(),
-              s.public_key.hex()] for s in r.statements]]
+              s.public_key.hex()] for s in r.statements], r.listed_digest.hex(), r.statement_ids.hex()]
 
 
 def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
@@ -326,6 +324,7 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
               [receipt_summary(r) for r in info.receipts],
               [[e.round, int(e.phase), e.maker_id, e.receipt_hash.hex()] for e in info.echoes],
               [receipt_summary(r) for r in info.disputed],
+              [[w.round, int(w.phase), w.maker_id, w.receipt_hash.hex()] for w in info.wanted],
               [info.settings.codec, info.settings.averaging, info.settings.aggregator, info.settings.outer_lr,
                info.settings.outer_momentum, info.settings.overlap],
               info.public_key.hex(), int(info.reachable), list(info.carried_by),

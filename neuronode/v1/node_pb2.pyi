@@ -50,7 +50,7 @@ STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "settings", "public_key", "receipts", "echoes", "disputed", "reachable", "carried_by")
+    __slots__ = ("node_id", "swarm_id", "protocol_version", "manifest_hash", "advertise", "round", "param_digest", "recent_digests", "leaving", "contributes_from", "settings", "public_key", "receipts", "echoes", "disputed", "reachable", "carried_by", "wanted")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class NodeInfo(_message.Message):
     DISPUTED_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     CARRIED_BY_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     protocol_version: int
@@ -85,7 +86,8 @@ class NodeInfo(_message.Message):
     disputed: _containers.RepeatedCompositeFieldContainer[Receipt]
     reachable: Reachability
     carried_by: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., echoes: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ..., disputed: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., reachable: _Optional[_Union[Reachability, str]] = ..., carried_by: _Optional[_Iterable[str]] = ...) -> None: ...
+    wanted: _containers.RepeatedCompositeFieldContainer[ReceiptEcho]
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., advertise: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., recent_digests: _Optional[_Iterable[_Union[RoundDigest, _Mapping]]] = ..., leaving: _Optional[bool] = ..., contributes_from: _Optional[int] = ..., settings: _Optional[_Union[SwarmSettings, _Mapping]] = ..., public_key: _Optional[bytes] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., echoes: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ..., disputed: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., reachable: _Optional[_Union[Reachability, str]] = ..., carried_by: _Optional[_Iterable[str]] = ..., wanted: _Optional[_Iterable[_Union[ReceiptEcho, _Mapping]]] = ...) -> None: ...
 
 class Statement(_message.Message):
     __slots__ = ("sender_id", "phase", "shard_index", "lineage", "body", "signature", "public_key")
@@ -106,20 +108,24 @@ class Statement(_message.Message):
     def __init__(self, sender_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., lineage: _Optional[bytes] = ..., body: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class Receipt(_message.Message):
-    __slots__ = ("round", "phase", "maker_id", "statements", "signature", "public_key")
+    __slots__ = ("round", "phase", "maker_id", "statements", "signature", "public_key", "listed_digest", "statement_ids")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MAKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATEMENTS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    LISTED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATEMENT_IDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     phase: Phase
     maker_id: str
     statements: _containers.RepeatedCompositeFieldContainer[Statement]
     signature: bytes
     public_key: bytes
-    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., statements: _Optional[_Iterable[_Union[Statement, _Mapping]]] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+    listed_digest: bytes
+    statement_ids: bytes
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., statements: _Optional[_Iterable[_Union[Statement, _Mapping]]] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., listed_digest: _Optional[bytes] = ..., statement_ids: _Optional[bytes] = ...) -> None: ...
 
 class ReceiptEcho(_message.Message):
     __slots__ = ("round", "phase", "maker_id", "receipt_hash")
