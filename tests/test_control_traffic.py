@@ -16,7 +16,7 @@ from neuronode.bench import membership
 from neuronode.codec import Contribution, Phase
 from neuronode.errors import ConfigError
 from neuronode.swarm.peers import PEX_SAMPLE
-from neuronode.swarm.receipts import receipt_to_pb
+from neuronode.swarm.receipt_wire import receipt_to_pb
 from neuronode.swarm.security import Security
 
 pytestmark = pytest.mark.timeout(120)

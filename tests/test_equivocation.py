@@ -14,7 +14,7 @@ from helpers import Nodes, encode, key_of, wait_until
 from neuronode.averaging.agreement import Receipt, decide, receipt_of, statement_of
 from neuronode.codec import Contribution, Phase
 from neuronode.swarm.context import Settings
-from neuronode.swarm.receipts import receipt_to_pb
+from neuronode.swarm.receipt_wire import receipt_to_pb
 from neuronode.swarm.security import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb

@@ -50,7 +50,12 @@ def _lineage_hash(base_digest: str, members: tuple[str, ...]) -> bytes:
 
 def body_hash(*, digest: str, codec: str, weight: float, n_elements: int, contributors: Iterable[str]) -> bytes:
     """Everything else a contribution's maker vouches for (the float exactly, as hex)."""
-    fields = [digest, codec, float(weight).hex(), int(n_elements), list(contributors)]
+    return _body_hash(digest, codec, float(weight), int(n_elements), tuple(contributors))
+
+
+@functools.lru_cache(maxsize=4096)  # a member asks for each of a round's N contributions several times
+def _body_hash(digest: str, codec: str, weight: float, n_elements: int, contributors: tuple[str, ...]) -> bytes:
+    fields = [digest, codec, weight.hex(), n_elements, list(contributors)]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).digest()
 
 

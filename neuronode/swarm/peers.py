@@ -23,8 +23,8 @@ from neuronode.swarm.membership import (
     agreement,
     heartbeat_targets,
 )
+from neuronode.swarm.receipt_wire import check_sizes as check_receipt_sizes
 from neuronode.swarm.receipts import Receipts
-from neuronode.swarm.receipts import check_sizes as check_receipt_sizes
 from neuronode.swarm.relay import MAX_CARRIERS
 from neuronode.swarm.transport import FINAL_CODES
 from neuronode.swarm.wire import (
