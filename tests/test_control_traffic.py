@@ -66,6 +66,20 @@ async def test_peer_exchange_lists_every_peer_to_a_newcomer_and_a_sample_to_the_
     assert {m.advertise for m in members} <= newcomer.table.addresses  # all from the hub's first answer
     assert len(hub.peers.known_peers(full=False)) == PEX_SAMPLE
     assert len(hub.peers.known_peers()) == len(hub.table.alive())
+    # A live member that lists fewer peers than a sample (it restarted before anyone declared
+    # it dead) gets every peer too; one that lists a sample gets a sample.
+    m = members[0]
+    await wait_until(lambda: len(m.table.alive()) > PEX_SAMPLE, what="a member to know a sample's worth of peers")
+    answered: list[int] = []  # peers listed in the hub's answers (to any Hello of m's)
+    take = m.peers.take_answer
+    m.peers.take_answer = lambda address, resp: (
+        resp.info.node_id == "hub" and answered.append(len(resp.known_peers))) or take(address, resp)
+    assert await m.peers.hello(hub.advertise, to="hub")
+    assert set(answered) == {PEX_SAMPLE}, answered
+    m.peers.known_peers = lambda *, full=True: []  # as after a restart: it knows nobody yet
+    answered.clear()
+    assert await m.peers.hello(hub.advertise, to="hub")
+    assert set(answered) == {len(hub.table.alive())}, answered
 
 
 def test_bench_membership_measures_less_heartbeat_traffic_than_the_greet_everyone_reference() -> None:
