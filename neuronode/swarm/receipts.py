@@ -22,7 +22,9 @@ compact receipt until they come. Lists are worked on once per distinct list, not
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -32,6 +34,7 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import derived_id, is_derived
 from neuronode.swarm.context import Context
+from neuronode.swarm.membership import fanout
 from neuronode.swarm.receipt_wire import (
     ID_BYTES,
     MAX_DISPUTED,
@@ -87,6 +90,7 @@ class Receipts:
         self._seq = 0
         self._echoed_to: dict[str, int] = {}
         self._heard: dict[Slot, set[bytes]] = {}  # echoes members sent us, by slot
+        self._salt = os.urandom(16)  # whom our echoes go to (echoes_to)
 
     # ---- ours ----------------------------------------------------------------------------------
 
@@ -116,7 +120,7 @@ class Receipts:
                 info.receipts.append(receipt_to_pb(self.own[key], self.form(key, to)))
         since = self._echoed_to.get(to, 0) if to is not None else 0
         start = bisect.bisect_right(self._log, since, key=lambda entry: entry[0])
-        fresh = {(slot, h) for _, slot, h in self._log[start:]}
+        fresh = {(slot, h) for _, slot, h in self._log[start:] if to is None or self.echoes_to(to, h)}
         if to is not None:  # its own receipts, whatever we sent before: that is how it knows we hold them
             fresh |= {(slot, h) for slot, versions in self.held.items() if slot[2] == to for h in versions}
         echoes = [pb.ReceiptEcho(round=round_id, phase=int(phase), maker_id=maker, receipt_hash=h)  # type: ignore[arg-type]
@@ -128,6 +132,20 @@ class Receipts:
                   for slot, digest in sorted(self._wanted.items()) if to is None or slot[2] == to]
         info.wanted.extend(wanted[:MAX_WANTED])
         return self._seq
+
+    def echoes_to(self, to: str, receipt_hash: bytes) -> bool:
+        """Whether our echo of a receipt goes to peer `to`: to each live peer with probability
+        fanout(N) / (N − 1), drawn with a secret of ours (a liar cannot pick whom a version it
+        sent reaches). Each echo then reaches about fanout(N) peers, not N − 1, and a maker that
+        told members A one version and members B another is still caught unless no echo crosses
+        between them: probability at most exp(−2·fanout·|A|·|B| / (N − 1)) (docs/protocol.md)."""
+        table = self.ctx.table
+        n = len(table.peers)
+        k = fanout(n, table.min_fanout)
+        if k >= n:
+            return True
+        draw = int.from_bytes(hashlib.sha256(self._salt + receipt_hash + to.encode()).digest()[:8], "big")
+        return draw < (k << 64) // n
 
     def form(self, key: tuple[int, Phase], to: str | None) -> str:
         """How our receipt of `key` travels to `to` (receipt_to_pb): whole to anyone but a live
