@@ -18,6 +18,7 @@ from neuronode.errors import ConfigError
 from neuronode.swarm.peers import PEX_SAMPLE
 from neuronode.swarm.receipt_wire import receipt_to_pb
 from neuronode.swarm.security import Security
+from neuronode.v1 import node_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,16 +71,18 @@ async def test_peer_exchange_lists_every_peer_to_a_newcomer_and_a_sample_to_the_
     # it dead) gets every peer too; one that lists a sample gets a sample.
     m = members[0]
     await wait_until(lambda: len(m.table.alive()) > PEX_SAMPLE, what="a member to know a sample's worth of peers")
-    answered: list[int] = []  # peers listed in the hub's answers (to any Hello of m's)
-    take = m.peers.take_answer
-    m.peers.take_answer = lambda address, resp: (
-        resp.info.node_id == "hub" and answered.append(len(resp.known_peers))) or take(address, resp)
-    assert await m.peers.hello(hub.advertise, to="hub")
-    assert set(answered) == {PEX_SAMPLE}, answered
-    m.peers.known_peers = lambda *, full=True: []  # as after a restart: it knows nobody yet
-    answered.clear()
-    assert await m.peers.hello(hub.advertise, to="hub")
-    assert set(answered) == {len(hub.table.alive())}, answered
+
+    async def listed_to(known: list[pb.PeerRecord]) -> int:
+        """Peers the hub's answer lists to m's Hello that lists `known`."""
+        info, _ = m.peers.info_for("hub")
+        request = pb.HelloRequest(info=info, known_peers=known)
+        m.ctx.security.sign_hello(request)
+        answer = await m.ctx.channels.stub(hub.advertise).Hello(request, timeout=10,
+                                                                metadata=m.ctx.security.metadata("Hello"))
+        return len(answer.known_peers)
+
+    assert await listed_to(m.peers.known_peers(full=False)) == PEX_SAMPLE
+    assert await listed_to([]) == len(hub.table.alive())  # as after a restart: it knows nobody yet
 
 
 def test_bench_membership_measures_less_heartbeat_traffic_than_the_greet_everyone_reference() -> None:
@@ -111,11 +114,11 @@ def signed(sender_key: str, value: float) -> Contribution:
 
 async def test_receipts_travel_compact_and_a_member_that_missed_a_contribution_gets_the_list_whole(
         nodes: Nodes) -> None:
-    """a, b and c hold contributions p and q, d only p. A receipt to a peer whose own receipt
-    lists the same travels as its digest alone; to one that does not, as 8-byte ids, which a, b
-    and c rebuild d's receipt from. d cannot rebuild theirs (it lacks q): it asks their makers,
-    gets the statements whole, agrees that q counts and fetches it. (Before, every receipt
-    carried every statement whole, about 210 bytes each, to every member.)"""
+    """a, b and c hold contributions p and q, d only p. A receipt to a live peer travels as its
+    digest alone, which a peer holding the same list rebuilds it from; as 8-byte ids to one
+    whose list differs, which a, b and c rebuild d's receipt from. d cannot rebuild theirs (it
+    lacks q): it asks a maker, gets the statements whole, agrees that q counts and fetches it.
+    (Before, every receipt carried every statement whole, about 210 bytes each, to every member.)"""
     names = "abcd"
     first = await nodes.start("a", n_elements=N)
     members = [first] + [await nodes.start(n, peers=[first.advertise], n_elements=N) for n in names[1:]]
@@ -137,14 +140,16 @@ async def test_receipts_travel_compact_and_a_member_that_missed_a_contribution_g
     if to_b is not None:  # b may have echoed it back already; the form a uses is what counts
         assert not to_b.statements and not to_b.statement_ids
     form = {to: a.receipts.form((1, Phase.WHOLE), to) for to in "bcd"}
-    assert form == {"b": "digest", "c": "digest", "d": "full" if asked["d"] == ["a"] else "ids"}, (form, asked)
+    assert form == {"b": "digest", "c": "digest", "d": "full" if asked["d"][0] == "a" else "ids"}, (form, asked)
     whole = a.peers.node_info().receipts[0]
     assert len(whole.statements) == 2
     compact = receipt_to_pb(a.receipts.own[(1, Phase.WHOLE)], "ids")
     assert compact.ByteSize() + 2 * 150 < whole.ByteSize()  # each statement whole is about 210 bytes, an id 8
-    # d could not rebuild a's, b's or c's list (it lacks q's statement): it asked one maker for
-    # the list whole (the others' name the same digest); a, b and c asked nobody.
-    assert len(asked["d"]) == 1 and asked["d"][0] in "abc" and not asked["a"] + asked["b"] + asked["c"], asked
+    # d could not rebuild a's, b's or c's list from the digest (its own differs), nor from the
+    # ids (it lacks q's statement): it asked one maker for the ids, then for the list whole (the
+    # others' name the same digest).
+    assert len(asked["d"]) == 2 and asked["d"][0] == asked["d"][1] in "abc", asked
+    assert asked["a"] == asked["b"] == asked["c"] == ["d"], asked  # d's ids, once: they rebuilt its list from them
     decision = decide(d.transport.receipts(1, Phase.WHOLE), [statement_of(p)], lineage=statement_of(q).lineage)
     assert set(decision.agreed) == {(p.sender_id, 0), (q.sender_id, 0)}
     got = await d.transport.fetch(statement_of(q), decision.holders[(q.sender_id, 0)], timeout_s=10)

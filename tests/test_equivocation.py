@@ -137,3 +137,24 @@ def forge(sender: str, value: float) -> Contribution:
     c.signature = Security(node_id=sender, swarm_id="net-test", key=key_of("liar")).sign_statement(statement_of(c))
     c.public_key = key_of("liar").public
     return c
+
+
+async def test_a_compact_receipt_is_checked_against_its_makers_signature_before_it_waits_for_its_list(
+        nodes: Nodes, refused_address: str) -> None:
+    """A receipt may come as its list's digest alone, which the receiver cannot rebuild when it
+    lacks the list: it keeps it until the list comes, but only once the maker's signature over
+    that digest verifies. A forged one is refused at once, as a whole forged receipt is."""
+    a = await nodes.start("a", n_elements=N)
+    listed = Receipt(1, Phase.WHOLE, LIAR, (statement_of(encode("c", torch.ones(N), round_id=1)),))
+    request = liar_hello(a, [listed], refused_address)
+    compact = request.info.receipts[0]
+    del compact.statements[:]  # the digest alone: a has no such list
+    Security(node_id=LIAR, swarm_id=a.cfg.swarm_id, key=key_of("liar")).sign_hello(request)
+    assert await say(a, request) is None
+    assert LIAR not in a.receipts.makers(1, Phase.WHOLE) and a.receipts._wanted  # waiting for the list
+    forged = liar_hello(a, [listed], refused_address)
+    forged.info.receipts[0].signature = bytes(64)
+    del forged.info.receipts[0].statements[:]
+    Security(node_id=LIAR, swarm_id=a.cfg.swarm_id, key=key_of("liar")).sign_hello(forged)
+    refused = await say(a, forged)
+    assert refused is not None and refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused

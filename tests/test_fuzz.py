@@ -29,6 +29,7 @@ import math
 import os
 import socket
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -1031,7 +1032,11 @@ def test_fuzzed_nodes_finish_bit_identical_to_their_untouched_twin(nodes: Fuzzed
                    metadata=t.proof(member, "Leave"))
     everyone = [nodes.open.node, nodes.closed.node, nodes.twin]
     for node in everyone:
-        assert node.wait(90) == 0, f"{node.name}:\n{node.log()[-4000:]}"
+        try:
+            code = node.wait(90)
+        except subprocess.TimeoutExpired:
+            code = None  # still running: its log says where it waits
+        assert code == 0, f"{node.name} exited {code}:\n{node.log()[-6000:]}"
     # What `neuronode status --data-dir` prints, read in this process (saves three torch imports).
     statuses = {node.name: status_of(node.data_dir) for node in everyone}
     for name, status in statuses.items():

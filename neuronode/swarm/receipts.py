@@ -64,7 +64,7 @@ class Receipts:
     def __init__(self, ctx: Context, *, on_change: Callable[[], None]) -> None:
         self.ctx = ctx
         self.on_change = on_change  # a receipt arrived or a member was banned: waits re-evaluate
-        self.on_want: Callable[[str], None] = lambda maker: None  # greet `maker`: we want a list in full
+        self.on_want: Callable[[str], None] = lambda maker: None  # greet `maker`: we want its list
         self.own: dict[tuple[int, Phase], Receipt] = {}
         # Receipts as their makers signed them, every version: from the maker itself, and relayed
         # (a relayed one may come without its list: it is proof only).
@@ -79,8 +79,11 @@ class Receipts:
         self._checked: set[bytes] = set()  # digests of lists whose statements passed `check`
         # Compact receipts we could not rebuild yet, and the lists we asked their makers for.
         self._pending: dict[tuple[Slot, bytes], tuple[pb.Receipt, bytes]] = {}  # -> (receipt, maker's key)
-        self._wanted: dict[Slot, bytes] = {}
-        self._wants_full: dict[str, set[tuple[int, Phase]]] = {}  # peer -> our receipts it asked for whole
+        self._wanted: dict[Slot, tuple[bytes, bool]] = {}  # -> (digest, whole: the ids did not rebuild it)
+        self._asked: dict[tuple[bytes, bool], int] = {}  # what we greeted a maker for at once -> round
+        self._ids_failed: dict[bytes, int] = {}  # digests whose ids did not rebuild -> round
+        self._looking: set[tuple[int, Phase]] = set()  # rounds' phases whose receipts we wait for
+        self._wants: dict[str, dict[tuple[int, Phase], bool]] = {}  # peer -> our receipts it asked for (whole?)
         # What each peer already has from us (`fill(to=...)`): our receipts it echoed back in
         # its latest Hello, and how far into `_log` (every version we came to hold, in order)
         # our echoes to it went. Heartbeats then carry only news: O(1) bytes, not O(N).
@@ -102,6 +105,7 @@ class Receipts:
         self.own[key] = signed
         self._own_hash[key] = security.receipt_hash(signed)
         self.learn_list(receipt.round_id, receipt.phase, signed.digest, signed.statements)
+        self.ask(receipt.round_id, receipt.phase)  # what our list did not rebuild, we ask for now
         for phase in Phase:
             for old in sorted(k for k in self.own if k[1] == phase)[:-RECEIPT_ROUNDS]:
                 del self.own[old]
@@ -128,8 +132,10 @@ class Receipts:
                   if round_id + RECEIPT_ROUNDS > newest and (round_id, phase, maker) in self.held]
         info.echoes.extend(echoes[-MAX_ECHOES:])
         info.disputed.extend(receipt_to_pb(r, "digest") for r in list(self.disputes.values())[-MAX_DISPUTED:])
-        wanted = [pb.ReceiptEcho(round=slot[0], phase=int(slot[1]), maker_id=slot[2], receipt_hash=digest)  # type: ignore[arg-type]
-                  for slot, digest in sorted(self._wanted.items()) if to is None or slot[2] == to]
+        wanted = [pb.ReceiptEcho(round=slot[0], phase=int(slot[1]), maker_id=slot[2], receipt_hash=digest,  # type: ignore[arg-type]
+                                 whole=whole)
+                  for slot, (digest, whole) in sorted(self._wanted.items())
+                  if (to is None or slot[2] == to) and self.ready(slot[0], slot[1])]
         info.wanted.extend(wanted[:MAX_WANTED])
         return self._seq
 
@@ -149,11 +155,15 @@ class Receipts:
 
     def form(self, key: tuple[int, Phase], to: str | None) -> str:
         """How our receipt of `key` travels to `to` (receipt_to_pb): whole to anyone but a live
-        peer, or when it asked; the digest alone when its own receipt lists the same; else ids."""
-        if to is None or key in self._wants_full.get(to, ()):
+        peer; to a live peer what it asked for (ids, or whole), else the digest alone (members
+        mostly hold the same list), or ids when its own receipt tells us its list differs."""
+        if to is None:
             return "full"
+        asked = self._wants.get(to, {}).get(key)
+        if asked is not None:
+            return "full" if asked else "ids"
         theirs = self.held.get((key[0], key[1], to), {})
-        return "digest" if any(r.digest == self.own[key].digest for r in theirs.values()) else "ids"
+        return "ids" if theirs and all(r.digest != self.own[key].digest for r in theirs.values()) else "digest"
 
     def sent(self, to: str, mark: int) -> None:
         """`to` received what `fill(to=to)` returned `mark` for."""
@@ -230,8 +240,8 @@ class Receipts:
                 self.keep(self.proof(m, key), self.relayed)
         me = self.ctx.cfg.node_id
         self._acked[info.node_id] = {e.receipt_hash for e in info.echoes if e.maker_id == me}
-        self._wants_full[info.node_id] = {(w.round, Phase(w.phase)) for w in info.wanted
-                                          if w.maker_id == me and w.phase in (Phase.WHOLE, Phase.AVERAGED)}
+        self._wants[info.node_id] = {(w.round, Phase(w.phase)): w.whole for w in info.wanted
+                                     if w.maker_id == me and w.phase in (Phase.WHOLE, Phase.AVERAGED)}
         for e in info.echoes:
             slot = (e.round, Phase(e.phase), e.maker_id)
             if e.maker_id == me or not self.recent(e.round):
@@ -250,13 +260,14 @@ class Receipts:
         slot = (m.round, Phase(m.phase), m.maker_id)
         rebuilt = self.rebuild(m)
         if rebuilt is None:
+            self.proof(m, key)  # its maker's signature over the digest: a forgery is refused now
             self.pend(slot, m, key)
             return
         receipt = Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id, statements=rebuilt[1],
                           signature=m.signature, public_key=m.public_key, listed_digest=rebuilt[0])
         self.check(receipt, key)
         self._pending.pop((slot, rebuilt[0]), None)
-        if self._wanted.get(slot) == rebuilt[0]:
+        if self._wanted.get(slot, (b"",))[0] == rebuilt[0]:
             del self._wanted[slot]
         self.keep(receipt, self.held)
 
@@ -305,16 +316,37 @@ class Receipts:
                                    extra=fields("refused", what="receipt", peer_id=slot[2], detail=str(exc)))
 
     def pend(self, slot: Slot, m: pb.Receipt, key: bytes) -> None:
-        """Keep a compact receipt we cannot rebuild, and ask its maker for the list whole: at
-        once from the first maker of a list new to us, with every Hello to each maker after."""
+        """Keep a compact receipt we cannot rebuild, and want its list: the ids when only its
+        digest came, the statements whole when ids came and did not rebuild it. We ask once our
+        own receipt of the round's phase is out (it may well be the same list: nothing to ask)
+        or we wait for the receipts without one (`look`): at once, of the first maker of each
+        list, and in every Hello to each maker after."""
         if len([k for k in self._pending if k[0] == slot]) >= MAX_VERSIONS_HEARD:
             return
         digest = m.listed_digest
-        asked = digest in self._wanted.values()
+        if m.statement_ids:
+            self._ids_failed[digest] = slot[0]
         self._pending[(slot, digest)] = (m, key)
-        self._wanted[slot] = digest
-        if not asked:
-            self.on_want(slot[2])
+        self._wanted[slot] = (digest, digest in self._ids_failed)
+        self.ask(slot[0], slot[1])
+
+    def ready(self, round_id: int, phase: Phase) -> bool:
+        """Whether we ask for the lists of `round_id`'s `phase` we cannot rebuild (`pend`)."""
+        return (round_id, phase) in self.own or (round_id, phase) in self._looking
+
+    def look(self, round_id: int, phase: Phase) -> None:
+        """We wait for the receipts of `round_id`'s `phase` (with or without one of our own)."""
+        if (round_id, phase) not in self._looking:
+            self._looking.add((round_id, phase))
+            self.ask(round_id, phase)
+
+    def ask(self, round_id: int, phase: Phase) -> None:
+        if not self.ready(round_id, phase):
+            return
+        for slot, want in sorted(self._wanted.items()):
+            if slot[:2] == (round_id, phase) and want not in self._asked:
+                self._asked[want] = round_id
+                self.on_want(slot[2])
 
     def proof(self, m: pb.Receipt, key: bytes) -> Receipt:
         """A relayed version (a dispute): its maker's signature over its digest is all it proves."""
@@ -415,6 +447,10 @@ class Receipts:
             del self._pending[key]
         for slot in [k for k in self._wanted if not self.recent(k[0])]:
             del self._wanted[slot]
+        for marks in (self._asked, self._ids_failed):
+            for mark in [k for k, round_id in marks.items() if not self.recent(round_id)]:
+                del marks[mark]  # type: ignore[arg-type]
+        self._looking = {k for k in self._looking if self.recent(k[0])}
         for digest in [d for d, (round_id, _) in self._lists.items() if not self.recent(round_id)]:
             del self._lists[digest]
             self._checked.discard(digest)
@@ -423,9 +459,9 @@ class Receipts:
         if self._log and not self.recent(self._log[0][1][0]):
             self._log = [entry for entry in self._log if self.recent(entry[1][0])]
         known = self.ctx.table.peers
-        if len(self._acked) + len(self._echoed_to) + len(self._wants_full) > 3 * len(known) + 64:  # peers forgotten since
+        if len(self._acked) + len(self._echoed_to) + len(self._wants) > 3 * len(known) + 64:  # peers forgotten since
             self._acked = {p: hashes for p, hashes in self._acked.items() if p in known}
             self._echoed_to = {p: mark for p, mark in self._echoed_to.items() if p in known}
-            self._wants_full = {p: keys for p, keys in self._wants_full.items() if p in known}
+            self._wants = {p: keys for p, keys in self._wants.items() if p in known}
         for checked in [k for k, round_id in self._verified.items() if not self.recent(round_id)]:
             del self._verified[checked]

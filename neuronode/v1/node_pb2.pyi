@@ -128,16 +128,18 @@ class Receipt(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., statements: _Optional[_Iterable[_Union[Statement, _Mapping]]] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., listed_digest: _Optional[bytes] = ..., statement_ids: _Optional[bytes] = ...) -> None: ...
 
 class ReceiptEcho(_message.Message):
-    __slots__ = ("round", "phase", "maker_id", "receipt_hash")
+    __slots__ = ("round", "phase", "maker_id", "receipt_hash", "whole")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MAKER_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_HASH_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     round: int
     phase: Phase
     maker_id: str
     receipt_hash: bytes
-    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., receipt_hash: _Optional[bytes] = ...) -> None: ...
+    whole: bool
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., receipt_hash: _Optional[bytes] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class SwarmSettings(_message.Message):
     __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap")
