@@ -11,12 +11,13 @@ and bans it. Only versions received from their maker count in a round's decision
 serve as proof.
 
 A receipt lists N statements of about 210 bytes: sent whole to every member every round, that is
-O(N²) bytes per member. So a receipt to a live peer travels compact: its list's digest (which the
-signature covers) and 8 bytes per statement (`short_id`); to a peer whose own receipt of the
-round has the same list, the digest alone. The receiver rebuilds the list from statements it
-holds (its own receipt's, and every list it rebuilt); when it lacks one (it missed a
-contribution), it asks the maker for the statements in full (NodeInfo.wanted) and keeps the
-compact receipt until they come. Lists are worked on once per distinct list, not per receipt.
+O(N²) bytes per member. So a receipt to a live peer travels as its list's digest alone (which
+the signature covers; members mostly hold the same list), or with 8 bytes per statement
+(`short_id`) to a peer whose own receipt shows its list differs. The receiver rebuilds the list
+from lists it knows (its own receipt's first) or from their statements by id; what it cannot
+rebuild it keeps (its signature checked) and, once its own receipt is out or it waits for the
+round's receipts, asks the maker for: the ids, then the statements whole (NodeInfo.wanted).
+Lists are worked on once per distinct list, not per receipt.
 """
 
 from __future__ import annotations
