@@ -23,9 +23,8 @@ Lists are worked on once per distinct list, not per receipt.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import logging
-import os
+import random
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -94,7 +93,9 @@ class Receipts:
         self._seq = 0
         self._echoed_to: dict[str, int] = {}
         self._heard: dict[Slot, set[bytes]] = {}  # echoes members sent us, by slot
-        self._salt = os.urandom(16)  # whom our echoes go to (echoes_to)
+        self._targets: dict[bytes, frozenset[str] | None] = {}  # receipt hash -> whom our echo goes to (None: all)
+        self._draw = random.SystemRandom()  # unpredictable to others (echo_targets)
+        self._ids: tuple[int, list[str]] = (0, [])  # the peer table's ids, as of its size then
 
     # ---- ours ----------------------------------------------------------------------------------
 
@@ -125,9 +126,11 @@ class Receipts:
                 info.receipts.append(receipt_to_pb(self.own[key], self.form(key, to)))
         since = self._echoed_to.get(to, 0) if to is not None else 0
         start = bisect.bisect_right(self._log, since, key=lambda entry: entry[0])
-        fresh = {(slot, h) for _, slot, h in self._log[start:] if to is None or self.echoes_to(to, h)}
+        fresh = {(slot, h) for _, slot, h in self._log[start:]
+                 if to is None or (targets := self._targets.get(h)) is None or to in targets}
         if to is not None:  # its own receipts, whatever we sent before: that is how it knows we hold them
-            fresh |= {(slot, h) for slot, versions in self.held.items() if slot[2] == to for h in versions}
+            fresh |= {((round_id, phase, to), h) for round_id in range(newest - RECEIPT_ROUNDS, newest + RECEIPT_ROUNDS + 1)
+                      for phase in (Phase.WHOLE, Phase.AVERAGED) for h in self.held.get((round_id, phase, to), {})}
         echoes = [pb.ReceiptEcho(round=round_id, phase=int(phase), maker_id=maker, receipt_hash=h)  # type: ignore[arg-type]
                   for (round_id, phase, maker), h in sorted(fresh)
                   if round_id + RECEIPT_ROUNDS > newest and (round_id, phase, maker) in self.held]
@@ -140,19 +143,20 @@ class Receipts:
         info.wanted.extend(wanted[:MAX_WANTED])
         return self._seq
 
-    def echoes_to(self, to: str, receipt_hash: bytes) -> bool:
-        """Whether our echo of a receipt goes to peer `to`: to each live peer with probability
-        fanout(N) / (N − 1), drawn with a secret of ours (a liar cannot pick whom a version it
-        sent reaches). Each echo then reaches about fanout(N) peers, not N − 1, and a maker that
-        told members A one version and members B another is still caught unless no echo crosses
-        between them: probability at most exp(−2·fanout·|A|·|B| / (N − 1)) (docs/protocol.md)."""
+    def echo_targets(self, receipt_hash: bytes) -> frozenset[str] | None:
+        """Whom our echo of a receipt we came to hold goes to: fanout(N) of the N peers we know,
+        drawn once, unpredictably to others (a liar cannot pick whom a version it sent reaches);
+        None, everyone, up to fanout(N) peers. A maker that told members A one version and members
+        B another is then still caught unless no echo crosses between them: probability at most
+        about exp(−2·fanout·|A|·|B| / N) (docs/protocol.md, "Equivocating receipts")."""
         table = self.ctx.table
         n = len(table.peers)
         k = fanout(n, table.min_fanout)
         if k >= n:
-            return True
-        draw = int.from_bytes(hashlib.sha256(self._salt + receipt_hash + to.encode()).digest()[:8], "big")
-        return draw < (k << 64) // n
+            return None
+        if self._ids[0] != n:  # sampling needs a sequence: rebuilt when the table grows or shrinks
+            self._ids = (n, list(table.peers))
+        return frozenset(self._draw.sample(self._ids[1], k))
 
     def form(self, key: tuple[int, Phase], to: str | None) -> str:
         """How our receipt of `key` travels to `to` (receipt_to_pb): whole to anyone but a live
@@ -414,6 +418,7 @@ class Receipts:
         if store is self.held:
             self._seq += 1
             self._log.append((self._seq, slot, digest))
+            self._targets[digest] = self.echo_targets(digest)
             if any(h != digest for h in self._heard.get(slot, ())):  # a member echoed another version
                 self.disputes.setdefault(digest, r)
         if len({**self.held.get(slot, {}), **self.relayed.get(slot, {})}) > 1:
@@ -459,6 +464,7 @@ class Receipts:
             del self._pool[pool_key]
         if self._log and not self.recent(self._log[0][1][0]):
             self._log = [entry for entry in self._log if self.recent(entry[1][0])]
+            self._targets = {h: self._targets.get(h) for _, _, h in self._log}
         known = self.ctx.table.peers
         if len(self._acked) + len(self._echoed_to) + len(self._wants) > 3 * len(known) + 64:  # peers forgotten since
             self._acked = {p: hashes for p, hashes in self._acked.items() if p in known}
