@@ -186,6 +186,7 @@ class Receipts:
         its maker, as statements we checked against their sender's key: the one it is bound to
         here, or for a named id we never met, the one a quorum of makers vouch for (`vouched`).
         Receipts listing one list share one checked tuple (work once per distinct list)."""
+        self.look(round_id, phase)  # a member still collecting reads them too (what others hold counts)
         versions = [r for (rd, ph, _), held in self.held.items() if rd == round_id and ph == phase
                     for r in held.values()]
         vouched = self.vouched(versions)
@@ -324,8 +325,8 @@ class Receipts:
         """Keep a compact receipt we cannot rebuild, and want its list: the ids when only its
         digest came, the statements whole when ids came and did not rebuild it. We ask once our
         own receipt of the round's phase is out (it may well be the same list: nothing to ask)
-        or we wait for the receipts without one (`look`): at once, of the first maker of each
-        list, and in every Hello to each maker after."""
+        or we read the round's receipts (`look`): at once, of the first maker of each list, and
+        in every Hello to each maker after. So a member asks at most twice per distinct list."""
         if len([k for k in self._pending if k[0] == slot]) >= MAX_VERSIONS_HEARD:
             return
         digest = m.listed_digest
@@ -340,7 +341,9 @@ class Receipts:
         return (round_id, phase) in self.own or (round_id, phase) in self._looking
 
     def look(self, round_id: int, phase: Phase) -> None:
-        """We wait for the receipts of `round_id`'s `phase` (with or without one of our own)."""
+        """We read the receipts of `round_id`'s `phase`: while collecting (contributions others
+        hold count toward --min-peers, and are fetched), or waiting for them with or without one
+        of our own. From then on what we cannot rebuild we ask for at once."""
         if (round_id, phase) not in self._looking:
             self._looking.add((round_id, phase))
             self.ask(round_id, phase)
