@@ -200,8 +200,11 @@ def test_sigterm_cuts_short_the_final_drain_to_an_unreachable_peer(tmp_path: Pat
     # b serves first and waits for a (--min-peers 2), and a greets b at start: a never trains
     # its two rounds alone while b is still starting (it did on a loaded CI machine).
     b = Node(tmp_path, "b", *COMMON, "--node-id", "b", "--min-peers", "2")
+    # a's --heartbeat-s 5: b stays alive to a for 15 s after the block, so a's last round (its
+    # training took 5 s on a loaded CI machine) still sends b a push to drain; with 2 s, b could
+    # be dead by then and there was nothing to drain.
     a = Node(tmp_path, "a", *COMMON, "--sync-timeout", "120", "--node-id", "a", "--rounds", "2",
-             "--fault-file", str(plan), "--peers", b.address)
+             "--heartbeat-s", "5", "--fault-file", str(plan), "--peers", b.address)
     try:
         b.start()
         poll("b to serve", lambda: b.status(live=True), timeout_s=120)

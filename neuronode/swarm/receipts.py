@@ -315,7 +315,8 @@ class Receipts:
         for (slot, _), (m, key) in list(self._pending.items()):
             if slot[:2] == (round_id, phase) and (slot, m.listed_digest) in self._pending:
                 try:
-                    self.take_own(m, key)
+                    if self.rebuild(m) is not None:  # else it waits on (checked when it came)
+                        self.take_own(m, key)
                 except Refusal as exc:
                     self._pending.pop((slot, m.listed_digest), None)
                     logger.warning("round %d: not taking the receipt of %s: %s", slot[0], slot[2], exc,
