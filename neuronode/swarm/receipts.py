@@ -100,10 +100,17 @@ class Receipts:
     # ---- ours ----------------------------------------------------------------------------------
 
     def publish(self, receipt: Receipt) -> None:
+        key = (receipt.round_id, receipt.phase)
+        if key in self.own and self.own[key].digest != receipt.digest:
+            # A round run again after a repair: a second, different receipt of it (it lists our
+            # new contribution) would be two signed versions, which members ban as equivocation.
+            # Our word on that round stays the first.
+            logger.info("round %d: keeping the receipt we published before for its %ss", receipt.round_id,
+                        receipt.phase.label, extra=fields("receipt_kept", round_id=receipt.round_id))
+            return
         security = self.ctx.security
         signed = replace(receipt, public_key=security.key.public, listed_digest=receipt.digest)
         signed = replace(signed, signature=security.sign_receipt(signed))
-        key = (receipt.round_id, receipt.phase)
         self.own[key] = signed
         self._own_hash[key] = security.receipt_hash(signed)
         self.learn_list(receipt.round_id, receipt.phase, signed.digest, signed.statements)
