@@ -154,7 +154,6 @@ class Listings:
             for s in listed:
                 if s.sender != m:
                     self._count[s] += 1
-        self._sets: dict[int, set[Statement]] = {}
 
     def __iter__(self) -> Iterator[Statement]:
         return iter(self._count)
