@@ -119,7 +119,8 @@ class Peers:
 
     def ask(self, maker: str) -> None:
         """Greet `maker` now: our Hello names the receipt of it we could not rebuild
-        (NodeInfo.wanted), and its answer carries the statements whole."""
+        (NodeInfo.wanted), and its answer carries what we asked for (its ids, or its statements
+        whole)."""
         table = self.ctx.table
         peer = table.peers.get(maker)
         if self.ctx.started and peer is not None and table.is_alive(peer) and table.dialable(peer):
