@@ -142,15 +142,21 @@ async def test_a_compact_receipt_is_checked_against_its_makers_signature_before_
         nodes: Nodes, refused_address: str) -> None:
     """A receipt may come as its list's digest alone, which the receiver cannot rebuild when it
     lacks the list: it keeps it until the list comes, but only once the maker's signature over
-    that digest verifies. A forged one is refused at once, as a whole forged receipt is."""
+    that digest verifies. A forged one is refused at once, as a whole forged receipt is. While
+    the list is on its way, a round waiting for receipts waits for this one too, even though its
+    maker moved on to round 2: deciding without it could miss a second version of a
+    contribution it lists (a member that was late to round 0 did, in CI)."""
     a = await nodes.start("a", n_elements=N)
     listed = Receipt(1, Phase.WHOLE, LIAR, (statement_of(encode("c", torch.ones(N), round_id=1)),))
     request = liar_hello(a, [listed], refused_address)
+    request.info.round = 2
     compact = request.info.receipts[0]
     del compact.statements[:]  # the digest alone: a has no such list
     Security(node_id=LIAR, swarm_id=a.cfg.swarm_id, key=key_of("liar")).sign_hello(request)
     assert await say(a, request) is None
     assert LIAR not in a.receipts.makers(1, Phase.WHOLE) and a.receipts._wanted  # waiting for the list
+    (view,) = a.transport.member_views(1, Phase.WHOLE, [LIAR])
+    assert view.present and not view.has_receipt and not view.past_round, view  # its receipt is coming: wait
     forged = liar_hello(a, [listed], refused_address)
     forged.info.receipts[0].signature = bytes(64)
     del forged.info.receipts[0].statements[:]

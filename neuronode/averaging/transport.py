@@ -24,8 +24,8 @@ class MemberView:
     member: str
     present: bool  # alive, not leaving, and taking part in the round (not only listening)
     has_receipt: bool  # we hold its receipt of the round's phase
-    past_round: bool  # it already moved past the round (one that did so without a receipt
-    #                   listened or repaired: none will come)
+    past_round: bool  # it already moved past the round, and no receipt of it is on its way
+    #                   (one that moved on without one listened or repaired: none will come)
 
 
 class Sending(Protocol):

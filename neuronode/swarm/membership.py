@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from neuronode.averaging.state import RECENT_DIGESTS
@@ -261,8 +261,11 @@ def reducers(table: PeerTable, members: Iterable[str], *, self_dialable: bool) -
     return out
 
 
-def member_views(table: PeerTable, makers: set[str], round_id: int, members: Iterable[str]) -> list[MemberView]:
-    """What we know of every member of `round_id` but us: `makers` published their receipt."""
+def member_views(table: PeerTable, makers: set[str], round_id: int, members: Iterable[str], *,
+                 coming: Collection[str] = ()) -> list[MemberView]:
+    """What we know of every member of `round_id` but us: `makers` published their receipt;
+    `coming` sent one we cannot read yet (its list is on its way), so it is not past the round
+    for us even when it moved on."""
     views = []
     for member in sorted(set(members)):
         if member == table.self_id:
@@ -271,7 +274,7 @@ def member_views(table: PeerTable, makers: set[str], round_id: int, members: Ite
         present = (peer is not None and not peer.left and table.is_alive(peer)
                    and peer.contributes_from <= round_id)
         views.append(MemberView(member=member, present=present, has_receipt=member in makers,
-                                past_round=peer is not None and peer.round > round_id))
+                                past_round=peer is not None and peer.round > round_id and member not in coming))
     return views
 
 

@@ -239,6 +239,12 @@ class Receipts:
     def makers(self, round_id: int, phase: Phase) -> set[str]:
         return {maker for (rd, ph, maker) in self.held if rd == round_id and ph == phase}
 
+    def coming(self, round_id: int, phase: Phase) -> set[str]:
+        """Makers whose receipt of `round_id`'s `phase` we keep but cannot read yet: its list is
+        asked for. A member that moved past the round sent it all the same, and a round deciding
+        without it may miss a second version of a contribution (a late member did, in CI)."""
+        return {slot[2] for slot, _ in self._pending if slot[:2] == (round_id, phase)} - self.makers(round_id, phase)
+
     def take(self, info: pb.NodeInfo) -> None:
         """What a member's (verified) Hello says of receipts; raises Refusal for a receipt that
         is not its maker's, or lists a statement its sender did not sign."""

@@ -155,7 +155,8 @@ class GrpcTransport:
 
     def member_views(self, round_id: int, phase: Phase, members: Iterable[str]) -> list[MemberView]:
         self.ledger.look(round_id, phase)  # we wait for these receipts: ask for lists we lack
-        return member_views(self.ctx.table, self.ledger.makers(round_id, phase), round_id, members)
+        return member_views(self.ctx.table, self.ledger.makers(round_id, phase), round_id, members,
+                            coming=self.ledger.coming(round_id, phase))
 
     async def fetch(self, statement: Statement, holders: list[str], *, timeout_s: float) -> Contribution | None:
         return await self.missed.fetch(statement, holders, timeout_s=timeout_s)
