@@ -201,6 +201,27 @@ def test_lateness_ends_when_the_member_delivers_even_too_late_or_comes_back() ->
     assert book.late == set()
 
 
+def test_a_late_member_one_round_behind_is_waited_for_again_once_its_contribution_arrives() -> None:
+    """A late member whose contributions all *begin* after their round closed (it fell a round
+    behind, as a joiner did under --overlap after its first deadline) is taken whole all the
+    same, never averaged, and ends its lateness: the next round waits for it and it is in step
+    again. (Refused at the header, it stayed late for good and never contributed again.) Others'
+    contributions to closed rounds are refused at once, as are a late member's to rounds long closed."""
+    book = RoundBook(first_round=5)
+    book.late = {(Phase.WHOLE, "c")}
+    book.close(5)  # closed without waiting for c; c's contribution to it comes only now
+    with pytest.raises(RoundClosed):
+        book.begin(5, "b")  # not late: nothing to end
+    with pytest.raises(RoundClosed):
+        book.begin(5 - book.window, "c")  # long closed: no honest member is that far behind
+    book.begin(5, "c")
+    with pytest.raises(RoundClosed):
+        book.finish(record("c", 5))  # type: ignore[arg-type]
+    assert book.late == set() and book.buffered_bytes == 0 and book.contributors(5) == set()
+    with pytest.raises(RoundClosed):
+        book.begin(5, "c")  # no longer late: refused at the header
+
+
 async def test_round_closes_once_every_expected_peer_contributed_without_time_passing(pools) -> None:  # noqa: ANN001
     swarm = Swarm(pools, AllToAll)
     for name in "abc":

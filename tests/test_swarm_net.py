@@ -500,6 +500,28 @@ async def test_a_push_that_arrives_before_its_senders_hello_is_retried_not_lost(
     await client.assert_serving()
 
 
+async def test_a_push_refused_as_too_far_ahead_goes_again_once_the_peer_moved_to_its_round(
+        nodes: Nodes, caplog: pytest.LogCaptureFixture) -> None:
+    """A joiner still at round 0 refuses a's round 2 as too far ahead (FAILED_PRECONDITION); once
+    it adopted the swarm's state at round 2 and listens there, a pushes again. (Before, the
+    refusal ended the push for good: under --overlap the joiner listened to round 2 until its
+    deadline, and a's round 3 waited that deadline out for it.)"""
+    caplog.set_level(logging.INFO, logger="neuronode.swarm")
+    a = await nodes.start("a", round_lag=2)
+    b = await nodes.start("b", peers=[a.advertise], round_lag=2)
+    await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
+    a.state.adopted(2, "d2", listen=False)
+    a.book.reset(2)
+    a.transport.send(2, Phase.WHOLE, encode("a", make_vector(1), round_id=2))
+    await wait_until(lambda: any("refused our contribution" in r.getMessage() and "too far ahead" in r.getMessage()
+                                 for r in caplog.records) and not a.ctx.tasks.named("push-"),
+                     what="b to refuse round 2 while at round 0")
+    assert "a" not in b.book.contributors(2)
+    b.book.reset(2)
+    b.state.adopted(2, "d2", listen=True)  # b's next Hello tells a it is at round 2
+    await wait_until(lambda: "a" in b.book.contributors(2), what="a's round-2 contribution to reach b")
+
+
 @pytest.mark.parametrize(("method", "shape"), [
     ("Hello", "unary_unary"), ("Status", "unary_unary"), ("FetchState", "unary_stream"),
     ("PushContribution", "stream_unary"),

@@ -85,6 +85,10 @@ class Outbox:
     deadline: float
     pushed: set[str] = field(default_factory=set)
     wire: dict[int, WireCache] = field(default_factory=dict)  # by id() of the contribution
+    # Peers that refused it as out of their round (FAILED_PRECONDITION), with the round each
+    # announced then: it is pushed again once that peer moves to another round not past it (a
+    # joiner refuses a round too far ahead until it adopted the swarm's state, then listens to it).
+    refused_at: dict[str, int] = field(default_factory=dict)
 
     def for_peer(self, peer_id: str) -> Contribution | None:
         if isinstance(self.outs, Contribution):
@@ -199,6 +203,9 @@ class GrpcTransport:
             for peer in self.ctx.table.alive():
                 if peer.node_id in box.pushed or not (peer.address or self.carries(peer.node_id)):
                     continue  # no address to dial yet (it is learning it), and no session
+                refused = box.refused_at.get(peer.node_id)
+                if refused is not None and (peer.round == refused or peer.round > round_id):
+                    continue  # it refused the round where it still is, or it closed the round
                 if box.targets is None and peer.round + lag < round_id:
                     continue  # behind: it will catch up by state transfer instead
                 listener = phase == Phase.AVERAGED and peer.contributes_from == round_id + 1
@@ -237,6 +244,9 @@ class GrpcTransport:
             except (SessionClosed, TimeoutError) as exc:
                 logger.debug("%s over its session failed (%s); retrying", what, exc)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and (peer := ctx.table.peers.get(peer_id)):
+                    box.refused_at[peer_id] = peer.round  # push_pending retries once it moved
+                    box.pushed.discard(peer_id)
                 if exc.code() in FINAL_CODES:
                     logger.warning("round %d: peer %s refused our contribution: %s", out.round_id, peer_id,
                                    exc.details(), extra=fields("push_refused", round_id=out.round_id, peer_id=peer_id,
