@@ -154,7 +154,7 @@ async def test_a_compact_receipt_is_checked_against_its_makers_signature_before_
     del compact.statements[:]  # the digest alone: a has no such list
     Security(node_id=LIAR, swarm_id=a.cfg.swarm_id, key=key_of("liar")).sign_hello(request)
     assert await say(a, request) is None
-    assert LIAR not in a.receipts.makers(1, Phase.WHOLE) and a.receipts._wanted  # waiting for the list
+    assert LIAR not in a.receipts.makers(1, Phase.WHOLE) and a.receipts.coming(1, Phase.WHOLE) == {LIAR}  # waiting for its list
     (view,) = a.transport.member_views(1, Phase.WHOLE, [LIAR])
     assert view.present and not view.has_receipt and not view.past_round, view  # its receipt is coming: wait
     forged = liar_hello(a, [listed], refused_address)

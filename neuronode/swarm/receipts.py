@@ -14,10 +14,8 @@ A receipt lists N statements of about 210 bytes: sent whole to every member ever
 O(N²) bytes per member. So a receipt to a live peer travels as its list's digest alone (which
 the signature covers; members mostly hold the same list), or with 8 bytes per statement
 (`short_id`) to a peer whose own receipt shows its list differs. The receiver rebuilds the list
-from lists it knows (its own receipt's first) or from their statements by id; what it cannot
-rebuild it keeps (its signature checked) and, once its own receipt is out or it waits for the
-round's receipts, asks the maker for: the ids, then the statements whole (NodeInfo.wanted).
-Lists are worked on once per distinct list, not per receipt.
+(neuronode.swarm.receipt_lists: what it cannot rebuild waits there, its signature checked, and
+is asked for). Lists are worked on once per distinct list, not per receipt.
 """
 
 from __future__ import annotations
@@ -35,15 +33,13 @@ from neuronode.security.auth import AuthError
 from neuronode.security.identity import derived_id, is_derived
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import fanout
+from neuronode.swarm.receipt_lists import ReceiptLists, Slot
 from neuronode.swarm.receipt_wire import (
-    ID_BYTES,
     MAX_DISPUTED,
     MAX_ECHOES,
-    MAX_WANTED,
     RECEIPT_ROUNDS,
     receipt_from_pb,
     receipt_to_pb,
-    short_id,
 )
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -54,8 +50,6 @@ KEEP_ROUNDS = 8  # rounds of other members' receipts we keep
 MAX_VERSIONS_HEARD = 4  # echoed hashes we remember per receipt slot
 EQUIVOCATION_BAN_S = 3600.0  # a member caught signing two versions of one thing
 
-
-Slot = tuple[int, Phase, str]  # (round, phase, maker)
 
 
 class Receipts:
@@ -72,17 +66,10 @@ class Receipts:
         self.relayed: dict[Slot, dict[bytes, Receipt]] = {}
         self.disputes: dict[bytes, Receipt] = {}  # versions we hold that an echo contradicted
         self._verified: dict[tuple[str, bytes], int] = {}  # (sender, signature) of statements checked -> round
-        # Lists we know (our own receipts', every one we rebuilt or got whole), by digest, and
-        # their statements by short id: what compact receipts are rebuilt from.
-        self._lists: dict[bytes, tuple[int, tuple[Statement, ...]]] = {}  # digest -> (round, statements)
-        self._pool: dict[tuple[int, Phase], dict[bytes, Statement]] = {}
-        self._checked: set[bytes] = set()  # digests of lists whose statements passed `check`
-        # Compact receipts we could not rebuild yet, and the lists we asked their makers for.
-        self._pending: dict[tuple[Slot, bytes], tuple[pb.Receipt, bytes]] = {}  # -> (receipt, maker's key)
-        self._wanted: dict[Slot, tuple[bytes, bool]] = {}  # -> (digest, whole: the ids did not rebuild it)
-        self._asked: dict[tuple[bytes, bool], int] = {}  # what we greeted a maker for at once -> round
-        self._ids_failed: dict[bytes, int] = {}  # digests whose ids did not rebuild -> round
-        self._looking: set[tuple[int, Phase]] = set()  # rounds' phases whose receipts we wait for
+        # Lists we know (our own receipts', every one we rebuilt or got whole), and compact
+        # receipts waiting for theirs.
+        self.lists = ReceiptLists(want=lambda maker: self.on_want(maker))
+        self._checked: dict[bytes, int] = {}  # digests of lists whose statements passed `check` -> round
         self._wants: dict[str, dict[tuple[int, Phase], bool]] = {}  # peer -> our receipts it asked for (whole?)
         # What each peer already has from us (`fill(to=...)`): our receipts it echoed back in
         # its latest Hello, and how far into `_log` (every version we came to hold, in order)
@@ -113,8 +100,9 @@ class Receipts:
         signed = replace(signed, signature=security.sign_receipt(signed))
         self.own[key] = signed
         self._own_hash[key] = security.receipt_hash(signed)
-        self.learn_list(receipt.round_id, receipt.phase, signed.digest, signed.statements)
-        self.ask(receipt.round_id, receipt.phase)  # what our list did not rebuild, we ask for now
+        self.lists.learn(receipt.round_id, receipt.phase, signed.digest, signed.statements)
+        self.retry()
+        self.lists.ready(receipt.round_id, receipt.phase)  # what our list did not rebuild, we ask for now
         for phase in Phase:
             for old in sorted(k for k in self.own if k[1] == phase)[:-RECEIPT_ROUNDS]:
                 del self.own[old]
@@ -143,11 +131,7 @@ class Receipts:
                   if round_id + RECEIPT_ROUNDS > newest and (round_id, phase, maker) in self.held]
         info.echoes.extend(echoes[-MAX_ECHOES:])
         info.disputed.extend(receipt_to_pb(r, "digest") for r in list(self.disputes.values())[-MAX_DISPUTED:])
-        wanted = [pb.ReceiptEcho(round=slot[0], phase=int(slot[1]), maker_id=slot[2], receipt_hash=digest,  # type: ignore[arg-type]
-                                 whole=whole)
-                  for slot, (digest, whole) in sorted(self._wanted.items())
-                  if (to is None or slot[2] == to) and self.ready(slot[0], slot[1])]
-        info.wanted.extend(wanted[:MAX_WANTED])
+        info.wanted.extend(self.lists.wanted(to))
         return self._seq
 
     def echo_targets(self, receipt_hash: bytes) -> frozenset[str] | None:
@@ -193,7 +177,7 @@ class Receipts:
         its maker, as statements we checked against their sender's key: the one it is bound to
         here, or for a named id we never met, the one a quorum of makers vouch for (`vouched`).
         Receipts listing one list share one checked tuple (work once per distinct list)."""
-        self.look(round_id, phase)  # a member still collecting reads them too (what others hold counts)
+        self.lists.ready(round_id, phase)  # a member still collecting reads them too (what others hold counts)
         versions = [r for (rd, ph, _), held in self.held.items() if rd == round_id and ph == phase
                     for r in held.values()]
         vouched = self.vouched(versions)
@@ -243,7 +227,7 @@ class Receipts:
         """Makers whose receipt of `round_id`'s `phase` we keep but cannot read yet: its list is
         asked for. A member that moved past the round sent it all the same, and a round deciding
         without it may miss a second version of a contribution (a late member did, in CI)."""
-        return {slot[2] for slot, _ in self._pending if slot[:2] == (round_id, phase)} - self.makers(round_id, phase)
+        return self.lists.waiting(round_id, phase) - self.makers(round_id, phase)
 
     def take(self, info: pb.NodeInfo) -> None:
         """What a member's (verified) Hello says of receipts; raises Refusal for a receipt that
@@ -277,98 +261,29 @@ class Receipts:
     def take_own(self, m: pb.Receipt, key: bytes) -> None:
         """A maker's receipt from the maker: kept once its list is at hand (module docstring)."""
         slot = (m.round, Phase(m.phase), m.maker_id)
-        rebuilt = self.rebuild(m)
+        rebuilt = self.lists.rebuild(m)
         if rebuilt is None:
             self.proof(m, key)  # its maker's signature over the digest: a forgery is refused now
-            self.pend(slot, m, key)
+            self.lists.pend(slot, m, key)
             return
         receipt = Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id, statements=rebuilt[1],
                           signature=m.signature, public_key=m.public_key, listed_digest=rebuilt[0])
         self.check(receipt, key)
-        self._pending.pop((slot, rebuilt[0]), None)
-        if self._wanted.get(slot, (b"",))[0] == rebuilt[0]:
-            del self._wanted[slot]
+        self.lists.rebuilt(slot, rebuilt[0])
         self.keep(receipt, self.held)
+        self.retry()
 
-    def rebuild(self, m: pb.Receipt) -> tuple[bytes, tuple[Statement, ...]] | None:
-        """(digest, list) of a wire receipt: its statements when it carries them (refused when
-        they do not hash to the digest it names), a list we know by its digest, or one rebuilt
-        from its short ids; None when we lack a statement it lists (we ask for it whole)."""
-        phase = Phase(m.phase)
-        known = self._lists.get(m.listed_digest)
-        if known is not None:  # the signature covers the digest: its list is the one we know
-            return m.listed_digest, known[1]
-        if m.statements or not m.listed_digest:
-            receipt = receipt_from_pb(m)
-            if m.listed_digest and receipt.digest != m.listed_digest:
-                raise Refusal("INVALID_ARGUMENT", f"receipt of round {m.round} from {m.maker_id[:MAX_ID_CHARS]}: its "
-                              "statements do not hash to the digest it names")
-            self.learn_list(m.round, phase, receipt.digest, receipt.statements)
-            return receipt.digest, receipt.statements
-        pool = self._pool.get((m.round, phase), {})
-        ids = m.statement_ids
-        found = [pool.get(ids[i:i + ID_BYTES]) for i in range(0, len(ids), ID_BYTES)]
-        if any(s is None for s in found):
-            return None
-        statements = tuple(s for s in found if s is not None)
-        if statements_digest(statements) != m.listed_digest:
-            return None  # an id collision, or a lie: the list whole settles it
-        self.learn_list(m.round, phase, m.listed_digest, statements)
-        return m.listed_digest, statements
-
-    def learn_list(self, round_id: int, phase: Phase, digest: bytes, statements: tuple[Statement, ...]) -> None:
-        """A list whose digest we checked: compact receipts naming it, or its statements, rebuild
-        now (and those we kept waiting are tried again)."""
-        if digest in self._lists:
-            return
-        self._lists[digest] = (round_id, statements)
-        pool = self._pool.setdefault((round_id, phase), {})
-        for s in statements:
-            pool.setdefault(short_id(s), s)
-        for (slot, _), (m, key) in list(self._pending.items()):
-            if slot[:2] == (round_id, phase) and (slot, m.listed_digest) in self._pending:
+    def retry(self) -> None:
+        """Take the waiting receipts that lists learned since rebuild."""
+        for round_id, phase in self.lists.fresh():
+            for m, key in self.lists.rebuildable(round_id, phase):
+                slot = (m.round, Phase(m.phase), m.maker_id)
                 try:
-                    if self.rebuild(m) is not None:  # else it waits on (checked when it came)
-                        self.take_own(m, key)
+                    self.take_own(m, key)
                 except Refusal as exc:
-                    self._pending.pop((slot, m.listed_digest), None)
+                    self.lists.rebuilt(slot, m.listed_digest)
                     logger.warning("round %d: not taking the receipt of %s: %s", slot[0], slot[2], exc,
                                    extra=fields("refused", what="receipt", peer_id=slot[2], detail=str(exc)))
-
-    def pend(self, slot: Slot, m: pb.Receipt, key: bytes) -> None:
-        """Keep a compact receipt we cannot rebuild, and want its list: the ids when only its
-        digest came, the statements whole when ids came and did not rebuild it. We ask once our
-        own receipt of the round's phase is out (it may well be the same list: nothing to ask)
-        or we read the round's receipts (`look`): at once, of the first maker of each list, and
-        in every Hello to each maker after. So a member asks at most twice per distinct list."""
-        if len([k for k in self._pending if k[0] == slot]) >= MAX_VERSIONS_HEARD:
-            return
-        digest = m.listed_digest
-        if m.statement_ids:
-            self._ids_failed[digest] = slot[0]
-        self._pending[(slot, digest)] = (m, key)
-        self._wanted[slot] = (digest, digest in self._ids_failed)
-        self.ask(slot[0], slot[1])
-
-    def ready(self, round_id: int, phase: Phase) -> bool:
-        """Whether we ask for the lists of `round_id`'s `phase` we cannot rebuild (`pend`)."""
-        return (round_id, phase) in self.own or (round_id, phase) in self._looking
-
-    def look(self, round_id: int, phase: Phase) -> None:
-        """We read the receipts of `round_id`'s `phase`: while collecting (contributions others
-        hold count toward --min-peers, and are fetched), or waiting for them with or without one
-        of our own. From then on what we cannot rebuild we ask for at once."""
-        if (round_id, phase) not in self._looking:
-            self._looking.add((round_id, phase))
-            self.ask(round_id, phase)
-
-    def ask(self, round_id: int, phase: Phase) -> None:
-        if not self.ready(round_id, phase):
-            return
-        for slot, want in sorted(self._wanted.items()):
-            if slot[:2] == (round_id, phase) and want not in self._asked:
-                self._asked[want] = round_id
-                self.on_want(slot[2])
 
     def proof(self, m: pb.Receipt, key: bytes) -> Receipt:
         """A relayed version (a dispute): its maker's signature over its digest is all it proves."""
@@ -393,7 +308,7 @@ class Receipts:
         if len(self.checked(r.statements)) < sum(self.key_of(s.sender, s.public_key) is not None for s in r.statements):
             raise Refusal("PERMISSION_DENIED", f"receipt of round {r.round_id} from {r.maker[:MAX_ID_CHARS]} lists a "
                           "statement its sender did not sign")
-        self._checked.add(r.digest)
+        self._checked[r.digest] = r.round_id
 
     def checked(self, statements: tuple[Statement, ...], vouched: dict[str, bytes] | None = None) -> tuple[Statement, ...]:
         """`statements` less those we cannot check, or whose signature does not verify."""
@@ -466,19 +381,7 @@ class Receipts:
             del self.disputes[digest]
         for slot in [k for k in self._heard if not self.recent(k[0])]:
             del self._heard[slot]
-        for key in [k for k in self._pending if not self.recent(k[0][0])]:
-            del self._pending[key]
-        for slot in [k for k in self._wanted if not self.recent(k[0])]:
-            del self._wanted[slot]
-        for marks in (self._asked, self._ids_failed):
-            for mark in [k for k, round_id in marks.items() if not self.recent(round_id)]:
-                del marks[mark]  # type: ignore[arg-type]
-        self._looking = {k for k in self._looking if self.recent(k[0])}
-        for digest in [d for d, (round_id, _) in self._lists.items() if not self.recent(round_id)]:
-            del self._lists[digest]
-            self._checked.discard(digest)
-        for pool_key in [k for k in self._pool if not self.recent(k[0])]:
-            del self._pool[pool_key]
+        self.lists.prune(self.recent)
         if self._log and not self.recent(self._log[0][1][0]):
             self._log = [entry for entry in self._log if self.recent(entry[1][0])]
             self._targets = {h: self._targets.get(h) for _, _, h in self._log}
@@ -489,3 +392,5 @@ class Receipts:
             self._wants = {p: keys for p, keys in self._wants.items() if p in known}
         for checked in [k for k, round_id in self._verified.items() if not self.recent(round_id)]:
             del self._verified[checked]
+        for digest in [d for d, round_id in self._checked.items() if not self.recent(round_id)]:
+            del self._checked[digest]

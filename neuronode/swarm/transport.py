@@ -158,7 +158,7 @@ class GrpcTransport:
         return self.ledger.receipts(round_id, phase)
 
     def member_views(self, round_id: int, phase: Phase, members: Iterable[str]) -> list[MemberView]:
-        self.ledger.look(round_id, phase)  # we wait for these receipts: ask for lists we lack
+        self.ledger.lists.ready(round_id, phase)  # we wait for these receipts: ask for lists we lack
         return member_views(self.ctx.table, self.ledger.makers(round_id, phase), round_id, members,
                             coming=self.ledger.coming(round_id, phase))
 
