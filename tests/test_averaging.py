@@ -201,22 +201,6 @@ def test_lateness_ends_when_the_member_delivers_even_too_late_or_comes_back() ->
     assert book.late == set()
 
 
-def test_a_late_member_one_round_behind_is_waited_for_again_once_its_contribution_arrives() -> None:
-    """A late member whose contributions all *begin* after their round closed (it fell a round
-    behind, as a joiner did under --overlap after its first deadline) is refused as before, but
-    its lateness ends: the next round waits for it and it is in step again. (Before, only a
-    stream that began before the round closed ended it: the member stayed late for good and
-    never contributed again.) One for a round long closed ends nothing."""
-    book = RoundBook(first_round=5)
-    book.late = {(Phase.WHOLE, "c"), (Phase.WHOLE, "d")}
-    book.close(5)  # closed without waiting for c and d; their contributions come only now
-    with pytest.raises(RoundClosed):
-        book.begin(5 - book.window, "d")  # long closed: no honest member is that far behind
-    with pytest.raises(RoundClosed):
-        book.begin(5, "c")
-    assert book.late == {(Phase.WHOLE, "d")} and book.buffered_bytes == 0 and book.contributors(5) == set()
-
-
 async def test_round_closes_once_every_expected_peer_contributed_without_time_passing(pools) -> None:  # noqa: ANN001
     swarm = Swarm(pools, AllToAll)
     for name in "abc":

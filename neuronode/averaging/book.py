@@ -13,8 +13,7 @@ Rules (docs/protocol.md repeats them):
   its buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
 - A sender whose contribution was missing when a round closed at its deadline is late: no round
   waits for it again until a contribution of its arrives complete (it still counts if it arrives
-  before a round closes; one for a round closed within the last `window` rounds is refused but
-  ends the lateness), or it
+  before a round closes; one that comes after its round closed still ends the lateness), or it
   comes back after it was gone (`forgive`). One member that stalls while staying alive costs the
   swarm one deadline, not one a round.
 
@@ -122,11 +121,6 @@ class RoundBook:
         """Raise a RoundRefused if `sender_id` may not contribute to `round_id` now."""
         below = self._closed_below[phase]
         if round_id < below:
-            if round_id >= below - self.window:
-                # A member a round or two behind: its contributions all come after their round
-                # closed. Were it left late it would stay behind for good (seen under --overlap
-                # after a joiner's first deadline); wait for it again and it is back in step.
-                self.late.discard((phase, sender_id))
             raise RoundClosed(
                 f"round {round_id} is closed here (this node is at round {below}); "
                 "late contributions are never mixed into another round")
