@@ -51,7 +51,6 @@ MAX_VERSIONS_HEARD = 4  # echoed hashes we remember per receipt slot
 EQUIVOCATION_BAN_S = 3600.0  # a member caught signing two versions of one thing
 
 
-
 class Receipts:
     """Our receipts, and what members told us of theirs (see the module docstring)."""
 
