@@ -19,7 +19,8 @@ from helpers import Nodes, wait_until
 from neuronode.events import record_fields
 from neuronode.swarm import statesync
 from neuronode.swarm.context import Tasks
-from neuronode.swarm.membership import Peer, plan_catch_up
+from neuronode.swarm.lineage import plan_catch_up
+from neuronode.swarm.membership import Peer
 from neuronode.swarm.node import SwarmNode
 from neuronode.swarm.trust import closed_without_us
 

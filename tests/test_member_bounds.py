@@ -20,15 +20,8 @@ from helpers import Nodes, chunks_of, encode, wait_until
 
 from neuronode.clock import ManualClock
 from neuronode.swarm.context import buffered_bytes_bound, sender_bytes_bound
-from neuronode.swarm.membership import (
-    Lineages,
-    Peer,
-    PeerTable,
-    TableFull,
-    believable,
-    lineages,
-    same_lineage,
-)
+from neuronode.swarm.lineage import Lineages, believable, lineages, same_lineage
+from neuronode.swarm.membership import Peer, PeerTable, TableFull
 from neuronode.swarm.node import SwarmNode
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

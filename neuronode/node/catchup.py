@@ -17,7 +17,7 @@ from neuronode.events import Throttled, fields
 from neuronode.node.pools import Pools
 from neuronode.node.trainer import Trainer
 from neuronode.state import GlobalState
-from neuronode.swarm.membership import CatchUp as Plan
+from neuronode.swarm.lineage import CatchUp as Plan
 from neuronode.swarm.node import SwarmNode
 
 logger = logging.getLogger(__name__)

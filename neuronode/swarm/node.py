@@ -23,7 +23,8 @@ from neuronode.state import GlobalState
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
-from neuronode.swarm.membership import CatchUp, PeerTable, plan_catch_up
+from neuronode.swarm.lineage import CatchUp, plan_catch_up
+from neuronode.swarm.membership import PeerTable
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.reach import Reach, host_of, join_host_port
 from neuronode.swarm.receipts import Receipts

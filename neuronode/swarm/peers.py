@@ -16,13 +16,8 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import is_derived
 from neuronode.swarm.context import Context, Settings
-from neuronode.swarm.membership import (
-    MAX_MEMBERS,
-    KeyMismatch,
-    TableFull,
-    agreement,
-    heartbeat_targets,
-)
+from neuronode.swarm.lineage import agreement
+from neuronode.swarm.membership import MAX_MEMBERS, KeyMismatch, TableFull, heartbeat_targets
 from neuronode.swarm.receipt_wire import check_sizes as check_receipt_sizes
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.relay import MAX_CARRIERS

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from neuronode.config import is_loopback_host
-from neuronode.swarm.membership import Peer, believable
+from neuronode.swarm.lineage import believable
+from neuronode.swarm.membership import Peer
 
 
 def quorum(others: int) -> int:
