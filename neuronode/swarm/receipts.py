@@ -273,7 +273,7 @@ class Receipts:
         self.retry()
 
     def retry(self) -> None:
-        """Take the waiting receipts that lists learned since rebuild."""
+        """Take the waiting receipts that lists learned since the last call now rebuild."""
         for round_id, phase in self.lists.fresh():
             for m, key in self.lists.rebuildable(round_id, phase):
                 slot = (m.round, Phase(m.phase), m.maker_id)
