@@ -15,6 +15,7 @@ import torch
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
 from neuronode.averaging.agreement import lineage_hash, receipt_of
+from neuronode.averaging.alltoall import FETCH_AFTER, listed
 from neuronode.averaging.book import (
     BufferFull,
     DuplicateContribution,
@@ -201,6 +202,31 @@ def test_lateness_ends_when_the_member_delivers_even_too_late_or_comes_back() ->
     assert book.late == set()
 
 
+async def test_a_contribution_others_hold_is_waited_for_while_its_own_push_streams() -> None:
+    """x's contribution is listed as held by others, but its push to us is under way: we wait
+    for it. Once that stream breaks off, we wait `fetch_after_s` more, then close without it (the
+    caller fetches it) and x is not late."""
+    clock = ManualClock()
+    book = RoundBook(first_round=0, clock=clock)
+    book.add_own(record("a", 0))  # type: ignore[arg-type]
+    book.begin(0, "x")
+    closing = asyncio.ensure_future(book.collect(0, expected=lambda: {"a", "x"}, timeout_s=TIMEOUT_S,
+                                                 fetchable=lambda: {"x"}, fetch_after_s=10.0))
+    await until("the collector waiting", lambda: clock.waiting == 1)
+    clock.advance(30.0)
+    await until("the collector waiting again", lambda: clock.waiting == 1)
+    assert not closing.done()
+    armed = clock.armed
+    book.abort(0, "x")  # the push broke off
+    await until("the collector to take that in", lambda: clock.armed > armed and clock.waiting == 1)
+    clock.advance(9.0)
+    await until("the collector waiting again", lambda: clock.waiting == 1)
+    assert not closing.done()
+    clock.advance(1.0)
+    await until("the round to close", closing.done)
+    assert set(closing.result()) == {"a"} and not book.late and clock.now() - ManualClock().now() < TIMEOUT_S
+
+
 async def test_round_closes_once_every_expected_peer_contributed_without_time_passing(pools) -> None:  # noqa: ANN001
     swarm = Swarm(pools, AllToAll)
     for name in "abc":
@@ -269,6 +295,33 @@ async def test_a_contribution_two_other_members_hold_is_fetched_by_those_that_mi
     results = await run_round(swarm, "abcde", deadline=True)
     assert identical(results) and results[0].contributors == list("abcde")
     assert swarm.local.fetches == 2
+
+
+async def test_a_push_lost_on_one_link_costs_a_short_grace_not_the_deadline(pools) -> None:  # noqa: ANN001
+    """e's push to d is lost (a cut link, a session that ended): a, b and c hold e's contribution
+    and say so in their receipts, so d stops waiting for e's own push FETCH_AFTER of a deadline
+    after it learned that, fetches it, and every member averages all five. e is not late at d
+    (it delivered to everyone else). Before, d waited for e until its deadline."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abcde":
+        swarm.join(name)
+    swarm.local.cut.add(("e", "d", None))
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "abcde"]
+    d = swarm.local.members["d"]
+    await until("d to see a's, b's and c's receipts list e",
+                lambda: "e" in listed(swarm.protocols["d"].transport.receipts(0, Phase.WHOLE)))
+    grace, start = FETCH_AFTER * TIMEOUT_S, swarm.clock.now()
+    for _ in range(3):  # d may take the receipts in only after a first step of the clock
+        await until("every member waiting on the clock, or done",
+                    lambda: swarm.clock.waiting == 5 or all(r.done() for r in rounds))
+        if all(r.done() for r in rounds):
+            break
+        swarm.clock.advance(grace)
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    results = [r.result() for r in rounds]
+    assert identical(results) and results[0].contributors == list("abcde")
+    assert swarm.local.fetches == 1 and not d.book.late
+    assert swarm.clock.now() - start < TIMEOUT_S
 
 
 async def test_a_contribution_only_one_other_member_holds_is_left_out_by_everyone(pools) -> None:  # noqa: ANN001

@@ -139,6 +139,8 @@ async def test_receipts_travel_compact_and_a_member_that_missed_a_contribution_g
     d.transport.publish_receipt(receipt_of(1, Phase.WHOLE, "d", [p]))
     await wait_until(lambda: all(holds_receipt(x, y.cfg.node_id) for x in members for y in members if x is not y),
                      what="every member to hold every other member's receipt")
+    # A member may hold a's receipt by another's echo before a sent it its own: wait for a's.
+    await wait_until(lambda: all(used.values()), what="a to send its receipt to b, c and d itself")
     (to_b,) = a.peers.node_info("b").receipts or [None]
     if to_b is not None:  # b may have echoed it back already; the form a uses is what counts
         assert not to_b.statements and not to_b.statement_ids

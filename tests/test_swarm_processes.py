@@ -270,10 +270,11 @@ def test_a_member_with_another_codec_is_refused_at_hello_and_the_others_finish(t
 
 
 def test_a_contribution_cut_on_one_link_is_fetched_and_every_round_averages_everyone(tmp_path: Path) -> None:
-    """Issue 18: a's pushes to b break after one chunk, every try. b closes each round without
-    a's contribution at its deadline (then no longer waits for it: a is late there), sees c's and
-    d's receipts list it, and fetches it from one of them: every member averages all four, every
-    round, with one digest and no repair (before, b averaged three and parted every round)."""
+    """Issue 18: a's pushes to b break after one chunk, every try. b sees c's and d's receipts
+    list a's contribution, stops waiting for a's own push a quarter of --sync-timeout later
+    (before, it waited until its deadline, every round), and fetches it from one of them: every
+    member averages all four, every round, with one digest and no repair (before receipts, b
+    averaged three and parted every round)."""
     common = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--sync-timeout", "6",
               "--chunk-bytes", "65536", "--min-peers", "4")
     a = Node(tmp_path, "a", *common, "--node-id", "a")
@@ -294,4 +295,5 @@ def test_a_contribution_cut_on_one_link_is_fetched_and_every_round_averages_ever
         assert all(e["contributors"] == ["a", "b", "c", "d"] for e in done(node).values()), \
             (node.name, {r: e["contributors"] for r, e in done(node).items()})
     assert [e["sender"] for e in b.events("fetched")] == ["a"] * 3, b.log()[-3000:]
+    assert not b.events("deadline") and len(b.events("fetch_early")) == 3, b.log()[-3000:]
     assert len({n.status()["param_digest"] for n in nodes}) == 1

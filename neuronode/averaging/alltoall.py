@@ -22,10 +22,16 @@ from neuronode.events import fields
 logger = logging.getLogger(__name__)
 
 
-def listed(receipts: list[Receipt]) -> set[str]:
-    """Senders whose contributions at least QUORUM members (besides the sender) say they hold."""
+# How long (a fraction of --sync-timeout) a contribution that other members hold waits for its
+# maker's own push to begin before the round closes without it and we fetch it (RoundBook.collect).
+FETCH_AFTER = 0.25
+
+
+def listed(receipts: list[Receipt], lineage: bytes | None = None) -> set[str]:
+    """Senders whose contributions at least QUORUM members (besides the sender) say they hold
+    (made for `lineage`, when given)."""
     listings = Listings(receipts)
-    return {s.sender for s in listings if listings.count(s) >= QUORUM}
+    return {s.sender for s in listings if listings.count(s) >= QUORUM and lineage in (None, s.lineage)}
 
 
 class AllToAll(Averaging):
@@ -48,15 +54,16 @@ class AllToAll(Averaging):
                     len(self.transport.alive()), extra=fields("contribution_ready", round_id=round_id, phase=own.phase.name.lower(),
                                  peers=len(self.transport.alive())))
         sending = self.transport.send(round_id, Phase.WHOLE, own)
+        lineage = lineage_hash(*own.lineage)
         got = await book.collect(
             round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id) | {self.cfg.node_id},
             timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
-            on_extend=sending.extend, fetchable=lambda: listed(self.transport.receipts(round_id, Phase.WHOLE)))
+            on_extend=sending.extend, fetchable=lambda: listed(self.transport.receipts(round_id, Phase.WHOLE), lineage),
+            fetch_after_s=FETCH_AFTER * self.cfg.sync_timeout_s)
         got = same_lineage(got, own.lineage)
         # The round's members as it closed: one that appears later (a joiner, a ghost) has no receipt to wait for.
         members = self.transport.round_peers(round_id) | set(got)
-        got = await self.agree(round_id, Phase.WHOLE, got, lambda: members, lineage=lineage_hash(*own.lineage),
-                               publish=True)
+        got = await self.agree(round_id, Phase.WHOLE, got, lambda: members, lineage=lineage, publish=True)
         waited = elapsed(started)
         if not got:  # not even ours counts (it reached too few members): no update, as for everyone
             return replace(self.nothing_heard(round_id), encode_s=prepared.encode_s, exchange_s=waited, sent=[own])

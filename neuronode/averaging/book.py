@@ -9,6 +9,11 @@ Rules (docs/protocol.md repeats them):
   before we finish this one.
 - A round closes when every expected peer's contribution has arrived, or at the deadline if at
   least `min_contributors` have; with fewer the node keeps waiting (one more deadline at a time).
+  With `fetch_after_s`, a missing contribution that other members list in their receipts as
+  held (`fetchable`) is waited for that long from when we learned it, unless its stream to us
+  is under way; then the round closes without waiting for the maker's own push, and the caller
+  fetches it from a holder. A push lost on the way (a cut link, a session that ended) costs
+  that grace, not the deadline, and its maker is not late.
 - A contribution still streaming when its round closes is discarded: its stream is aborted and
   its buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
 - A sender whose contribution was missing when a round closed at its deadline is late: no round
@@ -154,6 +159,7 @@ class RoundBook:
         stream = self._streaming.pop((phase, round_id, sender_id), None)
         if stream is not None:
             self._release(sender_id, stream.reserved_bytes)
+            self.notify()  # a collector may stop waiting for it (`fetch_after_s`)
 
     def finish(self, contribution: Contribution) -> None:
         """Store a complete contribution whose stream `begin` opened."""
@@ -215,18 +221,35 @@ class RoundBook:
     async def collect(
         self, round_id: int, *, phase: Phase = Phase.WHOLE, expected: Callable[[], set[str]], timeout_s: float,
         min_contributors: int = 1, on_extend: Callable[[], None] | None = None,
-        fetchable: Callable[[], set[str]] = set,
+        fetchable: Callable[[], set[str]] = set, fetch_after_s: float | None = None,
     ) -> dict[str, Contribution]:
         """Wait until every expected sender contributed, or the deadline; then close the round.
         `fetchable()`: senders whose contributions other members hold (their receipts say so),
-        which we will fetch: they count toward `min_contributors`."""
+        which we will fetch: they count toward `min_contributors`, and with `fetch_after_s` we
+        stop waiting for their own push that long after we learned it (see the module docstring)."""
         deadline = self.clock.now() + timeout_s
+        listed_at: dict[str, float] = {}  # missing sender -> when we saw that other members hold its contribution
         while True:
             changed = self._changed
             have = self.contributors(round_id, phase)
             missing = expected() - have - {sender for ph, sender in self.late if ph == phase}
-            now = self.clock.now()
-            counted = have if len(have) >= min_contributors else have | fetchable()
+            now, wake = self.clock.now(), deadline
+            held = fetchable() if (fetch_after_s is not None and missing) or len(have) < min_contributors else set()
+            counted = have if len(have) >= min_contributors else have | held
+            if fetch_after_s is not None and missing:
+                streaming = {s for ph, r, s in self._streaming if ph == phase and r == round_id}
+                skipped = set()
+                for sender in (missing & held) - streaming:
+                    since = listed_at.setdefault(sender, now)
+                    if now - since >= fetch_after_s:
+                        skipped.add(sender)  # held elsewhere, and nothing of its own push came: fetched instead
+                    else:
+                        wake = min(wake, since + fetch_after_s)
+                missing -= skipped
+                if skipped and not missing and len(counted) >= min_contributors:
+                    logger.info("round %d: closing without waiting for the pushes of %s: other members hold "
+                                "them; fetching them", round_id, ", ".join(sorted(skipped)),
+                                extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
             if not missing and len(counted) >= min_contributors:
                 break
             if now >= deadline:
@@ -244,7 +267,8 @@ class RoundBook:
                 deadline = now + timeout_s
                 if on_extend is not None:
                     on_extend()  # keep pushing our contribution to peers that join meanwhile
-            await self.clock.wait(changed, deadline - now)
+                wake = deadline
+            await self.clock.wait(changed, wake - now)
         return self.close(round_id, phase)
 
     def close(self, round_id: int, phase: Phase = Phase.WHOLE) -> dict[str, Contribution]:
