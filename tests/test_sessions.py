@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.diloco import average
 from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.security import Security
+from neuronode.swarm.sessions import Carried, SessionClosed
 from neuronode.swarm.trust import agreed_host
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -125,3 +127,25 @@ async def test_a_session_is_for_a_live_member_speaking_for_itself(nodes: Nodes) 
                     pass
             assert refused.value.code() == code, (request.node_id, refused.value.details())
     assert not a.sessions.carried
+
+
+async def test_a_push_over_a_session_that_ends_before_it_went_out_fails_so_it_goes_again(nodes: Nodes) -> None:
+    """A push over a session returns once its last message went out on the session. If the
+    session ends first (the member's router dropped it, or it opened another), the push raises
+    SessionClosed, which the transport and the relays retry over the next session. Before, it
+    returned as soon as its messages were queued, and a session that ended dropped them unseen:
+    the contribution was lost though its push had succeeded."""
+    a = await nodes.start("a", n_elements=N)
+    session = a.sessions.carried["home"] = Carried("home")  # a session nothing writes out yet
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"chunk"
+
+    push = asyncio.ensure_future(a.sessions.push("home", chunks()))
+    await wait_until(lambda: session.queue.qsize() >= 2, what="the push to queue its chunk and its end")
+    await asyncio.sleep(0)  # the push had its turn after queueing its end: it waits for it to go out
+    assert not push.done()
+    session.end()
+    with pytest.raises(SessionClosed, match="ended before this went out"):
+        await push
+    assert session.queue.empty()

@@ -336,6 +336,22 @@ def signed_by(key: Any) -> Callable[[Chunks], Chunks]:
     return tamper
 
 
+def naming_contributors(phase: int) -> Callable[[Chunks], Chunks]:
+    """A stream of `phase` (whole: UNSPECIFIED; a slice for the target: SHARD) that names contributors, which
+    only an averaged shard does; signed as it is (a member signs whatever it says)."""
+
+    def tamper(chunks: Chunks) -> Chunks:
+        for chunk in chunks:
+            chunk.phase = phase
+            if phase == pb.PHASE_SHARD:
+                chunk.members[:] = ["target"]
+                chunk.shard_count = 1
+            chunk.contributors[:] = ["a", "b"]
+        return every()(chunks)
+
+    return tamper
+
+
 def from_chunk(k: int, **fields: Any) -> Callable[[Chunks], Chunks]:
     """Change header `fields` from chunk `k` on: the header changes mid-stream."""
 
@@ -404,6 +420,8 @@ REFUSED_STREAMS = [
     pytest.param(every(swarm_id="other"), Code.PERMISSION_DENIED, id="other-swarm"),
     pytest.param(signed_by(key_of("someone-else")), Code.PERMISSION_DENIED, id="signed-by-another-key"),
     pytest.param(every(signature=b""), Code.PERMISSION_DENIED, id="unsigned"),
+    pytest.param(naming_contributors(pb.PHASE_UNSPECIFIED), Code.INVALID_ARGUMENT, id="whole-names-contributors"),
+    pytest.param(naming_contributors(pb.PHASE_SHARD), Code.INVALID_ARGUMENT, id="slice-names-contributors"),
 ] + [
     pytest.param(from_chunk(3, **{name: value}), Code.INVALID_ARGUMENT, id=f"changes-{name}")
     for name, value in [

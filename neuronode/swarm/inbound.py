@@ -158,8 +158,8 @@ class Inbound:
     def payload_elements(self, chunk: Any, codec: str) -> int:
         """Elements this stream carries: the model, or one reduce-scatter shard of it."""
         if chunk.phase == Phase.WHOLE:
-            if chunk.members or chunk.shard_count:
-                raise Refusal("INVALID_ARGUMENT", "a whole contribution names no shard")
+            if chunk.members or chunk.shard_count or chunk.contributors:
+                raise Refusal("INVALID_ARGUMENT", "a whole contribution names no shard and no contributors")
             return self.ctx.cfg.n_elements
         if chunk.phase not in (Phase.SHARD, Phase.AVERAGED):
             raise Refusal("INVALID_ARGUMENT", f"unknown phase {chunk.phase}")
@@ -173,6 +173,8 @@ class Inbound:
         if chunk.phase == Phase.AVERAGED and reducer != chunk.sender_id:
             raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not the sender")
         contributors = list(chunk.contributors)
+        if chunk.phase == Phase.SHARD and contributors:
+            raise Refusal("INVALID_ARGUMENT", "a slice names no contributors (an averaged shard does)")
         if len(contributors) > MAX_PEERS_LISTED or contributors != sorted(set(contributors)):
             raise Refusal("INVALID_ARGUMENT", f"contributors must be sorted unique node ids, at most {MAX_PEERS_LISTED}")
         start, stop = shard_ranges(self.ctx.cfg.n_elements, len(members), codec)[chunk.shard_index]

@@ -51,19 +51,42 @@ class SessionClosed(Exception):
     """The session a contribution was streaming over ended; the push is retried."""
 
 
+Queued = tuple[pb.SessionMessage, "asyncio.Future[None] | None"]  # a message, and who waits for it to go out
+
+
 @dataclass(eq=False)
 class Carried:
     """A session we carry for a member peers cannot dial."""
 
     peer_id: str
-    queue: asyncio.Queue[pb.SessionMessage] = field(default_factory=lambda: asyncio.Queue(QUEUE_MESSAGES))
+    queue: asyncio.Queue[Queued] = field(default_factory=lambda: asyncio.Queue(QUEUE_MESSAGES))
     streams: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     closed: bool = False
 
-    async def put(self, msg: pb.SessionMessage) -> None:
+    def put_nowait(self, msg: pb.SessionMessage) -> None:
+        self.queue.put_nowait((msg, None))
+
+    async def put(self, msg: pb.SessionMessage, *, written: bool = False) -> None:
+        """Queue `msg` (waiting for room); with `written`, return only once it went out on the
+        session, and raise SessionClosed if the session ended first (it was dropped)."""
         if self.closed:
             raise SessionClosed(f"the session of {self.peer_id} ended")
-        await self.queue.put(msg)
+        done = asyncio.get_running_loop().create_future() if written else None
+        await self.queue.put((msg, done))
+        if done is not None:
+            await done
+
+    def end(self) -> None:
+        """The session ended: what still waited in its queue is dropped, and whoever waits for
+        it to go out learns so (a push then goes again, over the next session)."""
+        self.closed = True
+        while not self.queue.empty():
+            fail(self.queue.get_nowait()[1], self.peer_id)
+
+
+def fail(done: asyncio.Future[None] | None, peer_id: str) -> None:
+    if done is not None and not done.done():
+        done.set_exception(SessionClosed(f"the session of {peer_id} ended before this went out"))
 
 
 class Sessions:
@@ -105,33 +128,36 @@ class Sessions:
         ctx = self.ctx
         old = self.carried.pop(peer_id, None)
         if old is not None:
-            old.closed = True
+            old.end()
         session = self.carried[peer_id] = Carried(peer_id)
         logger.info("carrying a session for %s (peers cannot dial it)", peer_id,
                     extra=fields("session_carried", peer_id=peer_id))
         first = self.hello(context.peer())
         self.ctx.counters.control(sent=first.ByteSize())
-        session.queue.put_nowait(pb.SessionMessage(hello=first))
+        session.put_nowait(pb.SessionMessage(hello=first))
         self.transport.push_pending()  # what we owe it goes over the session now
+        done: asyncio.Future[None] | None = None  # the push waiting for the message being written
         try:
             while not session.closed and not ctx.leaving:
                 peer = ctx.table.peers.get(peer_id)
                 if peer is None or not ctx.table.is_alive(peer):
                     break
                 try:
-                    msg = await asyncio.wait_for(session.queue.get(), timeout=KEEPALIVE_S)
+                    msg, done = await asyncio.wait_for(session.queue.get(), timeout=KEEPALIVE_S)
                 except TimeoutError:
                     msg = pb.SessionMessage()  # keepalive: routers keep a busy connection open
                 try:
                     await asyncio.wait_for(context.write(msg), timeout=STALL_S)
                 except TimeoutError:
                     raise Refusal("DEADLINE_EXCEEDED", f"session ended: nothing was read for {STALL_S:.0f} s") from None
+                if done is not None and not done.done():
+                    done.set_result(None)
+                done = None
         finally:
-            session.closed = True
+            fail(done, peer_id)
+            session.end()  # free what waited: pushes see SessionClosed and retry
             if self.carried.get(peer_id) is session:
                 del self.carried[peer_id]
-            while not session.queue.empty():  # free what waited: pushes see SessionClosed and retry
-                session.queue.get_nowait()
 
     def hello(self, caller: str = "") -> pb.HelloResponse:
         """Our NodeInfo as a signed Hello answer (what a Hello to the member would return)."""
@@ -147,7 +173,7 @@ class Sessions:
         msg = pb.SessionMessage(hello=self.hello())
         for session in self.carried.values():
             if not session.queue.full():  # a full queue is busy with chunks: the next announcement carries it
-                session.queue.put_nowait(msg)
+                session.put_nowait(msg)
                 self.ctx.counters.control(sent=msg.hello.ByteSize())
 
     def offer(self, peer_id: str, msg: pb.SessionMessage) -> None:
@@ -155,7 +181,7 @@ class Sessions:
         the same news, so a busy session may drop it)."""
         session = self.carried.get(peer_id)
         if session is not None and not session.closed and not session.queue.full():
-            session.queue.put_nowait(msg)
+            session.put_nowait(msg)
 
     async def push(self, peer_id: str, chunks: AsyncIterator[bytes], *, first: pb.SessionMessage | None = None) -> None:
         """One contribution to `peer_id` over the session we carry for it (after `first`: the
@@ -168,7 +194,7 @@ class Sessions:
         stream = next(session.streams)
         async for data in chunks:
             await session.put(pb.SessionMessage(chunk=data, stream=stream))
-        await session.put(pb.SessionMessage(stream=stream, end=True))
+        await session.put(pb.SessionMessage(stream=stream, end=True), written=True)  # else it goes again
 
     # ---- holding (a node peers cannot dial) ----------------------------------------------------
 
