@@ -271,8 +271,8 @@ def test_a_member_with_another_codec_is_refused_at_hello_and_the_others_finish(t
 
 def test_a_contribution_cut_on_one_link_is_fetched_and_every_round_averages_everyone(tmp_path: Path) -> None:
     """Issue 18: a's pushes to b break after one chunk, every try. b sees c's and d's receipts
-    list a's contribution, stops waiting for a's own push a quarter of --sync-timeout later
-    (before, it waited until its deadline, every round), and fetches it from one of them: every
+    list a's contribution, stops waiting for a's own push once it waited a quarter of
+    --sync-timeout (before, until its deadline, every round), and fetches it from one of them: every
     member averages all four, every round, with one digest and no repair (before receipts, b
     averaged three and parted every round)."""
     common = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--sync-timeout", "6",

@@ -9,11 +9,11 @@ Rules (docs/protocol.md repeats them):
   before we finish this one.
 - A round closes when every expected peer's contribution has arrived, or at the deadline if at
   least `min_contributors` have; with fewer the node keeps waiting (one more deadline at a time).
-  With `fetch_after_s`, a missing contribution that other members list in their receipts as
-  held (`fetchable`) is waited for that long from when we learned it, unless its stream to us
-  is under way; then the round closes without waiting for the maker's own push, and the caller
-  fetches it from a holder. A push lost on the way (a cut link, a session that ended) costs
-  that grace, not the deadline, and its maker is not late.
+  With `fetch_after_s`: once we waited that long, a missing contribution that other members
+  list in their receipts as held (`fetchable`) is no longer waited for, unless its stream to
+  us is under way; the round closes without the maker's own push, and the caller fetches it
+  from a holder. A push lost on the way (a cut link, a session that ended) costs that grace,
+  not the deadline, and its maker is not late.
 - A contribution still streaming when its round closes is discarded: its stream is aborted and
   its buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
 - A sender whose contribution was missing when a round closed at its deadline is late: no round
@@ -225,26 +225,25 @@ class RoundBook:
     ) -> dict[str, Contribution]:
         """Wait until every expected sender contributed, or the deadline; then close the round.
         `fetchable()`: senders whose contributions other members hold (their receipts say so),
-        which we will fetch: they count toward `min_contributors`, and with `fetch_after_s` we
-        stop waiting for their own push that long after we learned it (see the module docstring)."""
+        which we will fetch: they count toward `min_contributors`, and once we waited
+        `fetch_after_s` we stop waiting for their own push (see the module docstring)."""
         deadline = self.clock.now() + timeout_s
-        listed_at: dict[str, float] = {}  # missing sender -> when we saw that other members hold its contribution
+        fetch_at = None if fetch_after_s is None else self.clock.now() + fetch_after_s
         while True:
             changed = self._changed
             have = self.contributors(round_id, phase)
             missing = expected() - have - {sender for ph, sender in self.late if ph == phase}
-            now, wake = self.clock.now(), deadline
-            held = fetchable() if (fetch_after_s is not None and missing) or len(have) < min_contributors else set()
+            now, wake, early = self.clock.now(), deadline, False
+            if fetch_at is not None and missing:  # not before: in a large swarm, checking receipts is not free
+                if now >= fetch_at:
+                    early = True
+                else:
+                    wake = min(deadline, fetch_at)
+            held = fetchable() if early or len(have) < min_contributors else set()
             counted = have if len(have) >= min_contributors else have | held
-            if fetch_after_s is not None and missing:
+            if early:
                 streaming = {s for ph, r, s in self._streaming if ph == phase and r == round_id}
-                skipped = set()
-                for sender in (missing & held) - streaming:
-                    since = listed_at.setdefault(sender, now)
-                    if now - since >= fetch_after_s:
-                        skipped.add(sender)  # held elsewhere, and nothing of its own push came: fetched instead
-                    else:
-                        wake = min(wake, since + fetch_after_s)
+                skipped = (missing & held) - streaming  # held elsewhere, and nothing of its own push came
                 missing -= skipped
                 if skipped and not missing and len(counted) >= min_contributors:
                     logger.info("round %d: closing without waiting for the pushes of %s: other members hold "
