@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
-from neuronode.averaging.agreement import lineage_hash, receipt_of
-from neuronode.averaging.alltoall import FETCH_AFTER, listed
+from neuronode.averaging.agreement import lineage_hash, listed, receipt_of
 from neuronode.averaging.book import (
     BufferFull,
     DuplicateContribution,
@@ -24,7 +23,7 @@ from neuronode.averaging.book import (
     RoundTooFar,
 )
 from neuronode.averaging.local import LocalSwarm
-from neuronode.averaging.protocol import RECEIPT_WAIT_TIMEOUTS
+from neuronode.averaging.protocol import FETCH_AFTER, RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig, Phase, VectorEncoder, shard_ranges
 from neuronode.diloco import average
@@ -495,7 +494,8 @@ async def test_a_shard_only_one_other_member_got_gets_no_update_on_any_member(po
 
 async def test_a_shard_two_other_members_got_is_fetched_by_the_one_that_missed_it(pools) -> None:  # noqa: ANN001
     """Four members, reducer d's averaged shard never reaches b: a and c list it, so it counts,
-    and b fetches it from one of them; every member applies every shard."""
+    and b fetches it from one of them, once it waited FETCH_AFTER of its deadline (before, the
+    whole deadline); every member applies every shard, and d is not late at b."""
     swarm = Swarm(pools, ReduceScatter, min_contributors=4)
     for name in "abcd":
         swarm.join(name)
@@ -506,11 +506,11 @@ async def test_a_shard_two_other_members_got_is_fetched_by_the_one_that_missed_i
     await until("a, c and d waiting for b's receipt, b for d's shard",
                 lambda: swarm.clock.waiting == 4
                 and all((0, Phase.AVERAGED) in swarm.local.members[n].receipts for n in "acd"))
-    swarm.clock.advance(TIMEOUT_S)
+    swarm.clock.advance(FETCH_AFTER * TIMEOUT_S)
     await until("every round to close", lambda: all(r.done() for r in rounds))
     results = [r.result() for r in rounds]
     assert identical(results) and results[0].fewest == 4
-    assert swarm.local.fetches == 1
+    assert swarm.local.fetches == 1 and not swarm.local.members["b"].book.late
 
 
 async def test_a_receipt_later_than_one_sync_timeout_still_counts(pools) -> None:  # noqa: ANN001

@@ -177,6 +177,13 @@ class Listings:
         return False
 
 
+def listed(receipts: Iterable[Receipt], lineage: bytes | None = None) -> set[str]:
+    """Senders whose contributions at least QUORUM members (besides the sender) say they hold
+    (made for `lineage`, when given): a member that lacks one may fetch it."""
+    listings = Listings(receipts)
+    return {s.sender for s in listings if listings.count(s) >= QUORUM and lineage in (None, s.lineage)}
+
+
 class Holders(Mapping[tuple[str, int], list[str]]):
     """Who holds each agreed contribution (the makers listing it, then its sender), worked out
     for the slots asked for only: a member fetches a few, and there are N of them."""

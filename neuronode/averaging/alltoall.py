@@ -13,25 +13,13 @@ from dataclasses import replace
 
 import torch
 
-from neuronode.averaging.agreement import QUORUM, Listings, Receipt, lineage_hash
+from neuronode.averaging.agreement import lineage_hash
 from neuronode.averaging.book import same_lineage
 from neuronode.averaging.protocol import Average, Averaging, Prepared, elapsed
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
-
-
-# How long (a fraction of --sync-timeout) a contribution that other members hold waits for its
-# maker's own push to begin before the round closes without it and we fetch it (RoundBook.collect).
-FETCH_AFTER = 0.25
-
-
-def listed(receipts: list[Receipt], lineage: bytes | None = None) -> set[str]:
-    """Senders whose contributions at least QUORUM members (besides the sender) say they hold
-    (made for `lineage`, when given)."""
-    listings = Listings(receipts)
-    return {s.sender for s in listings if listings.count(s) >= QUORUM and lineage in (None, s.lineage)}
 
 
 class AllToAll(Averaging):
@@ -58,8 +46,8 @@ class AllToAll(Averaging):
         got = await book.collect(
             round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id) | {self.cfg.node_id},
             timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
-            on_extend=sending.extend, fetchable=lambda: listed(self.transport.receipts(round_id, Phase.WHOLE), lineage),
-            fetch_after_s=FETCH_AFTER * self.cfg.sync_timeout_s)
+            on_extend=sending.extend, fetchable=self.held_elsewhere(round_id, Phase.WHOLE, lineage),
+            fetch_after_s=self.fetch_after_s)
         got = same_lineage(got, own.lineage)
         # The round's members as it closed: one that appears later (a joiner, a ghost) has no receipt to wait for.
         members = self.transport.round_peers(round_id) | set(got)

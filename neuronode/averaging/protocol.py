@@ -24,6 +24,7 @@ from neuronode.averaging.agreement import (
     Receipt,
     Statement,
     decide,
+    listed,
     receipt_of,
     statement_of,
 )
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 # began) or its previous phase's end. Waiting twice that long keeps us from giving up on a
 # receipt that is still coming.
 RECEIPT_WAIT_TIMEOUTS = 2
+
+# How long (a fraction of --sync-timeout) a phase waits for a contribution's own push before
+# one that other members hold is fetched instead (RoundBook.collect, `fetch_after_s`).
+FETCH_AFTER = 0.25
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,16 @@ class Averaging:
     async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
         raise NotImplementedError
+
+    def held_elsewhere(self, round_id: int, phase: Phase, lineage: bytes) -> Callable[[], set[str]]:
+        """For RoundBook.collect (`fetchable`), in a phase whose contributions go to every member:
+        the senders whose contributions other members list as held. They count toward
+        --min-peers, and after `fetch_after_s` they are fetched rather than waited for."""
+        return lambda: listed(self.transport.receipts(round_id, phase), lineage)
+
+    @property
+    def fetch_after_s(self) -> float:
+        return FETCH_AFTER * self.cfg.sync_timeout_s
 
     async def exchange(self, prepared: Prepared) -> Average:
         raise NotImplementedError

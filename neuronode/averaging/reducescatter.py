@@ -141,9 +141,12 @@ class ReduceScatter(Averaging):
                     extra=fields("contribution_ready", round_id=round_id, phase=own.phase.name.lower(),
                                  peers=len(set(to) - {me})))
         sending = self.transport.send(round_id, own.phase, outs, members=to)
+        gather = own.phase == Phase.AVERAGED  # the averaged shards go to every member: others hold what we miss
         got = await book.collect(
             round_id, phase=own.phase, expected=lambda: ((set(expect) - {me}) & self.transport.alive()) | {me},
-            timeout_s=self.cfg.sync_timeout_s, min_contributors=1, on_extend=sending.extend)
+            timeout_s=self.cfg.sync_timeout_s, min_contributors=1, on_extend=sending.extend,
+            fetchable=self.held_elsewhere(round_id, own.phase, lineage_hash(*own.lineage)) if gather else set,
+            fetch_after_s=self.fetch_after_s if gather else None)
         return same_lineage(got, own.lineage)
 
     async def hear(self, prepared: Prepared, reducers: tuple[str, ...]) -> dict[str, Contribution]:
@@ -156,7 +159,9 @@ class ReduceScatter(Averaging):
         sending = self.transport.send(round_id, Phase.SHARD, outs, members=reducers)
         got = await self.transport.book.collect(
             round_id, phase=Phase.AVERAGED, expected=lambda: set(reducers) & self.transport.alive(),
-            timeout_s=self.cfg.sync_timeout_s, min_contributors=0, on_extend=sending.extend)
+            timeout_s=self.cfg.sync_timeout_s, min_contributors=0, on_extend=sending.extend,
+            fetchable=self.held_elsewhere(round_id, Phase.AVERAGED, lineage_hash(prepared.parts[0].base_digest, reducers)),
+            fetch_after_s=self.fetch_after_s)
         return same_lineage(got, prepared.parts[0].lineage)
 
     async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
