@@ -17,6 +17,7 @@ from adversary import FAKE_DIGEST, claim, lie_about_reach, nan_frames, state
 from helpers import Nodes, wait_until
 
 from neuronode.events import record_fields
+from neuronode.node.catchup import implausible
 from neuronode.swarm import statesync
 from neuronode.swarm.context import Tasks
 from neuronode.swarm.lineage import plan_catch_up
@@ -130,6 +131,50 @@ async def test_a_state_no_other_member_vouches_for_is_refused(nodes: Nodes, exec
     assert got is not None and got.round == 7 and got.param_digest == good.param_digest
     [rejected] = events(caplog, "donor_rejected")
     assert rejected["peer_id"] == "a-liar" and "0 of 2 other members of its lineage published" in str(rejected["reason"])
+
+
+async def test_a_donor_a_round_ahead_of_what_the_others_announced_is_asked_again_once_they_did(
+        nodes: Nodes, executor: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture) -> None:
+    """The joiner's donor b finished round 8 a moment before c announced it: nobody could vouch
+    for it yet. The joiner gave up, trained a round alone, and then refused the swarm's state as
+    implausible against its fresh parameters, round after round (tests/test_nat.py saw it never
+    join). It now waits until another member publishes the round, and asks again."""
+    caplog.set_level(logging.INFO, logger=statesync.__name__)
+    honest = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    old, new = state(honest, round_id=7), state(honest + 0.1, round_id=8)
+    joiner = await nodes.start("joiner", n_elements=N)
+    served = {"b": new, "c": old}
+    b, c = (SwarmNode(replace(joiner.cfg, node_id=name, peers=(joiner.advertise,)), executor=executor,
+                      state_provider=lambda name=name: served[name]) for name in ("b", "c"))
+    for node in (b, c):
+        await node.start()
+        nodes.running.append(node)
+    b.state.adopted(8, new.param_digest, listen=False)
+    c.state.adopted(7, old.param_digest, listen=False)
+    await seen(joiner, lambda p: {"b", "c"} <= set(p) and 8 in p["b"].digests and 7 in p["c"].digests,
+               "the joiner to hear b at round 8 and c at round 7")
+    fetching = asyncio.ensure_future(joiner.fetch_state(["b", "c"]))
+    await wait_until(lambda: len(events(caplog, "donor_rejected")) == 2 or fetching.done(),
+                     what="both donors refused: nobody vouches for either yet")
+    assert not fetching.done()
+    served["c"] = new
+    c.state.adopted(8, new.param_digest, listen=False)  # c finished round 8 too, and announces it
+    got = await fetching
+    assert got is not None and got.round == 8 and got.param_digest == new.param_digest
+    assert len(events(caplog, "state_unwitnessed")) == 1
+
+
+def test_a_donated_state_is_implausible_only_far_beyond_what_the_rounds_between_us_explain() -> None:
+    """A fresh joiner (parameters' norm 10.2) refused the swarm's round-4 state (norm 108.5) as
+    implausible, round after round, and never joined (tests/test_nat.py): the bound was ten times
+    ours, however many rounds of training lay between. It is ten times per round apart now;
+    absurd norms are still refused."""
+    assert implausible(10.17, 108.5, None, rounds_apart=4) is None
+    assert implausible(10.17, 108.5, None, rounds_apart=1) is not None
+    assert implausible(10.17, 108.5, None, rounds_apart=-4) is None  # a repair back to an earlier round
+    assert "parameters' norm" in str(implausible(10.0, 1e6, None, rounds_apart=4))
+    assert "parameters' norm" in str(implausible(10.0, 1e-3, None, rounds_apart=4))
+    assert "momentum" in str(implausible(10.0, 10.0, 1e4, rounds_apart=1))
 
 
 async def test_reachability_rests_on_more_than_one_peer(nodes: Nodes) -> None:

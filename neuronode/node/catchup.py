@@ -23,7 +23,20 @@ from neuronode.swarm.node import SwarmNode
 logger = logging.getLogger(__name__)
 
 
-PLAUSIBLE_FACTOR = 10.0  # a donated state's norms against ours (training moves them far less)
+PLAUSIBLE_FACTOR = 10.0  # a donated state's norms against ours, per round apart (training moves them less)
+
+
+def implausible(ours: float, params: float, momentum: float | None, *, rounds_apart: int) -> str | None:
+    """Why a donated state's norms cannot be the swarm's, or None: its parameters' norm within
+    PLAUSIBLE_FACTOR per round between us of ours (a fresh joiner's parameters are where the
+    swarm's started: early rounds grow norms several-fold), its momentum's not absurdly larger
+    than its parameters'."""
+    factor = PLAUSIBLE_FACTOR * max(1, abs(rounds_apart))
+    if not ours / factor <= params <= ours * factor:
+        return f"its parameters' norm {params:.4g} is implausible against ours ({ours:.4g}, {rounds_apart} rounds apart)"
+    if momentum is not None and not momentum <= params * PLAUSIBLE_FACTOR:
+        return f"its outer momentum's norm {momentum:.4g} is implausible (parameters {params:.4g})"
+    return None
 T = TypeVar("T")
 
 
@@ -72,16 +85,11 @@ class CatchUp:
         return True
 
     def plausible(self, state: GlobalState) -> str | None:
-        """Our own check of a donated state (in a worker thread), beyond what members vouch for:
-        its parameters' norm within PLAUSIBLE_FACTOR of ours, its momentum not absurdly larger
-        than the parameters (finite values are checked as it is decoded). A reason, or None."""
-        ours = self.trainer.global_norm()
-        params = float(state.params.norm())
-        if not ours / PLAUSIBLE_FACTOR <= params <= ours * PLAUSIBLE_FACTOR:
-            return f"its parameters' norm {params:.4g} is implausible against ours ({ours:.4g})"
-        if state.momentum is not None and not float(state.momentum.norm()) <= params * PLAUSIBLE_FACTOR:
-            return f"its outer momentum's norm {float(state.momentum.norm()):.4g} is implausible (parameters {params:.4g})"
-        return None
+        """Our own check of a donated state (in a worker thread), beyond what members vouch for
+        (`implausible`; finite values are checked as it is decoded). A reason, or None."""
+        momentum = float(state.momentum.norm()) if state.momentum is not None else None
+        return implausible(self.trainer.global_norm(), float(state.params.norm()), momentum,
+                           rounds_apart=state.round - self.state.round)
 
     async def maybe(self, stopped: asyncio.Event | None = None) -> int | None:
         """Download and adopt the swarm's state if we are behind or diverged; the round we

@@ -38,6 +38,11 @@ from neuronode.v1 import node_pb2 as pb
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT = 2
+# A donor a round ahead of what the other members announced so far (they finished it a moment
+# later) has nobody to vouch for it yet: we wait until one of them publishes that round, at
+# most this many heartbeats (2 s at least), and ask again, up to WITNESS_RETRIES times.
+WITNESS_WAIT_HEARTBEATS = 4
+WITNESS_RETRIES = 2
 STALL_S = 30.0  # a FetchState reader that reads nothing this long loses its slot
 MIN_TRANSFER_S = 120.0  # every transfer may take this long, and longer at MIN_TRANSFER_BYTES_PER_S
 MIN_TRANSFER_BYTES_PER_S = 128 * 1024
@@ -221,8 +226,32 @@ class StateFetch:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.transfers = 0
+        self.unwitnessed: dict[int, str] = {}  # round -> a donor refused because nobody had published it yet
 
     async def fetch(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
+        for attempt in range(1 + WITNESS_RETRIES):
+            self.unwitnessed = {}
+            state = await self.one_pass(donors, verify)
+            if state is not None or not self.unwitnessed or attempt == WITNESS_RETRIES:
+                return state
+            await self.witnessed(dict(self.unwitnessed), donors)
+        return None
+
+    async def witnessed(self, wanted: dict[int, str], lineage: list[str]) -> None:
+        """Wait until a member of `lineage` other than the donor published a digest for a round
+        in `wanted` (round -> donor), at most WITNESS_WAIT_HEARTBEATS heartbeats."""
+        ctx = self.ctx
+        deadline = ctx.clock.now() + max(2.0, WITNESS_WAIT_HEARTBEATS * ctx.cfg.heartbeat_s)
+        logger.info("no other member has published round %s yet; asking the donors again once one did",
+                    ", ".join(map(str, sorted(wanted))), extra=fields("state_unwitnessed", rounds=sorted(wanted)))
+        while (left := deadline - ctx.clock.now()) > 0:
+            changed = ctx.book.changed()
+            if any(round_id in p.digests for p in ctx.table.alive() if p.node_id in lineage
+                   for round_id, donor in wanted.items() if p.node_id != donor):
+                return
+            await ctx.clock.wait(changed, left)
+
+    async def one_pass(self, donors: list[str], verify: Verify) -> GlobalState | None:
         ctx = self.ctx
         for donor_id in donors:
             peer = ctx.table.peers.get(donor_id)
@@ -272,6 +301,8 @@ class StateFetch:
         seen = witnesses(round_id, param_digest, donor_id, members)
         if seen.accepted:
             return None
+        if not seen.agree and not seen.disagree and seen.others:
+            self.unwitnessed[round_id] = donor_id  # the others may not have announced it yet
         if seen.others == 0:
             logger.warning("only %s can vouch for its state of round %d (no other member of its lineage is alive): "
                            "adopting it on its word; a lineage of one has no second witness", donor_id, round_id,
