@@ -238,8 +238,9 @@ async def test_members_apply_the_shards_two_others_received_and_fetch_what_they_
     but not b: two listings besides its maker's, so it counts everywhere and b fetches it from
     a holder. Reducer c's shard (2) reached a only: one listing, so nobody applies it, c
     included. A listener reads the same receipts."""
-    a = await nodes.start("a")
-    peers = {n: await nodes.start(n, peers=[a.advertise]) for n in "bcd"}
+    rs = Settings(averaging="reduce-scatter")  # a swarm takes the phases its --averaging uses only
+    a = await nodes.start("a", settings=rs)
+    peers = {n: await nodes.start(n, peers=[a.advertise], settings=rs) for n in "bcd"}
     members = ("a", "b", "c", "d")
     for node in (a, *peers.values()):
         await wait_until(lambda n=node: alive_ids(n) == set(members) - {n.cfg.node_id}, what="the swarm to form")
@@ -251,7 +252,7 @@ async def test_members_apply_the_shards_two_others_received_and_fetch_what_they_
     assert [set(k) for k in kept] == [{0, 1, 3}] * 4
     fetched = kept[1][3]
     assert fetched is not shards[3] and fetched.data.decode().equal(shards[3].data.decode())
-    listener = await nodes.start("e", peers=[a.advertise])
+    listener = await nodes.start("e", peers=[a.advertise], settings=rs)
     await wait_until(lambda: alive_ids(listener) >= set(members), what="e to know the members")
     await wait_until(lambda: listener.receipts.makers(2, Phase.AVERAGED) >= set(members),
                      what="e to hear the members' receipts")
@@ -336,9 +337,10 @@ def signed_by(key: Any) -> Callable[[Chunks], Chunks]:
     return tamper
 
 
-def naming_contributors(phase: int) -> Callable[[Chunks], Chunks]:
-    """A stream of `phase` (whole: UNSPECIFIED; a slice for the target: SHARD) that names contributors, which
-    only an averaged shard does; signed as it is (a member signs whatever it says)."""
+def recast(phase: int, contributors: tuple[str, ...] = ()) -> Callable[[Chunks], Chunks]:
+    """The stream as one of `phase` (whole: UNSPECIFIED; a slice for the target: SHARD) that
+    names `contributors` (only an averaged shard does); signed as it is (a member signs
+    whatever it says)."""
 
     def tamper(chunks: Chunks) -> Chunks:
         for chunk in chunks:
@@ -346,7 +348,7 @@ def naming_contributors(phase: int) -> Callable[[Chunks], Chunks]:
             if phase == pb.PHASE_SHARD:
                 chunk.members[:] = ["target"]
                 chunk.shard_count = 1
-            chunk.contributors[:] = ["a", "b"]
+            chunk.contributors[:] = contributors
         return every()(chunks)
 
     return tamper
@@ -420,8 +422,9 @@ REFUSED_STREAMS = [
     pytest.param(every(swarm_id="other"), Code.PERMISSION_DENIED, id="other-swarm"),
     pytest.param(signed_by(key_of("someone-else")), Code.PERMISSION_DENIED, id="signed-by-another-key"),
     pytest.param(every(signature=b""), Code.PERMISSION_DENIED, id="unsigned"),
-    pytest.param(naming_contributors(pb.PHASE_UNSPECIFIED), Code.INVALID_ARGUMENT, id="whole-names-contributors"),
-    pytest.param(naming_contributors(pb.PHASE_SHARD), Code.INVALID_ARGUMENT, id="slice-names-contributors"),
+    pytest.param(recast(pb.PHASE_UNSPECIFIED, ("a", "b")), Code.INVALID_ARGUMENT, id="whole-names-contributors"),
+    # The target averages all-to-all: a well-formed slice would stay buffered (nothing closes that phase here).
+    pytest.param(recast(pb.PHASE_SHARD), Code.INVALID_ARGUMENT, id="slice-to-an-all-to-all-swarm"),
 ] + [
     pytest.param(from_chunk(3, **{name: value}), Code.INVALID_ARGUMENT, id=f"changes-{name}")
     for name, value in [
@@ -444,6 +447,24 @@ async def test_malformed_stream_is_refused_and_not_stored(
     status, details, _ = await greeted.push(honest_chunks())
     assert status == Code.OK, details
     assert ROGUE in greeted.node.book.contributors(0)
+
+
+async def test_a_reduce_scatter_swarm_takes_slices_only_and_none_naming_contributors(
+        nodes: Nodes, refused_address: str) -> None:
+    """The other side of slice-to-an-all-to-all-swarm: a reduce-scatter node refuses a whole
+    contribution, and a slice naming contributors (before, both were filed); a well-formed
+    slice of its shard is taken."""
+    rs = Settings(averaging="reduce-scatter")
+    node = await nodes.start("target", settings=rs)
+    async with grpc.aio.insecure_channel(node.advertise) as channel:
+        client = Client(node, channel, refused_address)
+        await client.hello(settings=settings_to_pb(rs))
+        for tamper in (recast(pb.PHASE_UNSPECIFIED), recast(pb.PHASE_SHARD, ("a", "b"))):
+            status, details, _ = await client.push(tamper(honest_chunks()))
+            assert status == Code.INVALID_ARGUMENT, details
+        status, details, _ = await client.push(recast(pb.PHASE_SHARD)(honest_chunks()))
+        assert status == Code.OK, details
+        assert node.book.contributors(0, Phase.SHARD) == {ROGUE}
 
 
 async def test_honest_contribution_is_stored_once(greeted: Client) -> None:

@@ -157,6 +157,10 @@ class Inbound:
 
     def payload_elements(self, chunk: Any, codec: str) -> int:
         """Elements this stream carries: the model, or one reduce-scatter shard of it."""
+        averaging = self.ctx.cfg.settings.averaging  # a phase it does not use would stay buffered
+        if chunk.phase in (Phase.WHOLE, Phase.SHARD, Phase.AVERAGED) and (chunk.phase == Phase.WHOLE) != (averaging == "all-to-all"):
+            raise Refusal("INVALID_ARGUMENT", f"this swarm averages {averaging} (--averaging): " + (
+                "whole contributions only" if averaging == "all-to-all" else "slices and averaged shards only"))
         if chunk.phase == Phase.WHOLE:
             if chunk.members or chunk.shard_count or chunk.contributors:
                 raise Refusal("INVALID_ARGUMENT", "a whole contribution names no shard and no contributors")
