@@ -224,6 +224,23 @@ async def test_three_nodes_discover_each_other_and_average_bit_identically(nodes
         assert trio[name].book.closed_below() == 1
 
 
+async def test_a_node_done_with_its_last_round_stays_until_its_peers_finished_it(nodes: Nodes) -> None:
+    """A member that finished the last round waits (serving fetches) until every live peer
+    finished it too, at most its drain time. Before, it left at once: a member slower to close
+    that round could no longer fetch a contribution it missed from it (the adversary test's
+    `ghosts` run ended with one member apart)."""
+    a = await nodes.start("a")
+    b = await nodes.start("b", peers=[a.advertise])
+    await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to know each other")
+    a.state.adopted(6, "d6", listen=False)  # a finished round 5 of 6; b is still in it
+    b.state.adopted(5, "d5", listen=False)
+    await wait_until(lambda: a.table.peers["b"].round == 5, what="a to hear b at round 5")
+    draining = asyncio.ensure_future(a.drain(timeout_s=30))
+    await holds_for(lambda: not draining.done(), what="a to stay while b is in the last round", duration_s=0.5)
+    b.state.adopted(6, "d6", listen=False)  # b finished it and says so
+    await asyncio.wait_for(draining, timeout=10)
+
+
 async def start_trio(nodes: Nodes, **overrides: Any) -> tuple[SwarmNode, SwarmNode, SwarmNode]:
     a = await nodes.start("a", **overrides)
     b = await nodes.start("b", peers=[a.advertise], **overrides)

@@ -135,7 +135,19 @@ class SwarmNode:
             await self.ctx.clock.sleep(1.0)
 
     async def drain(self, *, timeout_s: float) -> None:
+        """Before we go: let our last pushes finish, and stay (serving what others fetch from us)
+        until every live peer reached our round, so that a member slower to close the last round
+        can still fetch a contribution it missed. At most `timeout_s` in all."""
+        ctx = self.ctx
+        deadline = ctx.clock.now() + timeout_s
         await self.transport.drain(timeout_s=timeout_s)
+        while (left := deadline - ctx.clock.now()) > 0:
+            changed = ctx.book.changed()
+            behind = sorted(p.node_id for p in ctx.table.alive() if p.round < self.state.round)
+            if not behind:
+                return
+            logger.debug("waiting up to %.0f s for %s to finish round %d", left, ", ".join(behind), self.state.round - 1)
+            await ctx.clock.wait(changed, left)
 
     def _news(self) -> None:
         self.transport.push_pending()
