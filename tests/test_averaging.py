@@ -339,6 +339,31 @@ async def test_a_contribution_only_one_other_member_holds_is_left_out_by_everyon
     assert swarm.local.fetches == 0
 
 
+async def test_a_contribution_that_reached_one_other_member_costs_a_grace_not_the_deadline(pools) -> None:  # noqa: ANN001
+    """e's push reaches a only (a relay that never had it, a join race: seen in the relay test).
+    b, c and d see a's receipt list it, stop waiting for e's push once they waited FETCH_AFTER of
+    their deadline, and every member leaves it out alike (one listing does not count); before,
+    they waited until their deadline."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abcde":
+        swarm.join(name)
+    swarm.local.cut |= {("e", peer, None) for peer in "bcd"}
+    rounds = [asyncio.ensure_future(swarm.round(n)) for n in "abcde"]
+    await until("b to see a's receipt list e", lambda: "e" in listed(
+        swarm.protocols["b"].transport.receipts(0, Phase.WHOLE), quorum=1))
+    start = swarm.clock.now()
+    for _ in range(3):  # b, c, d may take the receipt in only after a first step of the clock
+        await until("every member waiting on the clock, or done",
+                    lambda: swarm.clock.waiting == 5 or all(r.done() for r in rounds))
+        if all(r.done() for r in rounds):
+            break
+        swarm.clock.advance(FETCH_AFTER * TIMEOUT_S)
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+    results = [r.result() for r in rounds]
+    assert identical(results) and results[0].contributors == list("abcd")
+    assert swarm.clock.now() - start < TIMEOUT_S and swarm.local.fetches == 0
+
+
 async def test_a_round_where_nothing_counts_ends_with_no_update_and_no_crash(pools) -> None:  # noqa: ANN001
     """b and c tell a receipts that list nothing (two liars): on a no contribution has two
     listings, so nothing counts there, and a takes a zero average (a liar of a process test that

@@ -177,11 +177,12 @@ class Listings:
         return False
 
 
-def listed(receipts: Iterable[Receipt], lineage: bytes | None = None) -> set[str]:
-    """Senders whose contributions at least QUORUM members (besides the sender) say they hold
-    (made for `lineage`, when given): a member that lacks one may fetch it."""
+def listed(receipts: Iterable[Receipt], lineage: bytes | None = None, *, quorum: int = QUORUM) -> set[str]:
+    """Senders whose contributions at least `quorum` members (besides the sender) say they hold
+    (made for `lineage`, when given): with QUORUM, they count, and a member that lacks one
+    fetches it."""
     listings = Listings(receipts)
-    return {s.sender for s in listings if listings.count(s) >= QUORUM and lineage in (None, s.lineage)}
+    return {s.sender for s in listings if listings.count(s) >= quorum and lineage in (None, s.lineage)}
 
 
 class Holders(Mapping[tuple[str, int], list[str]]):

@@ -9,11 +9,12 @@ Rules (docs/protocol.md repeats them):
   before we finish this one.
 - A round closes when every expected peer's contribution has arrived, or at the deadline if at
   least `min_contributors` have; with fewer the node keeps waiting (one more deadline at a time).
-  With `fetch_after_s`: once we waited that long, a missing contribution that other members
-  list in their receipts as held (`fetchable`) is no longer waited for, unless its stream to
-  us is under way; the round closes without the maker's own push, and the caller fetches it
-  from a holder. A push lost on the way (a cut link, a session that ended) costs that grace,
-  not the deadline, and its maker is not late.
+  With `fetch_after_s`: once we waited that long, a missing contribution that another member
+  lists in its receipt as held (`reached`) is no longer waited for, unless its stream to us is
+  under way; the round closes without the maker's own push, and the caller fetches it from a
+  holder if it counts (two listings), else every member leaves it out alike. A push lost on
+  the way (a cut link, a session that ended, a relay that never had it) costs that grace, not
+  the deadline, and its maker is not late.
 - A contribution still streaming when its round closes is discarded: its stream is aborted and
   its buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
 - A sender whose contribution was missing when a round closed at its deadline is late: no round
@@ -222,10 +223,12 @@ class RoundBook:
         self, round_id: int, *, phase: Phase = Phase.WHOLE, expected: Callable[[], set[str]], timeout_s: float,
         min_contributors: int = 1, on_extend: Callable[[], None] | None = None,
         fetchable: Callable[[], set[str]] = set, fetch_after_s: float | None = None,
+        reached: Callable[[], set[str]] | None = None,
     ) -> dict[str, Contribution]:
         """Wait until every expected sender contributed, or the deadline; then close the round.
         `fetchable()`: senders whose contributions other members hold (their receipts say so),
-        which we will fetch: they count toward `min_contributors`, and once we waited
+        which we will fetch: they count toward `min_contributors`. `reached()` (default
+        `fetchable`): senders whose contributions reached other members; once we waited
         `fetch_after_s` we stop waiting for their own push (see the module docstring)."""
         deadline = self.clock.now() + timeout_s
         fetch_at = None if fetch_after_s is None else self.clock.now() + fetch_after_s
@@ -239,15 +242,16 @@ class RoundBook:
                     early = True
                 else:
                     wake = min(deadline, fetch_at)
-            held = fetchable() if early or len(have) < min_contributors else set()
+            held = fetchable() if len(have) < min_contributors else set()
             counted = have if len(have) >= min_contributors else have | held
             if early:
                 streaming = {s for ph, r, s in self._streaming if ph == phase and r == round_id}
-                skipped = (missing & held) - streaming  # held elsewhere, and nothing of its own push came
+                elsewhere = (reached or fetchable)()
+                skipped = (missing & elsewhere) - streaming  # it reached others, and nothing of its push to us came
                 missing -= skipped
                 if skipped and not missing and len(counted) >= min_contributors:
                     logger.info("round %d: closing without waiting for the pushes of %s: other members hold "
-                                "them; fetching them", round_id, ", ".join(sorted(skipped)),
+                                "them; fetching those that count", round_id, ", ".join(sorted(skipped)),
                                 extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
             if not missing and len(counted) >= min_contributors:
                 break

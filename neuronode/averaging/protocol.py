@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neuronode.averaging.agreement import (
+    QUORUM,
     Decision,
     Listings,
     Receipt,
@@ -104,11 +105,13 @@ class Averaging:
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
         raise NotImplementedError
 
-    def held_elsewhere(self, round_id: int, phase: Phase, lineage: bytes) -> Callable[[], set[str]]:
-        """For RoundBook.collect (`fetchable`), in a phase whose contributions go to every member:
-        the senders whose contributions other members list as held. They count toward
-        --min-peers, and after `fetch_after_s` they are fetched rather than waited for."""
-        return lambda: listed(self.transport.receipts(round_id, phase), lineage)
+    def held_elsewhere(self, round_id: int, phase: Phase, lineage: bytes, *, quorum: int = QUORUM) -> Callable[[], set[str]]:
+        """For RoundBook.collect, in a phase whose contributions go to every member: the senders
+        whose contributions at least `quorum` other members list as held. With QUORUM
+        (`fetchable`) they count toward --min-peers; with one (`reached`), their makers reached
+        other members, so after `fetch_after_s` we stop waiting for their push to us: what
+        counts of them is fetched, and the rest counts nowhere, on every member alike."""
+        return lambda: listed(self.transport.receipts(round_id, phase), lineage, quorum=quorum)
 
     @property
     def fetch_after_s(self) -> float:
