@@ -16,6 +16,7 @@ import torch
 from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
 from neuronode.averaging.agreement import lineage_hash, listed, receipt_of
 from neuronode.averaging.book import (
+    LATE_ROUNDS,
     BufferFull,
     DuplicateContribution,
     RoundBook,
@@ -183,6 +184,28 @@ async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delive
     assert not any(r.done() for r in rounds)
     swarm.clock.advance(TIMEOUT_S)
     await until("round 3 to close", lambda: all(r.done() for r in rounds))
+
+
+async def test_a_late_member_is_waited_for_again_after_late_rounds_doubling_per_relapse() -> None:
+    """c misses round 0's deadline: rounds 1-8 do not wait for it, round 9 does (it misses that
+    one too), then rounds 10-25 do not, 26 does. Before, it was never waited for again until a
+    contribution of its arrived whole before a round closed, which a member one round behind
+    never manages (the rounds do not wait for it): an honest member that fell behind once
+    counted nowhere to the end (the reduce-scatter overlap joiner in CI)."""
+    clock = ManualClock()
+    book = RoundBook(first_round=0, clock=clock)
+    waited = []
+    for round_id in range(27):
+        book.add_own(record("a", round_id))  # type: ignore[arg-type]
+        closing = asyncio.ensure_future(book.collect(round_id, expected=lambda: {"a", "c"}, timeout_s=TIMEOUT_S))
+        await until(f"round {round_id} to close or wait", lambda c=closing: c.done() or clock.waiting == 1)
+        if not closing.done():
+            waited.append(round_id)
+            clock.advance(TIMEOUT_S)
+            await until(f"round {round_id} to close at its deadline", closing.done)
+        assert set(closing.result()) == {"a"}
+    assert waited == [0, 9, 26]
+    assert LATE_ROUNDS == 8
 
 
 def test_lateness_ends_when_the_member_delivers_even_too_late_or_comes_back() -> None:

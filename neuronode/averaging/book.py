@@ -20,8 +20,11 @@ Rules (docs/protocol.md repeats them):
 - A sender whose contribution was missing when a round closed at its deadline is late: no round
   waits for it again until a contribution of its arrives complete (it still counts if it arrives
   before a round closes; one that comes after its round closed still ends the lateness), or it
-  comes back after it was gone (`forgive`). One member that stalls while staying alive costs the
-  swarm one deadline, not one a round.
+  comes back after it was gone (`forgive`), or LATE_ROUNDS x 2^(k-1) rounds passed, k counting
+  the deadlines it missed. One member that stalls while staying alive costs the swarm one
+  deadline, then one after 8 rounds, 16, 32...; an honest member that fell a round behind (its
+  contributions came after rounds that no longer waited for it) is waited for again, and
+  counts from then on.
 
 Memory (`buffered_bytes`): every stream reserves its whole payload (in its encoded form, P x
 bytes-per-parameter of its codec, or one shard of it) when it opens, and keeps it until its round
@@ -45,6 +48,8 @@ from neuronode.codec.contribution import Contribution, Phase
 from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
+
+LATE_ROUNDS = 8  # rounds a member that missed a deadline is not waited for (doubling per relapse)
 
 
 class RoundRefused(Exception):
@@ -96,6 +101,8 @@ class RoundBook:
         self._held: dict[tuple[Phase, int, str], int] = {}  # complete contributions' reservations
         self._by_sender: dict[str, int] = {}
         self.late: set[tuple[Phase, str]] = set()
+        self.late_until: dict[tuple[Phase, str], int] = {}  # the round from which we wait for it again
+        self.strikes: dict[tuple[Phase, str], int] = {}  # deadlines it missed
         self._changed = asyncio.Event()
 
     @property
@@ -176,6 +183,11 @@ class RoundBook:
         self._held[key] = reserved
         self.notify()
 
+    def excused(self, round_id: int, phase: Phase) -> set[str]:
+        """Late senders that `round_id` does not wait for."""
+        return {sender for ph, sender in self.late
+                if ph == phase and self.late_until.get((ph, sender), round_id + 1) > round_id}
+
     def forgive(self, sender_id: str) -> None:
         """`sender_id` is back after it was gone (a restart, a healed partition): wait for it again."""
         self.late = {(phase, sender) for phase, sender in self.late if sender != sender_id}
@@ -235,7 +247,7 @@ class RoundBook:
         while True:
             changed = self._changed
             have = self.contributors(round_id, phase)
-            missing = expected() - have - {sender for ph, sender in self.late if ph == phase}
+            missing = expected() - have - self.excused(round_id, phase)
             now, wake, early = self.clock.now(), deadline, False
             if fetch_at is not None and missing:  # not before: in a large swarm, checking receipts is not free
                 if now >= fetch_at:
@@ -257,7 +269,11 @@ class RoundBook:
                 break
             if now >= deadline:
                 # Missing at a deadline: late, whether we close now or wait on for --min-peers.
-                self.late |= {(phase, sender) for sender in missing}
+                for sender in missing:
+                    key = (phase, sender)
+                    self.strikes[key] = strikes = self.strikes.get(key, 0) + 1
+                    self.late.add(key)
+                    self.late_until[key] = round_id + 1 + LATE_ROUNDS * 2 ** min(strikes - 1, 20)
                 if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
                                    "(no round waits for them again until one of their contributions arrives whole)",
