@@ -230,10 +230,14 @@ async def test_a_contribution_others_hold_is_waited_for_while_its_own_push_strea
     fetches it), and x is not late. Without a stream, we close at `fetch_after_s`, not before."""
     clock = ManualClock()
     book = RoundBook(first_round=0, clock=clock)
-    book.add_own(record("a", 0))  # type: ignore[arg-type]
+
+    def collecting(round_id: int) -> asyncio.Future[dict[str, object]]:
+        book.add_own(record("a", round_id))  # type: ignore[arg-type]
+        return asyncio.ensure_future(book.collect(round_id, expected=lambda: {"a", "x"}, timeout_s=TIMEOUT_S,
+                                                  fetchable=lambda: {"x"}, fetch_after_s=10.0))
+
     book.begin(0, "x")
-    closing = asyncio.ensure_future(book.collect(0, expected=lambda: {"a", "x"}, timeout_s=TIMEOUT_S,
-                                                 fetchable=lambda: {"x"}, fetch_after_s=10.0))
+    closing = collecting(0)
     await until("the collector waiting", lambda: clock.waiting == 1)
     clock.advance(30.0)
     await until("the collector waiting again", lambda: clock.waiting == 1)
@@ -241,9 +245,7 @@ async def test_a_contribution_others_hold_is_waited_for_while_its_own_push_strea
     book.abort(0, "x")  # the push broke off
     await until("the round to close", closing.done)
     assert set(closing.result()) == {"a"} and not book.late
-    book.add_own(record("a", 1))  # type: ignore[arg-type]
-    closing = asyncio.ensure_future(book.collect(1, expected=lambda: {"a", "x"}, timeout_s=TIMEOUT_S,
-                                                 fetchable=lambda: {"x"}, fetch_after_s=10.0))
+    closing = collecting(1)
     await until("the collector waiting", lambda: clock.waiting == 1)
     clock.advance(9.0)
     await until("the collector waiting again", lambda: clock.waiting == 1)
@@ -309,6 +311,18 @@ async def run_round(swarm: Swarm, names: str, *, deadline: bool) -> list[Average
     return [r.result() for r in rounds]
 
 
+async def step_until_closed(swarm: Swarm, rounds: list[asyncio.Future[Average]], step_s: float) -> None:
+    """Move the clock `step_s` at a time (three at most) whenever every member waits on it,
+    until every round closed: a member may take in news only after a first step."""
+    for _ in range(3):
+        await until("every member waiting on the clock, or done",
+                    lambda: swarm.clock.waiting == len(rounds) or all(r.done() for r in rounds))
+        if all(r.done() for r in rounds):
+            break
+        swarm.clock.advance(step_s)
+    await until("every round to close", lambda: all(r.done() for r in rounds))
+
+
 async def test_a_contribution_two_other_members_hold_is_fetched_by_those_that_missed_it(pools) -> None:  # noqa: ANN001
     """e pushes its contribution to a and b only: c and d fetch it from them, and all five
     average all five contributions (before receipts, c and d averaged four and parted). With
@@ -337,13 +351,7 @@ async def test_a_push_lost_on_one_link_costs_a_short_grace_not_the_deadline(pool
     await until("d to see a's, b's and c's receipts list e",
                 lambda: "e" in listed(swarm.protocols["d"].transport.receipts(0, Phase.WHOLE)))
     grace, start = FETCH_AFTER * TIMEOUT_S, swarm.clock.now()
-    for _ in range(3):  # d may take the receipts in only after a first step of the clock
-        await until("every member waiting on the clock, or done",
-                    lambda: swarm.clock.waiting == 5 or all(r.done() for r in rounds))
-        if all(r.done() for r in rounds):
-            break
-        swarm.clock.advance(grace)
-    await until("every round to close", lambda: all(r.done() for r in rounds))
+    await step_until_closed(swarm, rounds, grace)  # d may take the receipts in only after a first step
     results = [r.result() for r in rounds]
     assert identical(results) and results[0].contributors == list("abcde")
     assert swarm.local.fetches == 1 and not d.book.late
@@ -375,13 +383,7 @@ async def test_a_contribution_that_reached_one_other_member_costs_a_grace_not_th
     await until("b to see a's receipt list e", lambda: "e" in listed(
         swarm.protocols["b"].transport.receipts(0, Phase.WHOLE), quorum=1))
     start = swarm.clock.now()
-    for _ in range(3):  # b, c, d may take the receipt in only after a first step of the clock
-        await until("every member waiting on the clock, or done",
-                    lambda: swarm.clock.waiting == 5 or all(r.done() for r in rounds))
-        if all(r.done() for r in rounds):
-            break
-        swarm.clock.advance(FETCH_AFTER * TIMEOUT_S)
-    await until("every round to close", lambda: all(r.done() for r in rounds))
+    await step_until_closed(swarm, rounds, FETCH_AFTER * TIMEOUT_S)  # b, c, d: the same
     results = [r.result() for r in rounds]
     assert identical(results) and results[0].contributors == list("abcd")
     assert swarm.clock.now() - start < TIMEOUT_S and swarm.local.fetches == 0
