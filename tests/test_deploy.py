@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 DOCKERIGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"
+PROMETHEUS_DOCKERFILE = ROOT / "deploy" / "prometheus.Dockerfile"
+COMPOSE_CHECK = ROOT / "scripts" / "compose_check.sh"
 UNIT = ROOT / "deploy" / "neuronode.service"
 NODE_TOML = ROOT / "deploy" / "node.toml.example"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
@@ -66,8 +68,20 @@ def parse_start(args: list[str], environ: dict[str, str] | None = None) -> NodeC
     return build_config(flags, config_file=ns.config, environ=environ or {})
 
 
-def load_compose() -> dict[str, Any]:
-    return dict(yaml.safe_load(COMPOSE.read_text()))
+def interpolate(text: str, environ: dict[str, str]) -> str:
+    """Compose's variable substitution: ${VAR}, ${VAR:-default} (unset or empty: the default)."""
+    def value(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(3)
+        if default is not None:
+            return environ.get(name) or default
+        assert name in environ, f"${{{name}}} has no default"
+        return environ[name]
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}", value, text)
+
+
+def load_compose(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """docker-compose.yml as compose reads it with the variables of `environ` (default: none set)."""
+    return dict(yaml.safe_load(interpolate(COMPOSE.read_text(), environ or {})))
 
 
 def node_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -83,19 +97,19 @@ def environment(svc: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def compose_configs() -> dict[str, NodeConfig]:
+def compose_configs(environ: dict[str, str] | None = None) -> dict[str, NodeConfig]:
     out = {}
-    for name, svc in node_services(load_compose()).items():
+    for name, svc in node_services(load_compose(environ)).items():
         command = [str(a) for a in svc["command"]]
         assert command[0] == "start", f"{name}: command must start with 'start'"
         out[name] = parse_start(command[1:], environment(svc))
     return out
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, rest) pairs, continuation lines joined, comments dropped."""
     joined, out = "", []
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line.lstrip().startswith("#") and not joined:
             continue
         joined += line.rstrip("\\").strip() + " " if line.endswith("\\") else line.strip()
@@ -130,11 +144,21 @@ def local_argv(argv: list[str]) -> list[str]:
     return head + argv[1:]
 
 
+def final_stage(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """The instructions of the image's last stage, from its FROM on."""
+    instructions = dockerfile_instructions(path)
+    last = max(n for n, (i, _) in enumerate(instructions) if i == "FROM")
+    return instructions[last:]
+
+
 def image_env() -> dict[str, str]:
+    """This environment with the final stage's ENV ($VAR references expanded), no NEURONODE_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURONODE_")}
-    for instruction, rest in dockerfile_instructions():
+    for instruction, rest in final_stage():
         if instruction == "ENV":
-            env.update(dict(item.split("=", 1) for item in shlex.split(rest)))
+            for item in shlex.split(rest):
+                name, value = item.split("=", 1)
+                env[name] = re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), ""), value)
     return env
 
 
@@ -174,6 +198,64 @@ def test_compose_one_bootstrap_and_the_others_join_it() -> None:
             assert cfg.peers == (first.advertise,), name
         for field in SWARM_WIDE:
             assert getattr(cfg, field) == getattr(first, field), f"{name}: --{field} differs"
+
+
+# What scripts/compose_check.sh sets to run a short swarm (its compose() function).
+SHORT = {"NEURONODE_ROUNDS": "6", "NEURONODE_INNER_STEPS": "5", "NEURONODE_RESTART": "on-failure",
+         "NEURONODE_HEALTH_INTERVAL": "2s", "NEURONODE_HEALTH_TIMEOUT": "60s",
+         "NEURONODE_BASE_IMAGE": "neuronode-base:bookworm"}
+
+
+def test_compose_settings_from_the_environment_reach_every_node() -> None:
+    """Rounds and inner steps come from the environment (defaults: run until stopped, H=50)."""
+    for name, cfg in compose_configs().items():
+        assert (cfg.rounds, cfg.inner_steps) == (0, 50), name
+    for name, cfg in compose_configs(SHORT).items():
+        assert (cfg.rounds, cfg.inner_steps) == (6, 5), name
+    default, short = node_services(load_compose()), node_services(load_compose(SHORT))
+    for name in default:
+        assert default[name]["restart"] == "unless-stopped", name
+        assert short[name]["restart"] == "on-failure", f"{name}: a node done with its rounds must stay down"
+        assert default[name]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim", name
+        assert short[name]["build"]["args"]["BASE_IMAGE"] == "neuronode-base:bookworm", name
+        assert short[name]["healthcheck"] == {"interval": "2s", "timeout": "60s"}, name
+    prometheus = load_compose(SHORT)["services"]["prometheus"]["build"]
+    assert prometheus["args"]["BASE_IMAGE"] == "neuronode-base:bookworm", "one base for every image"
+
+
+def test_compose_header_names_every_variable_it_reads() -> None:
+    text = COMPOSE.read_text()
+    header = text[:text.index("\nx-node")]
+    used = set(re.findall(r"\$\{(\w+)", text))
+    named = set(re.findall(r"NEURONODE_\w+", header))
+    named |= {f"NEURONODE_PAGE_PORT_{x}" for x in "ABCD"} if "NEURONODE_PAGE_PORT_A..D" in header else set()
+    assert used <= named, f"not described in the header of docker-compose.yml: {sorted(used - named)}"
+
+
+def test_compose_publishes_every_node_metrics_port_on_loopback() -> None:
+    published = {}
+    for name, svc in node_services(load_compose()).items():
+        (port,) = [str(p) for p in svc["ports"] if str(p).endswith(f":{METRICS_PORT}")]
+        host, host_port, _ = port.split(":")
+        assert host == "127.0.0.1", f"{name}: metrics are for this machine, not the internet"
+        published[name] = int(host_port)
+    assert len(set(published.values())) == len(published), published
+
+
+def test_compose_check_script_matches_the_compose_file() -> None:
+    """scripts/compose_check.sh runs the services and images docker-compose.yml names."""
+    script = COMPOSE_CHECK.read_text()
+    assert subprocess.run(["bash", "-n", str(COMPOSE_CHECK)], check=False).returncode == 0
+    compose = load_compose()
+    nodes = sorted(node_services(compose))
+    assert re.search(r"^NODES=\((.*)\)$", script, re.M).group(1).split() == nodes  # type: ignore[union-attr]
+    images = dict(re.findall(r"^(NODE_IMAGE|PROMETHEUS_IMAGE)=(\S+)", script, re.M))
+    assert {compose["services"][n]["image"] for n in nodes} == {images["NODE_IMAGE"]}
+    assert compose["services"]["prometheus"]["image"] == images["PROMETHEUS_IMAGE"]
+    settings = re.search(r"^compose\(\) \{.*?^\}", script, re.M | re.S).group(0)  # type: ignore[union-attr]
+    for name, value in SHORT.items():
+        fixed = name in ("NEURONODE_RESTART", "NEURONODE_HEALTH_INTERVAL", "NEURONODE_HEALTH_TIMEOUT")
+        assert f"{name}={value if fixed else '$'}" in settings, name
 
 
 def compose_cli() -> list[str] | None:
@@ -241,9 +323,8 @@ def test_dockerfile_image_shape() -> None:
     assert "BASE_IMAGE=python:3.11-slim" in args
     assert any(a.startswith("TORCH_SPEC=") for a in args)
     assert instructions[-1][0] in ("CMD", "ENTRYPOINT")
-    final = max(n for n, (i, _) in enumerate(instructions) if i == "FROM")
-    assert instructions[final][1] == "${BASE_IMAGE}"
-    tail = instructions[final:]
+    tail = final_stage()
+    assert tail[0] == ("FROM", "${BASE_IMAGE}")
     assert ("USER", "neuronode") in tail
     assert ("VOLUME", "/data") in tail
     assert {"7420", "9400"} <= {p for i, r in tail if i == "EXPOSE" for p in r.split()}
@@ -252,6 +333,46 @@ def test_dockerfile_image_shape() -> None:
     cfg = parse_start(dockerfile_json("CMD")[1:])
     health = dockerfile_json("HEALTHCHECK")
     assert health == ["neuronode", "status", "--peer", f"127.0.0.1:{cfg.listen.rsplit(':', 1)[1]}", "--json"]
+
+
+def test_dockerfile_builds_without_a_registry() -> None:
+    """Every stage starts from BASE_IMAGE (no image hard-coded, no `# syntax=` frontend to pull)."""
+    for path in (DOCKERFILE, PROMETHEUS_DOCKERFILE):
+        assert not re.search(r"^#\s*syntax\s*=", path.read_text(), re.M | re.I), f"{path.name}: pulls a frontend"
+        froms = [rest.split()[0] for i, rest in dockerfile_instructions(path) if i == "FROM"]
+        assert froms and all(f == "${BASE_IMAGE}" for f in froms), f"{path.name}: FROM {froms}"
+        assert "BASE_IMAGE=python:3.11-slim" in [r for i, r in dockerfile_instructions(path) if i == "ARG"]
+
+
+def test_dockerfile_build_settings_stay_in_the_build_stage() -> None:
+    """pip's settings and the CA bundle (a secret) reach the build stage only; the node image
+    copies the finished virtual environment, so neither its layers nor its history hold them."""
+    instructions = dockerfile_instructions()
+    tail = final_stage()
+    build = instructions[:len(instructions) - len(tail)]
+    args = {r.split("=")[0] for i, r in build if i == "ARG"}
+    assert {"TORCH_SPEC", "TORCH_INDEX_URL", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS",
+            "PIP_TRUSTED_HOST"} <= args
+    pip_runs = [r for i, r in build if i == "RUN" and "pip install" in r]
+    assert pip_runs and all("--mount=type=secret,id=pip_cert" in r for r in pip_runs)
+    assert not [r for i, r in tail if i == "ARG"], "the node stage takes no build argument"
+    assert not [r for i, r in tail if "--mount" in r or "PIP_" in r or "pip " in r]
+    copies = [r for i, r in tail if i == "COPY"]
+    assert copies == ["--from=build /opt/neuronode /opt/neuronode"]
+
+
+def test_prometheus_image_is_debians_package_on_the_node_base() -> None:
+    instructions = dockerfile_instructions(PROMETHEUS_DOCKERFILE)
+    run = " ".join(r for i, r in instructions if i == "RUN")
+    assert "apt-get install" in run and "prometheus" in run
+    entry = json.loads([r for i, r in instructions if i == "ENTRYPOINT"][-1])
+    cmd = json.loads([r for i, r in instructions if i == "CMD"][-1])
+    assert entry == ["/usr/bin/prometheus"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in cmd
+    service = load_compose()["services"]["prometheus"]
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in service["volumes"]
+    assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]) == PROMETHEUS_DOCKERFILE
+    assert any(str(p).endswith(":9090") for p in service["ports"])
 
 
 def test_dockerignore_lets_every_copied_path_through() -> None:

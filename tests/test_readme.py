@@ -26,4 +26,7 @@ def test_two_setup_commands_exist_in_makefile() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "make run" in README and "make test" in README
     assert "\nrun:" in makefile and "\ntest:" in makefile
-    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    # CI: the README's test command, then the compose swarm in containers (the README says so).
+    assert ci[-2:] == ["make test", "bash scripts/compose_check.sh"]
+    assert "scripts/compose_check.sh" in README
