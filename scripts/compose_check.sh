@@ -142,7 +142,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" = 0 ] || die "no Docker engine: install ${missing[*]} (needs root; this script installs them as root)"
   say "installing ${missing[*]} from Debian"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-          --no-install-recommends "${missing[@]}" >/dev/null; }; then
+          -o DPkg::Lock::Timeout=600 --no-install-recommends "${missing[@]}" >/dev/null; }; then
     die "apt-get install ${missing[*]} failed: no Docker engine"
   fi
 fi
@@ -188,7 +188,8 @@ else
   if [ "${NEURONODE_CHECK_NEW_BASE:-}" = 1 ] || ! docker image inspect "$DEBIAN_BASE" >/dev/null 2>&1; then
     say "$DEFAULT_BASE cannot be pulled: making $DEBIAN_BASE from the Debian mirror"
     if ! command -v mmdebstrap >/dev/null && ! command -v debootstrap >/dev/null; then
-      apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null || die "cannot install mmdebstrap"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 \
+          --no-install-recommends mmdebstrap >/dev/null || die "cannot install mmdebstrap"
     fi
     bash scripts/debian_base.sh "$DEBIAN_BASE" >/dev/null || die "scripts/debian_base.sh failed"
   fi
@@ -305,6 +306,7 @@ stage_end
 compose() {  # docker compose for this check's project, with its short settings
   COMPOSE_PROJECT_NAME=$PROJECT NEURONODE_ROUNDS=$run_rounds NEURONODE_INNER_STEPS=$INNER_STEPS \
   NEURONODE_RESTART=on-failure NEURONODE_HEALTH_INTERVAL=2s NEURONODE_HEALTH_TIMEOUT=60s \
+  NEURONODE_STOP_GRACE=120s \
   NEURONODE_BASE_IMAGE=$BASE_IMAGE \
     "${COMPOSE[@]}" --profile monitoring "$@"
 }
@@ -379,6 +381,29 @@ while time.monotonic() < deadline:
     time.sleep(1)
 print(f"compose_check: Prometheus targets up: {sorted(up)}, want {sorted(want)}", file=sys.stderr)
 raise SystemExit(1)
+PY
+# Grafana's panels, run as queries on this Prometheus: each must be valid PromQL here.
+python3 - "$PROM_PORT" deploy/grafana/dashboards/neuronode.json <<'PY' || die "a Grafana panel's query fails on Prometheus"
+import json, re, sys, urllib.error, urllib.parse, urllib.request
+port, dashboard = sys.argv[1], json.load(open(sys.argv[2]))
+variables = {v["name"] for v in dashboard["templating"]["list"]}
+bad, n = [], 0
+for panel in dashboard["panels"]:
+    for target in panel["targets"]:
+        expr = target["expr"].replace("$__rate_interval", "1m").replace("$__interval", "15s")
+        expr = re.sub(r"\$(\w+)", lambda m: ".*" if m.group(1) in variables else m.group(0), expr)
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        try:
+            answer = json.load(urllib.request.urlopen(url, timeout=10))
+        except urllib.error.HTTPError as exc:
+            answer = json.load(exc)
+        n += 1
+        if answer.get("status") != "success":
+            bad.append(f"{panel['title']}: {answer.get('error')}")
+if bad:
+    print("compose_check: " + "\ncompose_check: ".join(bad), file=sys.stderr)
+    raise SystemExit(1)
+print(f"compose_check: Prometheus runs all {n} queries of the Grafana dashboard")
 PY
 if [ -n "$grafana" ]; then
   python3 - <<'PY' || die "Grafana does not serve the provisioned neuronode dashboard"

@@ -202,7 +202,7 @@ def test_compose_one_bootstrap_and_the_others_join_it() -> None:
 
 # What scripts/compose_check.sh sets to run a short swarm (its compose() function).
 SHORT = {"NEURONODE_ROUNDS": "6", "NEURONODE_INNER_STEPS": "5", "NEURONODE_RESTART": "on-failure",
-         "NEURONODE_HEALTH_INTERVAL": "2s", "NEURONODE_HEALTH_TIMEOUT": "60s",
+         "NEURONODE_HEALTH_INTERVAL": "2s", "NEURONODE_HEALTH_TIMEOUT": "60s", "NEURONODE_STOP_GRACE": "120s",
          "NEURONODE_BASE_IMAGE": "neuronode-base:bookworm"}
 
 
@@ -219,6 +219,7 @@ def test_compose_settings_from_the_environment_reach_every_node() -> None:
         assert default[name]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim", name
         assert short[name]["build"]["args"]["BASE_IMAGE"] == "neuronode-base:bookworm", name
         assert short[name]["healthcheck"] == {"interval": "2s", "timeout": "60s"}, name
+        assert default[name]["stop_grace_period"] == "30s", name  # = the unit's TimeoutStopSec
     prometheus = load_compose(SHORT)["services"]["prometheus"]["build"]
     assert prometheus["args"]["BASE_IMAGE"] == "neuronode-base:bookworm", "one base for every image"
 
@@ -254,7 +255,7 @@ def test_compose_check_script_matches_the_compose_file() -> None:
     assert compose["services"]["prometheus"]["image"] == images["PROMETHEUS_IMAGE"]
     settings = re.search(r"^compose\(\) \{.*?^\}", script, re.M | re.S).group(0)  # type: ignore[union-attr]
     for name, value in SHORT.items():
-        fixed = name in ("NEURONODE_RESTART", "NEURONODE_HEALTH_INTERVAL", "NEURONODE_HEALTH_TIMEOUT")
+        fixed = name not in ("NEURONODE_ROUNDS", "NEURONODE_INNER_STEPS", "NEURONODE_BASE_IMAGE")
         assert f"{name}={value if fixed else '$'}" in settings, name
 
 
@@ -313,6 +314,34 @@ def test_grafana_dashboard_shows_every_metric_from_the_provisioned_datasource() 
             for metric in re.findall(r"neuronode_[a-z_]+", target["expr"]):
                 used.add(re.sub(r"_(bucket|sum|count)$", "", metric))
     assert used == METRICS, f"unknown: {used - METRICS}, not shown: {METRICS - used}"
+
+
+def test_grafana_files_are_valid_provisioning_and_dashboard() -> None:
+    """What Grafana checks when it loads them (the compose check cannot pull Grafana here; it
+    runs every panel's query on its real Prometheus instead)."""
+    for path in (GRAFANA / "provisioning").rglob("*.yml"):
+        assert yaml.safe_load(path.read_text())["apiVersion"] == 1, path
+    (source,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert (source["type"], source["access"]) == ("prometheus", "proxy")
+    (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "neuronode.yml").read_text())["providers"]
+    assert provider["type"] == "file"
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    ids, cells = set(), set()
+    for panel in dashboard["panels"]:
+        assert panel["id"] not in ids, f"panel id {panel['id']} twice"
+        ids.add(panel["id"])
+        g = panel["gridPos"]
+        assert g["x"] >= 0 and g["w"] > 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, panel["title"]
+        area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not area & cells, f"{panel['title']} overlaps another panel"
+        cells |= area
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            used = set(re.findall(r"\$(\w+)", target["expr"])) - {"__rate_interval", "__interval"}
+            assert used <= variables, f"{panel['title']}: undefined variables {used - variables}"
 
 
 # --- deploy/Dockerfile -------------------------------------------------------------------------
@@ -503,6 +532,32 @@ def test_volunteer_doc_tables_match_the_codecs() -> None:
     for row in bandwidth_rows() + disk_rows():
         assert row in doc, f"docs/volunteer.md lacks the row\n{row}"
     assert NodeConfig().keep_checkpoints == 3
+
+
+def shell_blocks(doc: str, section: str) -> list[str]:
+    """The ```sh blocks of a section of docs/volunteer.md, continuation lines joined."""
+    body = doc[doc.index(section):]
+    body = body[:body.index("\n## ", 1)] if "\n## " in body[1:] else body
+    return [line for block in re.findall(r"```sh\n(.*?)```", body, re.S)
+            for line in block.replace("\\\n", " ").splitlines()]
+
+
+def test_volunteer_compose_quick_start_is_what_the_check_runs() -> None:
+    """Every `docker compose` subcommand of the quick start is one scripts/compose_check.sh runs,
+    and every build argument the offline path passes is one the Dockerfile it builds declares."""
+    doc = VOLUNTEER.read_text()
+    checked = set(re.findall(r"\bcompose (up|stop|exec|logs|run|down|port|ps)\b", COMPOSE_CHECK.read_text()))
+    lines = shell_blocks(doc, "## Quick start with docker compose")
+    used = {m.group(1) for line in lines if (m := re.search(r"docker compose (?:--profile \w+ )?(\w+)", line))}
+    assert used and used <= checked, f"not run by compose_check.sh: {used - checked}"
+    for line in lines:
+        for dockerfile in re.findall(r"docker build -f (\S+)", line):
+            declared = {r.split("=")[0] for i, r in dockerfile_instructions(ROOT / dockerfile) if i == "ARG"}
+            passed = set(re.findall(r"--build-arg (\w+)=", line))
+            assert passed <= declared, f"{dockerfile} does not declare {passed - declared}"
+            secrets = set(re.findall(r"--secret id=(\w+)", line))
+            assert all(f"id={s}" in (ROOT / dockerfile).read_text() for s in secrets), secrets
+    assert (ROOT / "scripts" / "debian_base.sh").exists() and "scripts/debian_base.sh" in doc
 
 
 def test_volunteer_doc_names_real_commands() -> None:
