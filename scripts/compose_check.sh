@@ -61,14 +61,52 @@ compose_up=""
 say() { echo "compose_check: $*"; }
 die() { echo "compose_check: FAIL: $*" >&2; exit 1; }
 now() { date +%s.%N; }
-stage_begin() { stage_name=$1; stage_t=$(now); say "--- $1"; }
+cpu_now() {  # CPU seconds used so far by this script and its children, a dockerd it started
+  # (with containerd) and everything in docker's cgroup (containers and build steps): the wall
+  # time a stage would take on an idle machine is about this over the cores it can use
+  python3 - "$$" "$started_dockerd" <<'PY'
+import os, sys
+tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+def times(pid, children=True):
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in f[11:15 if children else 13]) / tick
+total += times(sys.argv[1])
+if sys.argv[2]:
+    total += times(sys.argv[2])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == sys.argv[2]:
+                total += times(pid)
+        except OSError:
+            pass
+for path, scale in (("/sys/fs/cgroup/cpuacct/docker/cpuacct.usage", 1e-9),):
+    try:
+        total += int(open(path).read()) * scale
+    except OSError:
+        pass
+try:
+    stat = dict(line.split() for line in open("/sys/fs/cgroup/docker/cpu.stat"))
+    total += int(stat["usage_usec"]) * 1e-6
+except (OSError, KeyError):
+    pass
+print(f"{total:.1f}")
+PY
+}
+stage_begin() { stage_name=$1; stage_t=$(now); stage_cpu=$(cpu_now); say "--- $1"; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-stage_end() { STAGES+=("$(printf '%-8s %7s s' "$stage_name" "$(since "$stage_t")")"); stage_name=""; }
+stage_end() {
+  STAGES+=("$(printf '%-8s %7s s %9s cpu-s' "$stage_name" "$(since "$stage_t")" \
+      "$(awk -v a="$stage_cpu" -v b="$(cpu_now)" 'BEGIN { printf "%.1f", b - a }')")")
+  stage_name=""
+}
 timings() {
   [ -n "$stage_name" ] && stage_end  # the stage that failed
-  echo "compose_check: stage timings"
+  echo "compose_check: stage timings (wall; CPU of the check, its dockerd and containers; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg))"
   for line in "${STAGES[@]}"; do echo "  $line"; done
-  printf '  %-8s %7s s\n' total "$(since "$t0")"
+  printf '  %-8s %7s s %9s cpu-s\n' total "$(since "$t0")" "$(awk -v a="$cpu0" -v b="$(cpu_now)" 'BEGIN { printf "%.1f", b - a }')"
 }
 
 cleanup() {
@@ -84,7 +122,9 @@ cleanup() {
   [ -n "$served_pid" ] && kill "$served_pid" 2>/dev/null && wait "$served_pid" 2>/dev/null
   if [ -n "$started_dockerd" ]; then
     kill "$started_dockerd" 2>/dev/null
-    for _ in $(seq 60); do kill -0 "$started_dockerd" 2>/dev/null || break; sleep 0.5; done
+    (sleep 60; kill -9 "$started_dockerd" 2>/dev/null) & watchdog=$!
+    wait "$started_dockerd" 2>/dev/null
+    kill "$watchdog" 2>/dev/null
     say "stopped the dockerd it started (pid $started_dockerd)"
   fi
   [ -n "$fw_saved" ] && firewall_restore
@@ -132,6 +172,7 @@ firewall_restore() {
 }
 
 # --- stage: engine ----------------------------------------------------------------------------
+cpu0=$(cpu_now)
 stage_begin engine
 missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
@@ -187,9 +228,11 @@ else
   BASE_IMAGE=$DEBIAN_BASE
   if [ "${NEURONODE_CHECK_NEW_BASE:-}" = 1 ] || ! docker image inspect "$DEBIAN_BASE" >/dev/null 2>&1; then
     say "$DEFAULT_BASE cannot be pulled: making $DEBIAN_BASE from the Debian mirror"
-    if ! command -v mmdebstrap >/dev/null && ! command -v debootstrap >/dev/null; then
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 \
-          --no-install-recommends mmdebstrap >/dev/null || die "cannot install mmdebstrap"
+    if ! command -v mmdebstrap >/dev/null; then  # twice as fast as debootstrap here
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+          -o DPkg::Lock::Timeout=600 --no-install-recommends mmdebstrap >/dev/null; } \
+          || command -v debootstrap >/dev/null \
+          || die "cannot install mmdebstrap (nor is debootstrap here)"
     fi
     bash scripts/debian_base.sh "$DEBIAN_BASE" >/dev/null || die "scripts/debian_base.sh failed"
   fi
@@ -305,12 +348,15 @@ stage_end
 # --- helpers for the swarm stages -------------------------------------------------------------
 compose() {  # docker compose for this check's project, with its short settings
   COMPOSE_PROJECT_NAME=$PROJECT NEURONODE_ROUNDS=$run_rounds NEURONODE_INNER_STEPS=$INNER_STEPS \
-  NEURONODE_RESTART=on-failure NEURONODE_HEALTH_INTERVAL=2s NEURONODE_HEALTH_TIMEOUT=60s \
+  NEURONODE_RESTART=on-failure NEURONODE_HEALTH_INTERVAL=5s NEURONODE_HEALTH_TIMEOUT=60s \
   NEURONODE_STOP_GRACE=120s \
   NEURONODE_BASE_IMAGE=$BASE_IMAGE \
     "${COMPOSE[@]}" --profile monitoring "$@"
 }
-container() { compose ps -q "$1"; }
+container() {  # SERVICE: its container (docker's labels: cheaper than a docker-compose run)
+  docker ps -aq --filter "label=com.docker.compose.project=$PROJECT" \
+      --filter "label=com.docker.compose.service=$1" --filter "label=com.docker.compose.oneoff=False"
+}
 wait_healthy() {  # services...
   local deadline=$(( $(date +%s) + 600 )) svc cid state
   for svc in "$@"; do
@@ -338,8 +384,8 @@ in_each_node() {  # NAME COMMAND: COMMAND NODE for every node at once, into $wor
 live_status() { compose exec -T "$1" neuronode status --peer 127.0.0.1:7420 --json; }
 disk_status() { compose run --rm --no-deps -T "$1" status --data-dir /data --json; }  # its volume
 field() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$work/$1-$2.json" "$3"; }
-metrics_round() {  # NODE: its completed rounds, from its metrics port published on 127.0.0.1
-  python3 - "$(compose port "$1" 9400 | sed 's/.*://')" <<'PY'
+metrics_round() {  # PORT: completed rounds, from a node's metrics port published on 127.0.0.1
+  python3 - "$1" <<'PY'
 import sys, urllib.request
 try:
     text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
@@ -425,15 +471,16 @@ stage_end
 
 # --- stage: stop ------------------------------------------------------------------------------
 stage_begin stop
-declare -A REACHED
+declare -A REACHED PORT
+for node in "${NODES[@]}"; do PORT[$node]=$(compose port "$node" 9400 | sed 's/.*://'); done
 deadline=$(( $(date +%s) + 600 ))
 for node in "${NODES[@]}"; do
-  until [ "$(metrics_round "$node")" -ge $STOP_AT ]; do
+  until [ "$(metrics_round "${PORT[$node]}")" -ge $STOP_AT ]; do
     [ "$(date +%s)" -lt $deadline ] || die "$node did not finish $STOP_AT rounds in 10 minutes"
     sleep 1
   done
 done
-for node in "${NODES[@]}"; do REACHED[$node]=$(metrics_round "$node"); done
+for node in "${NODES[@]}"; do REACHED[$node]=$(metrics_round "${PORT[$node]}"); done
 compose stop "${NODES[@]}" > "$work/stop.log" 2>&1 || die "docker compose stop failed"
 for node in "${NODES[@]}"; do
   code=$(docker inspect -f '{{.State.ExitCode}}' "$(container "$node")")

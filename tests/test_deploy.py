@@ -202,7 +202,7 @@ def test_compose_one_bootstrap_and_the_others_join_it() -> None:
 
 # What scripts/compose_check.sh sets to run a short swarm (its compose() function).
 SHORT = {"NEURONODE_ROUNDS": "6", "NEURONODE_INNER_STEPS": "5", "NEURONODE_RESTART": "on-failure",
-         "NEURONODE_HEALTH_INTERVAL": "2s", "NEURONODE_HEALTH_TIMEOUT": "60s", "NEURONODE_STOP_GRACE": "120s",
+         "NEURONODE_HEALTH_INTERVAL": "5s", "NEURONODE_HEALTH_TIMEOUT": "60s", "NEURONODE_STOP_GRACE": "120s",
          "NEURONODE_BASE_IMAGE": "neuronode-base:bookworm"}
 
 
@@ -218,7 +218,7 @@ def test_compose_settings_from_the_environment_reach_every_node() -> None:
         assert short[name]["restart"] == "on-failure", f"{name}: a node done with its rounds must stay down"
         assert default[name]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim", name
         assert short[name]["build"]["args"]["BASE_IMAGE"] == "neuronode-base:bookworm", name
-        assert short[name]["healthcheck"] == {"interval": "2s", "timeout": "60s"}, name
+        assert short[name]["healthcheck"] == {"interval": "5s", "timeout": "60s"}, name
         assert default[name]["stop_grace_period"] == "30s", name  # = the unit's TimeoutStopSec
     prometheus = load_compose(SHORT)["services"]["prometheus"]["build"]
     assert prometheus["args"]["BASE_IMAGE"] == "neuronode-base:bookworm", "one base for every image"
