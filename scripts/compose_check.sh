@@ -31,15 +31,16 @@
 # BuildKit secret; neither stays in the image. When the find-links hold a torch wheel, torch
 # comes from there, else from https://download.pytorch.org/whl/cpu (NEURONODE_TORCH_INDEX_URL).
 #
-# Settings: NEURONODE_BASE_IMAGE (skip the base stage), NEURONODE_CHECK_ROUNDS (6),
-# NEURONODE_CHECK_INNER_STEPS (5), NEURONODE_CHECK_PROJECT (neuronode-check),
+# Settings: NEURONODE_BASE_IMAGE (skip the base stage), NEURONODE_CHECK_ROUNDS (5),
+# NEURONODE_CHECK_INNER_STEPS (10), NEURONODE_CHECK_PROJECT (neuronode-check),
 # NEURONODE_CHECK_NEW_BASE=1 (rebuild the Debian base even if one is cached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PROJECT=${NEURONODE_CHECK_PROJECT:-neuronode-check}
-ROUNDS=${NEURONODE_CHECK_ROUNDS:-6}
-INNER_STEPS=${NEURONODE_CHECK_INNER_STEPS:-5}
+ROUNDS=${NEURONODE_CHECK_ROUNDS:-5}
+# Ten inner steps: the stop (docker compose stop) must land while the nodes train (stage stop).
+INNER_STEPS=${NEURONODE_CHECK_INNER_STEPS:-10}
 STOP_AT=2                          # stop the swarm once every node finished this many rounds
 DEFAULT_BASE=python:3.11-slim
 DEBIAN_BASE=neuronode-base:bookworm
@@ -183,7 +184,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" = 0 ] || die "no Docker engine: install ${missing[*]} (needs root; this script installs them as root)"
   say "installing ${missing[*]} from Debian"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-          -o DPkg::Lock::Timeout=600 --no-install-recommends "${missing[@]}" >/dev/null; }; then
+          -o DPkg::Lock::Timeout=600 --no-install-recommends "${missing[@]}" > "$work/apt.log" 2>&1; }; then
+    tail -20 "$work/apt.log" >&2
     die "apt-get install ${missing[*]} failed: no Docker engine"
   fi
 fi
@@ -230,7 +232,7 @@ else
     say "$DEFAULT_BASE cannot be pulled: making $DEBIAN_BASE from the Debian mirror"
     if ! command -v mmdebstrap >/dev/null; then  # twice as fast as debootstrap here
       { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-          -o DPkg::Lock::Timeout=600 --no-install-recommends mmdebstrap >/dev/null; } \
+          -o DPkg::Lock::Timeout=600 --no-install-recommends mmdebstrap > "$work/apt.log" 2>&1; } \
           || command -v debootstrap >/dev/null \
           || die "cannot install mmdebstrap (nor is debootstrap here)"
     fi
@@ -384,16 +386,6 @@ in_each_node() {  # NAME COMMAND: COMMAND NODE for every node at once, into $wor
 live_status() { compose exec -T "$1" neuronode status --peer 127.0.0.1:7420 --json; }
 disk_status() { compose run --rm --no-deps -T "$1" status --data-dir /data --json; }  # its volume
 field() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$work/$1-$2.json" "$3"; }
-metrics_round() {  # PORT: completed rounds, from a node's metrics port published on 127.0.0.1
-  python3 - "$1" <<'PY'
-import sys, urllib.request
-try:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
-except OSError:
-    text = ""
-print(next((int(float(l.split()[-1])) for l in text.splitlines() if l.startswith("neuronode_rounds_total ")), -1))
-PY
-}
 
 # --- stage: up --------------------------------------------------------------------------------
 # First run without a last round, so no node ends before the check stops it.
@@ -470,18 +462,35 @@ fi
 stage_end
 
 # --- stage: stop ------------------------------------------------------------------------------
+# The stop lands while every node trains: right when the last of them finished round STOP_AT (or
+# a later one), all at the same round. A stop while the nodes average can leave one node a round
+# ahead of the others, and the swarm then splits for rounds (see the report of issue 30), which
+# is not what this check is about.
 stage_begin stop
-declare -A REACHED PORT
-for node in "${NODES[@]}"; do PORT[$node]=$(compose port "$node" 9400 | sed 's/.*://'); done
-deadline=$(( $(date +%s) + 600 ))
-for node in "${NODES[@]}"; do
-  until [ "$(metrics_round "${PORT[$node]}")" -ge $STOP_AT ]; do
-    [ "$(date +%s)" -lt $deadline ] || die "$node did not finish $STOP_AT rounds in 10 minutes"
-    sleep 1
-  done
-done
-for node in "${NODES[@]}"; do REACHED[$node]=$(metrics_round "${PORT[$node]}"); done
+ports=()
+for node in "${NODES[@]}"; do ports+=("$(compose port "$node" 9400 | sed 's/.*://')"); done
+python3 - "$STOP_AT" "${ports[@]}" > "$work/reached" <<'PY' || die "the nodes did not all finish $STOP_AT rounds in 10 minutes"
+import sys, time, urllib.request
+stop_at, ports = int(sys.argv[1]), sys.argv[2:]
+def rounds(port):
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return -1
+    return next((int(float(l.split()[-1])) for l in text.splitlines() if l.startswith("neuronode_rounds_total ")), -1)
+deadline = time.monotonic() + 600
+while time.monotonic() < deadline:
+    now = [rounds(p) for p in ports]
+    if min(now) >= stop_at and len(set(now)) == 1:
+        print(" ".join(map(str, now)))
+        raise SystemExit(0)
+    time.sleep(0.2)
+raise SystemExit(1)
+PY
 compose stop "${NODES[@]}" > "$work/stop.log" 2>&1 || die "docker compose stop failed"
+read -r -a reached < "$work/reached"
+declare -A REACHED
+for i in "${!NODES[@]}"; do REACHED[${NODES[$i]}]=${reached[$i]}; done
 for node in "${NODES[@]}"; do
   code=$(docker inspect -f '{{.State.ExitCode}}' "$(container "$node")")
   [ "$code" = 0 ] || die "$node exited $code on docker compose stop (want 0: a clean leave)"
