@@ -78,6 +78,12 @@ def neuronode_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "neuronode.cli", *args]
 
 
+def torchrun(processes: int) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m neuronode`: one member of N processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            "-m", "neuronode"]
+
+
 def run_neuronode(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     """`neuronode ARGS` in a fresh process; its exit status and captured output."""
     return subprocess.run(neuronode_cmd(*args), capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -85,10 +91,13 @@ def run_neuronode(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedPr
 
 class Node:
     """One `neuronode start` process with its own data dir, port and log file, forked from the
-    warm server (`cold=True`: a fresh `python -m neuronode.cli` process instead)."""
+    warm server (`cold=True`: a fresh `python -m neuronode.cli` process instead; `command`: a
+    fresh process of that command, e.g. `torchrun(2)`)."""
 
-    def __init__(self, tmp: Path, name: str, *extra: str, port: int | None = None, cold: bool = False) -> None:
-        self.cold = cold
+    def __init__(self, tmp: Path, name: str, *extra: str, port: int | None = None, cold: bool = False,
+                 command: Sequence[str] = ()) -> None:
+        self.cold = cold or bool(command)
+        self.command = list(command) or neuronode_cmd()
         self.name = name
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -107,7 +116,7 @@ class Node:
             return self
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it until exit
-        self.proc = subprocess.Popen(neuronode_cmd(*args), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([*self.command, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         return self
 

@@ -25,6 +25,7 @@ from neuronode.events import fields
 from neuronode.node import checkpoint
 from neuronode.node.catchup import CatchUp
 from neuronode.node.console import Progress, attach_progress, progress_line
+from neuronode.node.member import MemberLost
 from neuronode.node.metrics import Metrics, Snapshot
 from neuronode.node.pools import Pools
 from neuronode.node.rounds import Rounds
@@ -74,7 +75,7 @@ class Daemon:
             raise CheckpointError(
                 f"checkpoint {loaded.path} is for another model (different task or size flags); "
                 "use another --data-dir or the flags it was made with")
-        self.trainer.load_state_dict(loaded.state)
+        self.trainer.load_state_dict(loaded.state, path=str(loaded.path))
         if "feedback" in loaded.state:  # error feedback belongs to the encoder (its own thread)
             self.pools.encode.submit(self.encoder.load_state_dict, loaded.state["feedback"]).result()
         self.restored_meta = loaded.meta
@@ -118,7 +119,12 @@ class Daemon:
             while not stopped.is_set() and not rounds.finished():
                 if not await rounds.one(stopped):
                     break
+            if self.stop_flag.is_set():  # another rank of our member was told to stop
+                request_stop()
             await rounds.flush(stopped)
+        except MemberLost:
+            request_stop()  # at once: our peers must not wait for a member that lost a process
+            raise
         finally:
             await rounds.cancel_pending()
             await self.shutdown(stopped)
@@ -222,8 +228,10 @@ class Daemon:
             "round": self.state.round, "phase": self.state.phase.value, "param_digest": self.state.param_digest,
             "loss": finite_or(self.trainer.loss), "val_loss": finite_or(self.trainer.val_loss),
             "last_round_contributors": len(contributors), "last_round_contributor_ids": contributors,
-            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": self.trainer.tokens_per_s,
+            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": sum(self.trainer.rank_tokens_per_s),
             "utilization": rounds.utilization if rounds is not None else 0.0,
+            "local_workers": self.trainer.local_workers, "rank_tokens_per_s": self.trainer.rank_tokens_per_s,
+            "rank_param_digests": list(self.trainer.rank_digests) or [self.state.param_digest],
         }
 
     def metrics_snapshot(self) -> Snapshot:
@@ -232,7 +240,8 @@ class Daemon:
         sent, received, refusals = swarm.traffic() if swarm is not None else ({}, {}, {})
         return Snapshot(
             rounds=self.state.round, inner_steps=self.engine.inner_steps_total,
-            loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=self.trainer.tokens_per_s,
+            loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=status["tokens_per_s"],
+            local_workers=status["local_workers"], rank_tokens_per_s=status["rank_tokens_per_s"],
             contributors=status["last_round_contributors"], utilization=status["utilization"],
             peers_alive=swarm.alive_count() if swarm is not None else 0,
             bytes_sent=sent, bytes_received=received, refusals=refusals,
@@ -248,9 +257,14 @@ class Daemon:
         before."""
         assert self.swarm is not None
         await self.flush_checkpoint()
+        try:  # first: in a member it collects every rank's stream position and digest
+            state = await self.pools.run(self.pools.train, self.trainer.state_dict)
+        except MemberLost as exc:
+            logger.warning("no checkpoint: %s (a restart resumes from the last one)", exc,
+                           extra=fields("checkpoint_skipped", reason=str(exc)))
+            return
         meta = {**self.status(), **self.swarm.snapshot(), "phase": NodePhase.STOPPED.value,
                 "manifest_hash": self.engine.manifest_hash(), "saved_at": time.time()}
-        state = await self.pools.run(self.pools.train, self.trainer.state_dict)
         feedback = await self.pools.run(self.pools.encode, self.encoder.state_dict)
         if feedback is not None:
             state["feedback"] = feedback  # where release 0.1 kept it: its checkpoints load as ever
