@@ -43,10 +43,11 @@ def running(pid: int) -> bool:
 
 
 def test_torchrun_member_and_single_process_end_with_one_digest(tmp_path: Path) -> None:
-    """torchrun's 2 processes are one member: both rounds' averages count it once, weighing twice
+    """torchrun's 2 processes are one member: every round's average counts it once, weighing twice
     the samples of the single process; its two ranks end with the swarm's digest, each on its
-    own data stream, both positions in the checkpoint."""
-    args = (*SMALL, "--rounds", "3", "--min-peers", "2", "--sync-timeout", "60")
+    own data stream, both positions in the checkpoint. (--overlap and a lossy codec with error
+    feedback: what rank 0 sends the other rank includes the look-ahead start.)"""
+    args = (*SMALL, "--rounds", "3", "--min-peers", "2", "--sync-timeout", "60", "--overlap", "--codec", "int8")
     a = Node(tmp_path, "a", *args, "--node-id", "a")
     m = Node(tmp_path, "m", *args, "--node-id", "m", "--peers", a.address, command=torchrun(2))
     run_to_end([a, m], timeout_s=300)

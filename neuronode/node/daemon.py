@@ -224,13 +224,14 @@ class Daemon:
         """Daemon-side status fields (the swarm adds peers, bytes and agreement)."""
         rounds = self.rounds
         contributors = rounds.last_contributors if rounds is not None and rounds.last_contributors else self.last_contributors
+        rates = self.trainer.rank_tokens_per_s  # one read: the training thread updates them
         return {
             "round": self.state.round, "phase": self.state.phase.value, "param_digest": self.state.param_digest,
             "loss": finite_or(self.trainer.loss), "val_loss": finite_or(self.trainer.val_loss),
             "last_round_contributors": len(contributors), "last_round_contributor_ids": contributors,
-            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": sum(self.trainer.rank_tokens_per_s),
+            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": sum(rates),
             "utilization": rounds.utilization if rounds is not None else 0.0,
-            "local_workers": self.trainer.local_workers, "rank_tokens_per_s": self.trainer.rank_tokens_per_s,
+            "local_workers": self.trainer.local_workers, "rank_tokens_per_s": rates,
             "rank_param_digests": list(self.trainer.rank_digests) or [self.state.param_digest],
         }
 

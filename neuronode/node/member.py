@@ -66,7 +66,7 @@ class Member:
     local_rank: int
     device: str  # what this rank trains on: "cpu", or "cuda:<local rank>"
     control: Any = None  # a gloo group of all ranks: commands, the step agreement, reports
-    broken: bool = False
+    broken: str = ""  # why the member cannot go on (a rank failed or is gone), once it cannot
     restarts: int = 0  # how often the launcher restarted the member (TORCHELASTIC_RESTART_COUNT)
     rates: list[float] = field(default_factory=list)  # each rank's tokens/s, at the last step agreed
 
@@ -112,14 +112,13 @@ class Member:
     def guarded(self) -> Iterator[None]:
         """Collectives between the ranks: a failure means a rank is gone, and the member with it."""
         if self.broken:
-            raise MemberLost("a process of this member is gone; the member stops")
+            raise MemberLost(self.broken)
         try:
             yield
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError too) are RuntimeErrors
-            self.broken = True
             first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-            raise MemberLost(f"rank {self.rank}: a process of this member failed or is gone ({first}); "
-                             "the member stops") from exc
+            self.broken = f"rank {self.rank}: a process of this member failed or is gone ({first}); the member stops"
+            raise MemberLost(self.broken) from exc
 
     def command(self, op: str, payload: dict[str, Any]) -> None:
         """Rank 0: tell the other ranks what comes next."""
@@ -150,6 +149,19 @@ class Member:
         table = torch.stack(everyone)  # (world, 3)
         self.rates = table[:, 2].tolist()
         return bool(table[:, 0].any()), bool(table[:, 1].any())
+
+    def check_equal(self, value: float, *, what: str) -> None:
+        """Every rank's `value` is the same (its weights after a round: DistributedDataParallel
+        averages every step's gradients, so they are bit-identical), or the member stops."""
+        import torch.distributed as dist
+
+        everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
+        with self.guarded():
+            dist.all_gather(everyone, torch.tensor([value], dtype=torch.float64), group=self.control)
+        if len({float(v) for v in everyone}) > 1:
+            self.broken = (f"the {what} of this member's processes differ after the round (the gradients "
+                           "were not averaged: does the task's loss_fn call the model it is given?)")
+            raise MemberLost(self.broken)
 
     def gather(self, report: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's report, in rank order, at rank 0 (the others get [])."""

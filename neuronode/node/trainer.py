@@ -157,6 +157,10 @@ class Trainer:
             self.tokens_per_s = tokens / max(time.perf_counter() - t0, 1e-9)
             if on_step is not None:
                 on_step(self)
+        if self.member is not None and done:
+            with torch.no_grad():
+                total = torch.stack([p.detach().double().sum() for p in self.engine.model.parameters()]).sum()
+            self.member.check_equal(float(total), what="working weights")
         return done
 
     def agree(self, stop: bool, time_up: bool) -> tuple[bool, bool]:
