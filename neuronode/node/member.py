@@ -94,8 +94,12 @@ class Member:
                                   "one process per GPU (--local-workers or --nproc-per-node)")
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=attempt_store(environ),
-                                rank=rank, world_size=world)
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # one machine: loopback only
+            if variable not in os.environ and (lo := loopback_interface()):
+                os.environ[variable] = lo
+        cuda = device.startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo", store=attempt_store(environ), rank=rank, world_size=world,
+                                device_id=torch.device(device) if cuda else None)
         member = cls(rank=rank, world=world, local_rank=local_rank, device=device,
                      restarts=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rates=[0.0] * world)
         member.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -199,6 +203,17 @@ class Member:
             return loss_fn(ddp, batch)
 
         return loss
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface ("lo" on Linux), or "" if none is found."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return ""
+    return next((name for name in names if name.startswith("lo")), "")
 
 
 def attempt_store(environ: Mapping[str, str]) -> Any:
