@@ -8,6 +8,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -151,6 +152,15 @@ class Node:
         if out.returncode != 0:
             raise RuntimeError(f"status of {self.name} failed: {out.stderr.strip()}")
         return dict(json.loads(out.stdout))
+
+
+def stop(node: Node, *, within_s: float) -> None:
+    """SIGTERM `node`: it exits 0 within `within_s` seconds (a failure shows its log tail)."""
+    assert node.proc is not None
+    sent = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.wait(within_s) == 0, f"{node.name}:\n{node.log()[-4000:]}"
+    assert time.monotonic() - sent < within_s
 
 
 def finish(nodes: Sequence[Node], timeout_s: float = 400) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Node, poll, run_to_end, torchrun
+from helpers import Node, poll, run_to_end, stop, torchrun
 
 from neuronode.node import checkpoint
 from neuronode.node.status import from_peer
@@ -95,15 +95,9 @@ def test_rank_killed_member_restarts_then_sigterm_stops_it(tmp_path: Path) -> No
         assert done(m)[rejoined_at]["param_digest"] == done(a)[rejoined_at]["param_digest"]
 
         before = max(done(a))
-        assert m.proc is not None
-        stopping = time.monotonic()
-        m.proc.send_signal(signal.SIGTERM)
-        assert m.wait(10) == 0, m.log()[-3000:]
-        assert time.monotonic() - stopping < 10
+        stop(m, within_s=10)
         poll("a's next round", lambda: max(done(a)) > before, timeout_s=60)
-        assert a.proc is not None
-        a.proc.send_signal(signal.SIGTERM)
-        assert a.wait(20) == 0
+        stop(a, within_s=20)
     finally:
         for node in (a, m):
             node.kill()
