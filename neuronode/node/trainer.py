@@ -291,12 +291,16 @@ class Trainer:
         if member is None or not member.leader:
             return
         eng = self.engine
+        # The working weights are θ_g after an outer step or an adopted state; only the --overlap
+        # look-ahead starts a round elsewhere, and only then do they travel too.
         counters = {"round": eng.round, "inner_steps_total": eng.inner_steps_total,
-                    "steps_this_round": eng.steps_this_round, "samples_this_round": eng.samples_this_round}
+                    "steps_this_round": eng.steps_this_round, "samples_this_round": eng.samples_this_round,
+                    "working": eng.start_offset is not None}
         member.command(op, {**payload, "state": counters if self.moved else None})
         if self.moved:  # (θ_g changes on this thread only: no lock to read it here)
             member.broadcast(eng.flat_global())
-            member.broadcast(parameters_to_vector(eng.model.parameters()))
+            if counters["working"]:
+                member.broadcast(parameters_to_vector(eng.model.parameters()))
             self.moved = False
 
     def follow(self, payload: dict[str, Any]) -> None:
@@ -307,14 +311,17 @@ class Trainer:
         eng = self.engine
         flat = torch.empty(eng.num_elements, dtype=torch.float32)
         self.member.broadcast(flat)
-        working = parameters_to_vector(eng.model.parameters()).detach()
-        self.member.broadcast(working)
-        with self.global_lock, torch.no_grad():
-            eng.load_flat_global(flat)
-            start = 0
-            for param in eng.model.parameters():  # in place: DDP and AdamW hold these tensors
-                param.copy_(working[start:start + param.numel()].view_as(param))
-                start += param.numel()
+        with self.global_lock:
+            eng.load_flat_global(flat)  # the working weights too
+        if counters["working"]:
+            working = parameters_to_vector(eng.model.parameters()).detach()
+            self.member.broadcast(working)
+            with torch.no_grad():
+                start = 0
+                for param in eng.model.parameters():  # in place: DDP and AdamW hold these tensors
+                    param.copy_(working[start:start + param.numel()].view_as(param))
+                    start += param.numel()
+        with self.global_lock:
             eng.round, eng.inner_steps_total = counters["round"], counters["inner_steps_total"]
             eng.steps_this_round, eng.samples_this_round = counters["steps_this_round"], counters["samples_this_round"]
             self.param_digest = eng.param_digest()
