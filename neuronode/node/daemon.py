@@ -95,6 +95,8 @@ class Daemon:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, request_stop)
+        if self.stop_flag.is_set():  # a signal while we started up (run_daemon)
+            request_stop()
         self.state.start(self.engine.round, await self.pools.run(self.pools.train, self.engine.param_digest))
         if self.engine.round == 0:
             await self.pools.run(self.pools.train, self.trainer.validate)

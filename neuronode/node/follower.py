@@ -18,12 +18,14 @@ from neuronode.node.trainer import Trainer
 logger = logging.getLogger(__name__)
 
 
-def run_follower(cfg: NodeConfig, *, member: Member, node_id: str) -> int:
+def run_follower(cfg: NodeConfig, *, member: Member) -> int:
     """Follow rank 0's commands until it says stop; 0 then. A rank that fails or is gone raises
     MemberLost (exit status 1), so the launcher's agent stops or restarts the member."""
     stop = threading.Event()  # a signal to this rank: agreed with the others at the next step
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    _, start = member.receive()  # rank 0's node id: the member's data streams derive from it
+    node_id = start["node_id"]
     trainer = Trainer(cfg, node_id=node_id, member=member)
     logger.info("rank %d of member %s ready (pid %d)", member.rank, node_id, os.getpid(),
                 extra=fields("rank_ready", rank=member.rank, local_workers=member.world, pid=os.getpid(),

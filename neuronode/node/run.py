@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,13 +38,24 @@ def run_daemon(cfg: NodeConfig) -> int:
         from neuronode.node.follower import run_follower
 
         setup_logging(cfg.log_format, cfg.log_level)
-        _, start = member.receive()  # rank 0's node id: the member's data streams derive from it
-        return run_follower(cfg, member=member, node_id=start["node_id"])
+        return run_follower(cfg, member=member)
     cfg.check_exposure()
     data_dir = check_data_dir(cfg.data_dir)
     setup_logging(cfg.log_format, cfg.log_level)
     key = NodeKey.load_or_create(data_dir)
     node_id = tls_node_id(cfg) or cfg.node_id or load_or_create_node_id(data_dir, key)
+    stop = threading.Event()  # a signal while we start up stops the daemon as soon as it runs
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run_node(cfg, member=member, node_id=node_id, key=key, data_dir=data_dir, stop=stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_node(cfg: NodeConfig, *, member: Member | None, node_id: str, key: NodeKey, data_dir: Path,
+             stop: threading.Event) -> int:
+    """Rank 0 (or the one process): build the trainer and the daemon, resume, run."""
     from neuronode.node.daemon import Daemon
     from neuronode.node.trainer import Trainer
 
@@ -60,6 +73,7 @@ def run_daemon(cfg: NodeConfig) -> int:
             else "protected mode, serving loopback callers only")
     daemon = Daemon(cfg, trainer=trainer, node_id=node_id, data_dir=data_dir)
     daemon.security = build_security(cfg, node_id, key)
+    daemon.stop_flag = stop
     daemon.restore()
     code = run_async(daemon.run)
     if member is not None:  # (after a failure the others stop on their own: their rank 0 is gone)
