@@ -104,7 +104,8 @@ def test_rank_killed_member_restarts_then_sigterm_stops_it(tmp_path: Path) -> No
     outage = [e for e in a.events("round_done") if e["ts"] > killed_ts and "m" not in e["contributors"]]
     assert outage and all(e["sync_s"] < sync_timeout for e in outage), outage
     assert done(a)[before + 1]["sync_s"] < sync_timeout / 2  # m said it left: no deadline waited
-    assert m.status()["round"] >= rejoined_at  # the checkpoint of the stop
+    final = m.status()  # the checkpoint of the stop: the swarm's digest at that round
+    assert final["round"] >= rejoined_at and final["param_digest"] == done(a)[final["round"]]["param_digest"]
     first, second = streams(m)
     assert first["batches_drawn"] == second["batches_drawn"]  # both ranks stopped at one step
     (stopped,) = [e for e in m.events("rank_stopped")]
