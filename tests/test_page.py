@@ -185,6 +185,16 @@ def test_compose_publishes_each_nodes_page_on_this_machine_only() -> None:
     assert len({p[0] for p in published.values()}) == len(published)  # one host port per node
 
 
+def test_volunteer_doc_shows_the_page_and_how_to_open_it() -> None:
+    docs = Path(__file__).parent.parent / "docs"
+    text = (docs / "volunteer.md").read_text()
+    assert "](img/page.png)" in text and (docs / "img" / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (docs / "img" / "page.png").stat().st_size < 200_000
+    for needle in ("--metrics-port 9400", "http://localhost:9400/", "/api/status", "/api/history",
+                   "--page-show-addresses", "http://localhost:9401/"):
+        assert needle in text, needle
+
+
 # ---- the HTTP server, and the page in a browser on hostile data ------------------------------
 
 # Markup and script in every field a peer can name: shown as text, it is harmless.
@@ -251,6 +261,9 @@ def test_server_is_read_only_and_reflects_nothing(page_server: tuple[str, dict[s
     documents["/api/status"] = {"round": 1, "loss": 2.0}
     status, headers, body = get(base + "/api/status")
     assert status == 200 and headers["Content-Type"] == "application/json" and json.loads(body) == {"round": 1, "loss": 2.0}
+    documents["/api/history"] = 5  # a reader that fails: 500, the details in the node's log only
+    status, _, body = get(base + "/api/history")
+    assert status == 500 and json.loads(body) == {"error": "see the node's log"}
     for method in ("POST", "PUT", "DELETE"):
         status, headers, _ = get(base + "/api/status", method=method)
         assert status == 405 and headers["Allow"] == "GET, HEAD"
@@ -356,9 +369,14 @@ def test_page_of_a_two_node_swarm_in_a_browser(tmp_path: Path) -> None:
         assert dom.by_id("digest").text == cli["param_digest"]
         assert [li.attrs["data-code"] for li in dom.by_id("warning-list").find_all("li")] == ["min_peers"]
 
-        # The history is in the data dir, for the next start.
-        assert [r.round for r in History.load(a.data_dir).records()] == list(range(1, ROUNDS + 1))
+        # The history is in the data dir: a restart keeps the curves.
         assert a.proc is not None
+        a.proc.send_signal(signal.SIGTERM)
+        assert a.wait(60) == 0, a.log()[-3000:]
+        a.start()
+        again = poll("a's page after a restart", lambda: api(port, "/api/history")["rounds"], timeout_s=60,
+                     context=lambda: a.log()[-3000:])
+        assert again == history
         a.proc.send_signal(signal.SIGTERM)
         assert a.wait(60) == 0, a.log()[-3000:]
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -20,6 +21,8 @@ from importlib import resources
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+logger = logging.getLogger(__name__)
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 Source = Callable[[], dict[str, Any]]  # a JSON document, read when asked
@@ -64,6 +67,9 @@ class PageApp:
                 document = self.api[path]()
             except Unavailable as exc:
                 return self.json(start_response, "503 Service Unavailable", {"error": str(exc)})
+            except Exception:
+                logger.exception("the status page's %s failed", path)
+                return self.json(start_response, "500 Internal Server Error", {"error": "see the node's log"})
             return self.json(start_response, "200 OK", document)
         return self.reply(start_response, "404 Not Found", b"not found: try /, /api/status, /api/history or /metrics\n",
                           "text/plain; charset=utf-8")

@@ -6,7 +6,7 @@
 (function () {
   const SVG_NS = "http://www.w3.org/2000/svg";
   const REFRESH_MS = 5000;
-  const CHART = { width: 480, height: 220, left: 62, right: 14, top: 14, bottom: 34 };
+  const CHART = { width: 480, height: 232, left: 62, right: 14, top: 30, bottom: 34 };  // legend above the plot
 
   // ---- building blocks -------------------------------------------------------------------
 
@@ -275,9 +275,9 @@
       }
       svg.appendChild(group);
       const legend = svgEl("g", { class: "legend series-" + s.key });
-      const lx = left + 8 + index * 130;
-      legend.appendChild(svgEl("rect", { x: lx, y: top, width: 10, height: 10 }));
-      legend.appendChild(svgEl("text", { x: lx + 14, y: top + 9 }, s.label));
+      const lx = left + index * 130;
+      legend.appendChild(svgEl("rect", { x: lx, y: 4, width: 10, height: 10 }));
+      legend.appendChild(svgEl("text", { x: lx + 14, y: 13 }, s.label));
       svg.appendChild(legend);
     });
   }
