@@ -242,9 +242,10 @@ def page_server() -> Iterator[tuple[str, dict[str, Any]]]:
         server.server_close()
 
 
-def get(url: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+def get(url: str, method: str = "GET", host: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, method=method, headers={"Host": host} if host else {})
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=10) as resp:
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as err:
         return err.code, dict(err.headers), err.read()
@@ -267,6 +268,12 @@ def test_server_is_read_only_and_reflects_nothing(page_server: tuple[str, dict[s
     for method in ("POST", "PUT", "DELETE"):
         status, headers, _ = get(base + "/api/status", method=method)
         assert status == 405 and headers["Allow"] == "GET, HEAD"
+    # A name pointed at 127.0.0.1 by someone else's web page (DNS rebinding) reads nothing.
+    port = base.rsplit(":", 1)[1]
+    for host, code in ((f"evil.example:{port}", 421), (f"localhost:{port}", 200), (f"127.0.0.1:{port}", 200),
+                       (f"[::1]:{port}", 200), ("10.1.2.3", 200)):
+        assert [get(base + path, host=host)[0] for path in ("/", "/api/status")] == [code, code], host
+    assert get(base + "/metrics", host=f"evil.example:{port}")[0] == 200  # Prometheus scrapes by service name
     status, _, body = get(base + "/%3Cscript%3Ealert(1)%3C/script%3E?x=%3Cb%3E")
     assert status == 404 and b"script" not in body and b"<b>" not in body
     # The script never parses data as markup (what the browser test below shows, checked at the source).

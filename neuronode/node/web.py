@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
 import json
 import logging
 import socket
@@ -59,6 +60,10 @@ class PageApp:
                               "text/plain; charset=utf-8", [("Allow", "GET, HEAD")])
         if path == "/metrics":
             return self.metrics(environ, start_response)
+        if not host_allowed(environ.get("HTTP_HOST", "")):
+            return self.reply(start_response, "421 Misdirected Request",
+                              b"open this page at an IP address or localhost, not a host name\n",
+                              "text/plain; charset=utf-8")
         if path in self.files:
             body, kind = self.files[path]
             return self.reply(start_response, "200 OK", body, kind, [("Cache-Control", "no-cache")])
@@ -84,6 +89,25 @@ class PageApp:
         start_response(status, [("Content-Type", kind), ("Content-Length", str(len(body))),
                                 *SECURITY_HEADERS, *(extra or [])])
         return [body]
+
+
+def host_allowed(host_header: str) -> bool:
+    """The page answers requests for an IP address or localhost only: a web page elsewhere that
+    points a name of its own at 127.0.0.1 (DNS rebinding) cannot read the node's data through
+    the visitor's browser. No Host header (not a browser) is fine."""
+    if not host_header:
+        return True
+    if host_header.startswith("["):  # [IPv6]:port
+        host = host_header[1:].partition("]")[0]
+    else:
+        host = host_header.rpartition(":")[0] if ":" in host_header else host_header
+    if host.lower() == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class Unavailable(Exception):
