@@ -59,9 +59,10 @@ def member_rows(table: PeerTable, own: dict[str, Any], *, own_digests: dict[int,
     no longer know. `recent` are the newest history records with contributor ids; each row says
     whether that member's contribution counted in them."""
     now = table.clock.now()
+    contributors = [set(r.contributor_ids) for r in recent]
 
     def counted(node_id: str) -> list[bool]:
-        return [node_id in r.contributor_ids for r in recent]
+        return [node_id in ids for ids in contributors]
 
     rows = [{
         "node_id": own["node_id"], "self": True, "address": own.get("advertise", ""),
