@@ -156,7 +156,7 @@ class Page:
 
     def history_json(self) -> dict[str, Any]:
         """`/api/history`: the node's per-round records, oldest first."""
-        return json_safe({"node_id": self.cfg.node_id or self.swarm.cfg.node_id,
+        return json_safe({"node_id": self.swarm.cfg.node_id,
                           "rounds": [r.to_json() for r in self.history.records()]})
 
 
