@@ -210,7 +210,8 @@ class Daemon:
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, max_relay_mbps=self.cfg.relay_mbps(),
             round_lag=2 if self.cfg.overlap else 1,
-            settings=Settings.from_config(self.cfg), max_ids_per_host=self.cfg.max_ids_per_host,
+            settings=Settings.from_config(self.cfg, task=tuple(self.trainer.task.settings.items())),
+            max_ids_per_host=self.cfg.max_ids_per_host,
             reachable=self.cfg.reachable,
         )
 
@@ -224,6 +225,8 @@ class Daemon:
             "last_round_contributors": len(contributors), "last_round_contributor_ids": contributors,
             "inner_steps": self.engine.inner_steps_total, "tokens_per_s": self.trainer.tokens_per_s,
             "utilization": rounds.utilization if rounds is not None else 0.0,
+            "task": self.cfg.task, "n_params": self.trainer.n_params,
+            "task_settings": dict(self.trainer.task.settings), **self.trainer.data_progress(),
         }
 
     def metrics_snapshot(self) -> Snapshot:

@@ -86,6 +86,13 @@ class Task:
     validate: Callable[[nn.Module], float] | None = None
     samples_per_batch: int = 1
     tokens_per_batch: int = 0  # for tokens/s display; 0 = unknown
+    # What every node of a swarm must run alike beyond the parameter shapes (sizes, tokenizer,
+    # sequence length), by name, in the order they are compared at Hello: a member with another
+    # value is refused with a message naming the setting and both values.
+    settings: Mapping[str, str] = field(default_factory=dict)
+    # Files that describe the model, written next to its weights by `neuronode export`
+    # (config.json, tokenizer files), by file name.
+    files: Mapping[str, bytes] = field(default_factory=dict)
 
 
 TaskFactory = Callable[[TaskConfig], Task]
@@ -109,9 +116,23 @@ def _builtin_bytelm() -> TaskFactory:
     return bytelm.factory
 
 
+def _builtin(path: str) -> Callable[[], TaskFactory]:
+    """A built-in task by module path, imported only when chosen (no import of it here: the
+    task modules import this one)."""
+
+    def load() -> TaskFactory:
+        module_name, _, attr = path.partition(":")
+        factory: TaskFactory = getattr(importlib.import_module(module_name), attr)
+        return factory
+
+    return load
+
+
 _BUILTINS: dict[str, Callable[[], TaskFactory]] = {
     "bytelm": _builtin_bytelm,
     "builtin": _builtin_bytelm,
+    # Hugging Face architectures, tokenizers and local data (the hf extra).
+    "hf": _builtin("neuronode.training.hf:factory"),
 }
 BUILTIN_TASKS: tuple[str, ...] = tuple(_BUILTINS)
 
