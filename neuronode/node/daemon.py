@@ -80,7 +80,8 @@ class Daemon:
         self.restored_meta = loaded.meta
         self.last_contributors = list(loaded.meta.get("last_round_contributor_ids", []))
         logger.info("resumed from %s (round %d)", loaded.path.name, self.engine.round,
-                    extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name))
+                    extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name,
+                                 **self.trainer.data_progress()))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
