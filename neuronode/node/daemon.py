@@ -79,9 +79,10 @@ class Daemon:
             self.pools.encode.submit(self.encoder.load_state_dict, loaded.state["feedback"]).result()
         self.restored_meta = loaded.meta
         self.last_contributors = list(loaded.meta.get("last_round_contributor_ids", []))
+        progress = self.trainer.data_progress()
         logger.info("resumed from %s (round %d)", loaded.path.name, self.engine.round,
                     extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name,
-                                 **self.trainer.data_progress()))
+                                 data_pass=progress.get("data_pass", 0), data_documents=progress.get("data_documents", 0)))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -258,9 +259,16 @@ class Daemon:
         feedback = await self.pools.run(self.pools.encode, self.encoder.state_dict)
         if feedback is not None:
             state["feedback"] = feedback  # where release 0.1 kept it: its checkpoints load as ever
-        self.writing = asyncio.get_running_loop().run_in_executor(
-            self.pools.writer, lambda: checkpoint.save(self.data_dir, meta["round"], meta, state,
-                                                       keep=self.cfg.keep_checkpoints))
+        self.writing = asyncio.get_running_loop().run_in_executor(self.pools.writer, self.write_checkpoint, meta, state)
+
+    def write_checkpoint(self, meta: dict[str, Any], state: dict[str, Any]) -> None:
+        """In the writer thread: serialize, fsync, rename; log how long it took."""
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.data_dir, meta["round"], meta, state, keep=self.cfg.keep_checkpoints)
+        seconds = time.perf_counter() - t0
+        logger.debug("checkpoint %s written in %.2f s", path.name, seconds,
+                     extra=fields("checkpoint_saved", round_id=meta["round"], checkpoint=path.name,
+                                  bytes=path.stat().st_size, seconds=round(seconds, 3)))
 
     async def flush_checkpoint(self) -> None:
         if self.writing is not None:
