@@ -143,6 +143,15 @@ def test_hf_task_weights_from_the_seed_and_one_line_errors(tmp_path: Path) -> No
     loss = a.loss_fn(a.model, next(a.batches))
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert a.validate is not None and a.validate(a.model) > 0
+    # A model directory with weights: the task starts from them, not from the seed.
+    pretrained = tiny_model(tmp_path / "pretrained")
+    with torch.no_grad():
+        for p in a.model.parameters():
+            p.add_(0.5)
+    a.model.save_pretrained(str(pretrained))
+    c = create_task("hf", hf_config(tmp_path, model=str(pretrained)))
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), c.model.parameters(), strict=True))
+    assert c.settings["initial weights"] != b.settings["initial weights"]
     tiny_model(tmp_path / "small", vocab_size=200)
     with pytest.raises(TaskError, match=r"vocab_size 200, smaller than the tokenizer's 256 tokens"):
         create_task("hf", hf_config(tmp_path, model=str(tmp_path / "small")))
@@ -215,3 +224,18 @@ async def test_a_named_setting_is_refused_before_the_manifest(nodes: Any, caplog
     await wait_until(lambda: bool(details()), what="b's hello to be refused")
     assert details() and all(d.startswith("settings mismatch: b runs hidden_size 96, this node (a) hidden_size 64")
                              for d in details()), details()
+
+
+def test_export_and_tokenizer_cli_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from neuronode.cli import main
+
+    assert main(["export", "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 1
+    assert main(["export", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
+    assert main(["tokenizer", "train", "--data", str(tmp_path / "none*.txt"), "--vocab", "300",
+                 "--out", str(tmp_path / "tok")]) == 2
+    assert main(["tokenizer", "train", "--data", str(tmp_path / "none*.txt"), "--vocab", "100",
+                 "--out", str(tmp_path / "tok")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4, lines
+    assert "does not exist" in lines[0] and "no checkpoint there" in lines[1]
+    assert "no file matches" in lines[2] and "at least 257 tokens" in lines[3]

@@ -128,7 +128,10 @@ class Trainer:
             if self.cfg.round_seconds and done and time.perf_counter() - t0 >= self.cfg.round_seconds:
                 self.time_limited = True
                 break
-            batches = [next(self.task.batches) for _ in range(self.cfg.grad_accum)]
+            try:
+                batches = [next(self.task.batches) for _ in range(self.cfg.grad_accum)]
+            except TaskError as exc:  # a shard that became unreadable: one line, a clean stop
+                raise ConfigError(f"--task: {exc}") from None
             self.loss = self.engine.inner_step(
                 batches, self.task.loss_fn, samples=self.task.samples_per_batch * len(batches))
             done += 1

@@ -212,6 +212,7 @@ def factory(cfg: TaskConfig) -> Task:
                     holdout_share=0.0 if opts.val_data else opts.val_share)
     batches = TokenStream(corpus, encode=encode, eos_id=tok.eos_token_id, batch_size=cfg.batch_size,
                           seq_len=cfg.seq_len, seed=cfg.data_seed, device=device, shuffle_docs=opts.shuffle_docs)
+    batches.state_dict()  # reads the first documents now: an empty or unreadable corpus stops the start
     val = validation_windows(
         validation_documents(val_shards, text_field=opts.text_field, share=None if opts.val_data else opts.val_share),
         encode=encode, eos_id=tok.eos_token_id, seq_len=cfg.seq_len, n_windows=opts.val_windows).to(device)
