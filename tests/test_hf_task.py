@@ -239,3 +239,13 @@ def test_export_and_tokenizer_cli_mistakes_are_one_line(tmp_path: Path, capsys: 
     assert len(lines) == 4, lines
     assert "does not exist" in lines[0] and "no checkpoint there" in lines[1]
     assert "no file matches" in lines[2] and "at least 257 tokens" in lines[3]
+
+
+def test_status_carries_the_task_settings_and_data_position() -> None:
+    from neuronode.swarm.wire import dict_to_status, status_to_dict
+
+    fields = {"task": "hf", "n_params": 147776, "task_settings": {"--seq-len": "32", "hidden_size": "64"},
+              "data_pass": 1, "data_documents": 17}
+    back = status_to_dict(dict_to_status(fields))
+    assert {k: back[k] for k in fields} == fields
+    json.dumps(back)  # what `neuronode status` prints
