@@ -43,7 +43,7 @@ def params_digest(params: list[Any]) -> str:
 
 def verified(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(meta, state) of a checkpoint whose file digest and parameter digest both hold."""
-    meta, state = checkpoint.decode(path.read_bytes(), name=str(path))
+    meta, state = checkpoint.read(path)
     params = state.get("engine", {}).get("global_params")
     if not isinstance(params, list) or not params:
         raise CheckpointError(f"{path} holds no global parameters")
