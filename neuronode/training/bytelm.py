@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neuronode.training.task import Task, TaskConfig, TaskError
+from neuronode.training.task import Task, TaskConfig, TaskError, task_device
 
 logger = logging.getLogger(__name__)
 
@@ -299,20 +299,10 @@ def _parse_options(options: Mapping[str, str]) -> _Options:
     return _Options(corpus_bytes=int(corpus_mb * 2**20), val_windows=val_windows)
 
 
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise TaskError(f"task device {name!r} is not a torch device: {e}") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TaskError(f"task device {name!r}: CUDA is not available; use --device cpu")
-    return device
-
-
 def factory(cfg: TaskConfig) -> Task:
     """The ``bytelm`` task: byte-level GPT on stdlib source, sized by ``cfg``."""
     opts = _parse_options(cfg.options)
-    device = _device(cfg.device)
+    device = task_device(cfg.device)
     corpus = load_corpus(opts.corpus_bytes)
     gpt_cfg = GPTConfig(
         block_size=cfg.seq_len, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_embd=cfg.d_model

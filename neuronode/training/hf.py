@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neuronode.training.task import Task, TaskConfig, TaskError
+from neuronode.training.task import Task, TaskConfig, TaskError, task_device
 from neuronode.training.textdata import (
     Corpus,
     TokenStream,
@@ -179,13 +179,6 @@ def lm_loss(model: nn.Module, x: Tensor, y: Tensor, *, bf16: bool) -> Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def _device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TaskError(f"task device {name!r}: CUDA is not available; use --device cpu")
-    return device
-
-
 def factory(cfg: TaskConfig) -> Task:
     """The ``hf`` task."""
     opts = parse_options(cfg.options)
@@ -200,7 +193,7 @@ def factory(cfg: TaskConfig) -> Task:
         raise TaskError(f"--seq-len {cfg.seq_len} is longer than the model's max_position_embeddings {max_pos}")
     shards = expand_shards(opts.data, option="data")
     val_shards = expand_shards(opts.val_data, option="val_data") if opts.val_data else shards
-    device = _device(cfg.device)
+    device = task_device(cfg.device)
     model = build_model(config, model_dir=opts.model, seed=cfg.seed)
     init = weights_digest(model)
     if opts.gradient_checkpointing:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "TaskFactory",
     "create_task",
     "load_task",
+    "task_device",
 ]
 
 _MAX_SEED = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
@@ -96,6 +98,17 @@ class Task:
 
 
 TaskFactory = Callable[[TaskConfig], Task]
+
+
+def task_device(name: str) -> torch.device:
+    """``TaskConfig.device`` as a torch device; a TaskError saying what to use instead."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise TaskError(f"task device {name!r} is not a torch device: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TaskError(f"task device {name!r}: CUDA is not available; use --device cpu")
+    return device
 
 
 @runtime_checkable
