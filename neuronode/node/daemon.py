@@ -87,8 +87,10 @@ class Daemon:
         self.restored_meta = loaded.meta
         self.history = History.load(self.data_dir, up_to_round=self.engine.round)
         self.last_contributors = list(loaded.meta.get("last_round_contributor_ids", []))
+        progress = self.trainer.data_progress()
         logger.info("resumed from %s (round %d)", loaded.path.name, self.engine.round,
-                    extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name))
+                    extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name,
+                                 data_pass=progress.get("data_pass", 0), data_documents=progress.get("data_documents", 0)))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -255,7 +257,8 @@ class Daemon:
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, max_relay_mbps=self.cfg.relay_mbps(),
             round_lag=2 if self.cfg.overlap else 1,
-            settings=Settings.from_config(self.cfg), max_ids_per_host=self.cfg.max_ids_per_host,
+            settings=Settings.from_config(self.cfg, task=tuple(self.trainer.task.settings.items())),
+            max_ids_per_host=self.cfg.max_ids_per_host,
             reachable=self.cfg.reachable,
         )
 
@@ -269,6 +272,8 @@ class Daemon:
             "last_round_contributors": len(contributors), "last_round_contributor_ids": contributors,
             "inner_steps": self.engine.inner_steps_total, "tokens_per_s": self.trainer.tokens_per_s,
             "utilization": rounds.utilization if rounds is not None else 0.0,
+            "task": self.cfg.task, "n_params": self.trainer.n_params,
+            "task_settings": dict(self.trainer.task.settings), **self.trainer.data_progress(),
         }
 
     def metrics_snapshot(self) -> Snapshot:
@@ -299,9 +304,16 @@ class Daemon:
         feedback = await self.pools.run(self.pools.encode, self.encoder.state_dict)
         if feedback is not None:
             state["feedback"] = feedback  # where release 0.1 kept it: its checkpoints load as ever
-        self.writing = asyncio.get_running_loop().run_in_executor(
-            self.pools.writer, lambda: checkpoint.save(self.data_dir, meta["round"], meta, state,
-                                                       keep=self.cfg.keep_checkpoints))
+        self.writing = asyncio.get_running_loop().run_in_executor(self.pools.writer, self.write_checkpoint, meta, state)
+
+    def write_checkpoint(self, meta: dict[str, Any], state: dict[str, Any]) -> None:
+        """In the writer thread: serialize, fsync, rename; log how long it took."""
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.data_dir, meta["round"], meta, state, keep=self.cfg.keep_checkpoints)
+        seconds = time.perf_counter() - t0
+        logger.debug("checkpoint %s written in %.2f s", path.name, seconds,
+                     extra=fields("checkpoint_saved", round_id=meta["round"], checkpoint=path.name,
+                                  bytes=path.stat().st_size, seconds=round(seconds, 3)))
 
     async def flush_checkpoint(self) -> None:
         if self.writing is not None:
