@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from neuronode.config import NodeConfig, build_config, flag_name, parse_hostport
-from neuronode.errors import NeuronodeError
+from neuronode.errors import ConfigError, NeuronodeError
 from neuronode.security.ca_cli import add_ca_parser, run_ca
 
 EXIT_USAGE = 2
@@ -78,8 +78,25 @@ def build_parser() -> Parser:
     status.add_argument("--tls-ca", help="swarm CA for a TLS swarm (default: none)")
     add_bench_parser(sub)
     add_ca_parser(sub)
+    add_model_parsers(sub)
     parser.epilog = "flags of 'neuronode start':\n" + start.format_help().split("options:", 1)[-1]
     return parser
+
+
+def add_model_parsers(sub: Any) -> None:
+    """`neuronode export` and `neuronode tokenizer train` (docs/models.md)."""
+    export = sub.add_parser("export", help="write the swarm's model from a data dir's newest good checkpoint "
+                            "as a model directory (Hugging Face for --task hf)")
+    export.add_argument("--data-dir", required=True, help="a node's data dir (its checkpoints)")
+    export.add_argument("--out", required=True, metavar="MODEL_DIR", help="folder to write the model to")
+    tokenizer = sub.add_parser("tokenizer", help="tokenizers for --task hf")
+    kinds = tokenizer.add_subparsers(dest="tokenizer", metavar="ACTION", parser_class=Parser)
+    train = kinds.add_parser("train", help="train a byte-level BPE tokenizer on local text (needs the hf extra)")
+    train.add_argument("--data", required=True, metavar="GLOB",
+                       help="text shards: .txt, .jsonl or .parquet (or @FILE listing them)")
+    train.add_argument("--vocab", required=True, type=int, metavar="N", help="vocabulary size (at least 257)")
+    train.add_argument("--out", required=True, metavar="DIR", help="folder to write the tokenizer to")
+    train.add_argument("--text-field", default="text", help="column holding the text (default: text)")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -131,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_ca(args)
         if args.command == "bench":
             return run_bench(args, parser)
+        if args.command == "export":
+            return run_export(args)
+        if args.command == "tokenizer":
+            return run_tokenizer(args)
         parser.print_help()
         return EXIT_USAGE
     except UsageError as exc:
@@ -178,6 +199,28 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
         print(status_mod.format_table(report))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from neuronode.node.export import export
+
+    result = export(args.data_dir, args.out, say=lambda line: print(f"neuronode export: {line}", file=sys.stderr))
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def run_tokenizer(args: argparse.Namespace) -> int:
+    if args.tokenizer != "train":
+        raise UsageError("neuronode tokenizer: choose an action: train")
+    from neuronode.training import TaskError
+    from neuronode.training.tokenizer import train_tokenizer
+
+    try:
+        result = train_tokenizer(args.data, vocab_size=args.vocab, out=args.out, text_field=args.text_field)
+    except TaskError as exc:
+        raise ConfigError(f"tokenizer train: {exc}") from None
+    print(json.dumps(result, sort_keys=True))
     return 0
 
 

@@ -118,7 +118,10 @@ class NodeConfig:
     sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
     min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
     heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
-    metrics_port: int = opt(0, "serve Prometheus metrics on this port of the --listen host (0: off)")
+    metrics_port: int = opt(0, "serve Prometheus metrics (/metrics) and the status page (/) on this port of the "
+                            "--listen host (0: off)")
+    page_show_addresses: bool = opt(False, "show peers' addresses on the status page and /api/* also when "
+                                    "--metrics-port listens beyond loopback (hidden there by default)")
     keep_checkpoints: int = opt(3, "checkpoints kept in the data dir")
     max_ids_per_host: int = opt(16, "live node ids one host (IP address) may hold in this node's peer table")
     repair_cooldown: int = opt(3, "rounds between two repairs of a diverged replica (catching up is never delayed)")

@@ -38,7 +38,7 @@ def run_follower(cfg: NodeConfig, *, member: Member) -> int:
         elif op == "report":
             member.gather(trainer.report())
         elif op == "restore":
-            _, state = checkpoint.decode(Path(payload["path"]).read_bytes(), name=payload["path"])
+            _, state = checkpoint.read(Path(payload["path"]))
             trainer.load_state_dict(state)
         elif op == "stop":
             break

@@ -148,7 +148,10 @@ class Trainer:
             if time_up:
                 self.time_limited = True
                 break
-            batches = [next(self.task.batches) for _ in range(self.cfg.grad_accum)]
+            try:
+                batches = [next(self.task.batches) for _ in range(self.cfg.grad_accum)]
+            except TaskError as exc:  # a shard that became unreadable: one line, a clean stop
+                raise ConfigError(f"--task: {exc}") from None
             with self.collective():
                 self.loss = self.engine.inner_step(
                     batches, self.loss_fn, samples=self.task.samples_per_batch * len(batches))
@@ -257,10 +260,21 @@ class Trainer:
         if self.task.validate is not None:
             self.val_loss = float(self.task.validate(self.task.model))
 
+    def data_progress(self) -> dict[str, int]:
+        """Where the task's data stream stands (data_pass, data_documents), if it says."""
+        progress = getattr(self.task.batches, "progress", None)
+        return dict(progress) if isinstance(progress, dict) else {}
+
+    def export_info(self) -> dict[str, Any]:
+        """What `neuronode export` needs besides the global parameters: their names and the
+        task's files (config, tokenizer)."""
+        return {"task": self.cfg.task, "names": [name for name, _, _ in self.engine.manifest()],
+                "files": dict(self.task.files)}
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds; in a member, every rank's data-stream position too."""
         state: dict[str, Any] = {"engine": self.engine.state_dict(), "loss": self.loss,
-                                 "val_loss": self.val_loss}
+                                 "val_loss": self.val_loss, "export": self.export_info()}
         if hasattr(self.task.batches, "state_dict"):
             state["batches"] = self.task.batches.state_dict()  # rank 0's, where a single process keeps it
         if self.member is not None:
