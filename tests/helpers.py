@@ -8,6 +8,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -313,3 +314,24 @@ def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b""
     for chunk in chunks:
         chunk.signature = signature
     return chunks
+
+
+# ---- --task hf: a tiny Llama and a corpus of short stories (docs/models.md) ----------------------
+
+WORDS = ("the cat sat on a mat while dogs ran fast over green hills and birds sang songs of joy in an old "
+         "town by the river where children played games until the sun went down").split()
+
+
+def documents(n: int) -> list[str]:
+    rng = random.Random(1)
+    return [f"story {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 60))) + "." for i in range(n)]
+
+
+def llama(folder: Path, *, hidden: int = 64, vocab: int = 512) -> Path:
+    """The tiny Llama of docs/models.md: 2 layers, hidden 64."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 2 * hidden, "vocab_size": vocab, "max_position_embeddings": 256}))
+    return folder
