@@ -137,10 +137,11 @@ def add_bench_parser(sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `neuronode` console script."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
         if args.command == "start":
-            return run_start(args)
+            return run_start(args, argv)
         if args.command == "status":
             return run_status(args)
         if args.command == "ca":
@@ -164,10 +165,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def run_start(args: argparse.Namespace) -> int:
+def run_start(args: argparse.Namespace, argv: Sequence[str]) -> int:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(NodeConfig)}
     cfg = build_config(flags, config_file=args.config)
-    from neuronode.node.run import run_daemon  # heavy imports (torch) only when starting
+    from neuronode.node.member import launched  # heavy imports (torch) only when starting
+
+    if cfg.local_workers > 1 and not launched():
+        # One member of several processes: the launcher starts them (each runs `start ARGV`).
+        from neuronode.node.console import setup_logging
+        from neuronode.node.launch import launch_member
+
+        setup_logging(cfg.log_format, cfg.log_level)
+        code = launch_member(cfg, argv)
+        # Its ranks are gone and wrote what they had to: skip tearing down torch (seconds).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    from neuronode.node.run import run_daemon
 
     return run_daemon(cfg)
 

@@ -6,37 +6,19 @@ tokenizer or hidden size refused naming the setting."""
 from __future__ import annotations
 
 import json
-import random
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Node, finish, poll, run_neuronode
+from helpers import Node, documents, finish, llama, poll, run_neuronode
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
 transformers = pytest.importorskip("transformers")
 
-WORDS = ("the cat sat on a mat while dogs ran fast over green hills and birds sang songs of joy in an old "
-         "town by the river where children played games until the sun went down").split()
 # Small and quick on one thread: 6 inner steps of 4 x 32 tokens per round.
 COMMON = ("--task", "hf", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "6", "--sync-timeout", "120",
           "--inner-lr", "0.01")
-
-
-def documents(n: int) -> list[str]:
-    rng = random.Random(1)
-    return [f"story {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 60))) + "." for i in range(n)]
-
-
-def llama(folder: Path, *, hidden: int = 64, vocab: int = 512) -> Path:
-    """The tiny Llama of docs/models.md: 2 layers, hidden 64."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "intermediate_size": 2 * hidden, "vocab_size": vocab, "max_position_embeddings": 256}))
-    return folder
 
 
 def refusals(node: Node) -> list[str]:

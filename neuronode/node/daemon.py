@@ -26,6 +26,7 @@ from neuronode.node import checkpoint
 from neuronode.node.catchup import CatchUp
 from neuronode.node.console import Progress, attach_progress, progress_line
 from neuronode.node.history import History, RoundRecord
+from neuronode.node.member import MemberLost
 from neuronode.node.metrics import Metrics, Snapshot
 from neuronode.node.page import Page, WarningEvents, shows_addresses
 from neuronode.node.pools import Pools
@@ -81,7 +82,7 @@ class Daemon:
             raise CheckpointError(
                 f"checkpoint {loaded.path} is for another model (different task or size flags); "
                 "use another --data-dir or the flags it was made with")
-        self.trainer.load_state_dict(loaded.state)
+        self.trainer.load_state_dict(loaded.state, path=str(loaded.path))
         if "feedback" in loaded.state:  # error feedback belongs to the encoder (its own thread)
             self.pools.encode.submit(self.encoder.load_state_dict, loaded.state["feedback"]).result()
         self.restored_meta = loaded.meta
@@ -104,6 +105,8 @@ class Daemon:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, request_stop)
+        if self.stop_flag.is_set():  # a signal while we started up (run_daemon)
+            request_stop()
         self.state.start(self.engine.round, await self.pools.run(self.pools.train, self.engine.param_digest))
         if self.engine.round == 0:
             await self.pools.run(self.pools.train, self.trainer.validate)
@@ -128,7 +131,12 @@ class Daemon:
             while not stopped.is_set() and not rounds.finished():
                 if not await rounds.one(stopped):
                     break
+            if self.stop_flag.is_set():  # another rank of our member was told to stop
+                request_stop()
             await rounds.flush(stopped)
+        except MemberLost:
+            request_stop()  # at once: our peers must not wait for a member that lost a process
+            raise
         finally:
             await rounds.cancel_pending()
             await self.shutdown(stopped)
@@ -266,12 +274,15 @@ class Daemon:
         """Daemon-side status fields (the swarm adds peers, bytes and agreement)."""
         rounds = self.rounds
         contributors = rounds.last_contributors if rounds is not None and rounds.last_contributors else self.last_contributors
+        rates = self.trainer.rank_tokens_per_s  # one read: the training thread updates them
         return {
             "round": self.state.round, "phase": self.state.phase.value, "param_digest": self.state.param_digest,
             "loss": finite_or(self.trainer.loss), "val_loss": finite_or(self.trainer.val_loss),
             "last_round_contributors": len(contributors), "last_round_contributor_ids": contributors,
-            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": self.trainer.tokens_per_s,
+            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": sum(rates),
             "utilization": rounds.utilization if rounds is not None else 0.0,
+            "local_workers": self.trainer.local_workers, "rank_tokens_per_s": rates,
+            "rank_param_digests": list(self.trainer.rank_digests) or [self.state.param_digest],
             "task": self.cfg.task, "n_params": self.trainer.n_params,
             "task_settings": dict(self.trainer.task.settings), **self.trainer.data_progress(),
         }
@@ -282,7 +293,8 @@ class Daemon:
         sent, received, refusals = swarm.traffic() if swarm is not None else ({}, {}, {})
         return Snapshot(
             rounds=self.state.round, inner_steps=self.engine.inner_steps_total,
-            loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=self.trainer.tokens_per_s,
+            loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=status["tokens_per_s"],
+            local_workers=status["local_workers"], rank_tokens_per_s=status["rank_tokens_per_s"],
             contributors=status["last_round_contributors"], utilization=status["utilization"],
             peers_alive=swarm.alive_count() if swarm is not None else 0,
             bytes_sent=sent, bytes_received=received, refusals=refusals,
@@ -298,9 +310,14 @@ class Daemon:
         before."""
         assert self.swarm is not None
         await self.flush_checkpoint()
+        try:  # first: in a member it collects every rank's stream position and digest
+            state = await self.pools.run(self.pools.train, self.trainer.state_dict)
+        except MemberLost as exc:
+            logger.warning("no checkpoint: %s (a restart resumes from the last one)", exc,
+                           extra=fields("checkpoint_skipped", reason=str(exc)))
+            return
         meta = {**self.status(), **self.swarm.snapshot(), "phase": NodePhase.STOPPED.value,
                 "manifest_hash": self.engine.manifest_hash(), "saved_at": time.time()}
-        state = await self.pools.run(self.pools.train, self.trainer.state_dict)
         feedback = await self.pools.run(self.pools.encode, self.encoder.state_dict)
         if feedback is not None:
             state["feedback"] = feedback  # where release 0.1 kept it: its checkpoints load as ever

@@ -42,6 +42,8 @@ class Snapshot:
     bytes_relayed: int = 0
     control_bytes_sent: int = 0
     control_bytes_received: int = 0
+    local_workers: int = 1
+    rank_tokens_per_s: list[float] = field(default_factory=list)
 
 
 class NodeCollector(Collector):
@@ -54,7 +56,13 @@ class NodeCollector(Collector):
         yield counter("neuronode_inner_steps", "inner optimizer steps", s.inner_steps)
         yield gauge("neuronode_loss", "last training loss", s.loss)
         yield gauge("neuronode_val_loss", "validation loss after the last round", s.val_loss)
-        yield gauge("neuronode_tokens_per_second", "training throughput", s.tokens_per_s)
+        yield gauge("neuronode_tokens_per_second", "training throughput (a member's: all its processes')", s.tokens_per_s)
+        yield gauge("neuronode_local_workers", "processes this member trains with (--local-workers)", s.local_workers)
+        per_rank = GaugeMetricFamily("neuronode_rank_tokens_per_second", "training throughput, by process of the member",
+                                     labels=["rank"])
+        for rank, rate in enumerate(s.rank_tokens_per_s):
+            per_rank.add_metric([str(rank)], rate)
+        yield per_rank
         yield gauge("neuronode_round_contributors", "contributions averaged in the last round", s.contributors)
         yield gauge("neuronode_peers_alive", "peers heard from recently", s.peers_alive)
         yield gauge("neuronode_utilization", "share of the last round's wall time spent training", s.utilization)

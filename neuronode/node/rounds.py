@@ -180,5 +180,5 @@ class Rounds:
                     self.last_sync_s, time.monotonic() - waited, digest[:12], ",".join(average.contributors),
                     extra=fields("round_done", round_id=round_id, round=self.state.round, contributors=average.contributors,
                                  param_digest=digest, loss=finite(self.trainer.loss), val_loss=finite(self.trainer.val_loss),
-                                 sync_s=round(self.last_sync_s, 3)))
+                                 sync_s=round(self.last_sync_s, 3), weights=average.weights))
         return True

@@ -8,8 +8,10 @@ import grpc
 
 from neuronode.v1 import node_pb2 as pb
 
-PROTOCOL_VERSION = 4  # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings);
-# 4: this release (the task's settings in NodeInfo.settings.task, ...; docs/protocol.md)
+# 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings);
+# 4: this release (the task's settings in NodeInfo.settings.task, SwarmSettings.max_local_workers,
+# ...: docs/protocol.md)
+PROTOCOL_VERSION = 4
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -71,6 +73,7 @@ def settings_to_pb(s: Any) -> pb.SwarmSettings:
     """Settings (neuronode.swarm.context) as NodeInfo.settings."""
     return pb.SwarmSettings(codec=CODEC_TO_PB[s.codec], averaging=s.averaging, aggregator=s.aggregator,
                             outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap,
+                            max_local_workers=s.max_local_workers,
                             task=[pb.TaskSetting(name=k, value=v) for k, v in s.task])
 
 
@@ -78,7 +81,8 @@ def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
     """NodeInfo.settings as the fields of Settings (an unknown codec reads as its number)."""
     return {"codec": PB_TO_CODEC.get(m.codec, f"codec {m.codec}"), "averaging": m.averaging,
             "aggregator": m.aggregator, "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum,
-            "overlap": m.overlap, "task": tuple((t.name, t.value) for t in m.task)}
+            "overlap": m.overlap, "max_local_workers": m.max_local_workers,
+            "task": tuple((t.name, t.value) for t in m.task)}
 
 
 class Refusal(Exception):

@@ -10,6 +10,10 @@ Contract a factory must keep, because every node of a swarm runs it independentl
   (bit-identical everywhere), so the first outer round starts from one model.
 - ``cfg.data_seed`` differs per node: the batch stream should depend on it, so nodes see
   different data.
+- ``loss_fn(model, batch)`` calls the ``model`` it is given, not the one it built: in a member
+  of several processes (``--local-workers``, torchrun) that is the DistributedDataParallel
+  wrapper, whose forward makes the backward average the gradients of all processes; each
+  process gets its own ``cfg.data_seed``.
 - if ``Task.batches`` has ``state_dict()`` / ``load_state_dict()`` (see
   :class:`StatefulIterator`), the daemon checkpoints it and a restarted node resumes the
   same stream instead of replaying it.
