@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from neuronode.config import NodeConfig, build_config, flag_name, parse_hostport
-from neuronode.errors import NeuronodeError
+from neuronode.errors import ConfigError, NeuronodeError
 from neuronode.security.ca_cli import add_ca_parser, run_ca
 
 EXIT_USAGE = 2
@@ -78,8 +78,25 @@ def build_parser() -> Parser:
     status.add_argument("--tls-ca", help="swarm CA for a TLS swarm (default: none)")
     add_bench_parser(sub)
     add_ca_parser(sub)
+    add_model_parsers(sub)
     parser.epilog = "flags of 'neuronode start':\n" + start.format_help().split("options:", 1)[-1]
     return parser
+
+
+def add_model_parsers(sub: Any) -> None:
+    """`neuronode export` and `neuronode tokenizer train` (docs/models.md)."""
+    export = sub.add_parser("export", help="write the swarm's model from a data dir's newest good checkpoint "
+                            "as a model directory (Hugging Face for --task hf)")
+    export.add_argument("--data-dir", required=True, help="a node's data dir (its checkpoints)")
+    export.add_argument("--out", required=True, metavar="MODEL_DIR", help="folder to write the model to")
+    tokenizer = sub.add_parser("tokenizer", help="tokenizers for --task hf")
+    kinds = tokenizer.add_subparsers(dest="tokenizer", metavar="ACTION", parser_class=Parser)
+    train = kinds.add_parser("train", help="train a byte-level BPE tokenizer on local text (needs the hf extra)")
+    train.add_argument("--data", required=True, metavar="GLOB",
+                       help="text shards: .txt, .jsonl or .parquet (or @FILE listing them)")
+    train.add_argument("--vocab", required=True, type=int, metavar="N", help="vocabulary size (at least 257)")
+    train.add_argument("--out", required=True, metavar="DIR", help="folder to write the tokenizer to")
+    train.add_argument("--text-field", default="text", help="column holding the text (default: text)")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -120,16 +137,21 @@ def add_bench_parser(sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `neuronode` console script."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
         if args.command == "start":
-            return run_start(args)
+            return run_start(args, argv)
         if args.command == "status":
             return run_status(args)
         if args.command == "ca":
             return run_ca(args)
         if args.command == "bench":
             return run_bench(args, parser)
+        if args.command == "export":
+            return run_export(args)
+        if args.command == "tokenizer":
+            return run_tokenizer(args)
         parser.print_help()
         return EXIT_USAGE
     except UsageError as exc:
@@ -143,10 +165,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def run_start(args: argparse.Namespace) -> int:
+def run_start(args: argparse.Namespace, argv: Sequence[str]) -> int:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(NodeConfig)}
     cfg = build_config(flags, config_file=args.config)
-    from neuronode.node.run import run_daemon  # heavy imports (torch) only when starting
+    from neuronode.node.member import launched  # heavy imports (torch) only when starting
+
+    if cfg.local_workers > 1 and not launched():
+        # One member of several processes: the launcher starts them (each runs `start ARGV`).
+        from neuronode.node.console import setup_logging
+        from neuronode.node.launch import launch_member
+
+        setup_logging(cfg.log_format, cfg.log_level)
+        code = launch_member(cfg, argv)
+        # Its ranks are gone and wrote what they had to: skip tearing down torch (seconds).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    from neuronode.node.run import run_daemon
 
     return run_daemon(cfg)
 
@@ -164,6 +199,28 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
         print(status_mod.format_table(report))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from neuronode.node.export import export
+
+    result = export(args.data_dir, args.out, say=lambda line: print(f"neuronode export: {line}", file=sys.stderr))
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def run_tokenizer(args: argparse.Namespace) -> int:
+    if args.tokenizer != "train":
+        raise UsageError("neuronode tokenizer: choose an action: train")
+    from neuronode.training import TaskError
+    from neuronode.training.tokenizer import train_tokenizer
+
+    try:
+        result = train_tokenizer(args.data, vocab_size=args.vocab, out=args.out, text_field=args.text_field)
+    except TaskError as exc:
+        raise ConfigError(f"tokenizer train: {exc}") from None
+    print(json.dumps(result, sort_keys=True))
     return 0
 
 

@@ -92,6 +92,13 @@ class NodeConfig:
     seed: int = opt(0, "model-initialisation seed (must match across the swarm)")
     threads: int = opt(0, "torch threads for this node (0: half the cores, at most 8)")
     device: str = opt("auto", "where to train", choices=DEVICES)
+    local_workers: int = opt(1, "processes this member trains with, one per GPU: data-parallel inside "
+                             "(DistributedDataParallel), one member to the swarm (docs/multi-gpu.md)")
+    max_local_workers: int = opt(1, "the most processes one member of the swarm may train with (a swarm "
+                                 "setting, alike on every member: a member's contribution weighs its "
+                                 "samples, at most this many times one process's)")
+    max_restarts: int = opt(0, "with --local-workers: how often the member is restarted from its checkpoint "
+                            "after one of its processes failed")
     codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire", choices=CODECS)
     averaging: str = opt("all-to-all", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
                          "member i averages shard i (about 2x one contribution sent, whatever the swarm size)",
@@ -111,7 +118,10 @@ class NodeConfig:
     sync_timeout: float = opt(60.0, "seconds to wait for peers' contributions once ours is sent")
     min_peers: int = opt(1, "contributors (self included) a round needs; with fewer the node waits for more")
     heartbeat_s: float = opt(2.0, "seconds between heartbeats to each peer")
-    metrics_port: int = opt(0, "serve Prometheus metrics on this port of the --listen host (0: off)")
+    metrics_port: int = opt(0, "serve Prometheus metrics (/metrics) and the status page (/) on this port of the "
+                            "--listen host (0: off)")
+    page_show_addresses: bool = opt(False, "show peers' addresses on the status page and /api/* also when "
+                                    "--metrics-port listens beyond loopback (hidden there by default)")
     keep_checkpoints: int = opt(3, "checkpoints kept in the data dir")
     max_ids_per_host: int = opt(16, "live node ids one host (IP address) may hold in this node's peer table")
     repair_cooldown: int = opt(3, "rounds between two repairs of a diverged replica (catching up is never delayed)")
@@ -132,6 +142,17 @@ class NodeConfig:
             raise ConfigError("--tls-cert, --tls-key and --tls-ca go together; give all three")
         if self.d_model % self.n_heads:
             raise ConfigError(f"--d-model {self.d_model} must be divisible by --n-heads {self.n_heads}")
+        self.check_local_workers(self.local_workers)
+        if self.max_restarts and self.local_workers == 1:
+            raise ConfigError("--max-restarts restarts a member of --local-workers 2 or more; a single "
+                              "process is restarted by its service manager (systemd, docker)")
+
+    def check_local_workers(self, workers: int, *, how: str = "--local-workers") -> None:
+        """A member may train with at most --max-local-workers processes (the swarm's setting)."""
+        if workers > self.max_local_workers:
+            raise ConfigError(f"{how} {workers} is more than --max-local-workers {self.max_local_workers}; "
+                              f"a swarm that admits such members runs with --max-local-workers {workers} "
+                              "on every member")
 
     @property
     def authenticated(self) -> bool:
@@ -165,8 +186,9 @@ class NodeConfig:
 
 
 POSITIVE_INT = {"inner_steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads",
-                "grad_accum", "min_peers", "chunk_bytes", "keep_checkpoints"}
-NON_NEGATIVE_INT = {"rounds", "threads", "schedule_steps", "seed"}
+                "grad_accum", "min_peers", "chunk_bytes", "keep_checkpoints", "local_workers",
+                "max_local_workers"}
+NON_NEGATIVE_INT = {"rounds", "threads", "schedule_steps", "seed", "max_restarts"}
 POSITIVE_FLOAT = {"inner_lr", "outer_lr", "sync_timeout", "heartbeat_s"}
 RANGES: dict[str, tuple[Any, str]] = {
     "warmup_steps": (lambda v: v >= -1, "-1 (auto) or more"),

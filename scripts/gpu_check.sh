@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device check (run on a lent GPU machine with `.gpuwheels` carried; see docs/development.md):
-# the CUDA paths of the engine and the built-in task, a node training on the GPU, and a mixed
-# swarm (one GPU node, one CPU node) that must end with one param_digest.
+# the CUDA paths of the engine and the built-in task, a node training on the GPU, a mixed
+# swarm (one GPU node, one CPU node) that must end with one param_digest, and a 1-GPU torchrun
+# member (DistributedDataParallel over NCCL with one rank; the multi-GPU case: docs/multi-gpu.md).
 set -u
 pip install -q --no-index --find-links .gpuwheels --target /tmp/site grpcio grpcio-health-checking \
     protobuf zstandard cryptography cffi pytest-asyncio prometheus-client uvloop 2>&1 | tail -2
@@ -16,4 +17,9 @@ python3 -m neuronode.cli start --device cpu --rounds 3 --inner-steps 30 --data-d
     --listen 127.0.0.1:7902 --peers 127.0.0.1:7901 --threads 4 --heartbeat-s 0.5 > /tmp/m2.log 2>&1 &
 wait
 grep -hE "round . done|ERROR" /tmp/m1.log /tmp/m2.log | cut -c1-170
-cp /tmp/m1.log /tmp/m2.log "${OUT:-/tmp}/" 2>/dev/null || true
+timeout 180 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m neuronode start --device cuda \
+    --rounds 2 --inner-steps 30 --data-dir /tmp/t1 --listen 127.0.0.1:0 --threads 2 > /tmp/t1.log 2>&1
+echo "torchrun 1-GPU member: exit $?"
+grep -hE "round . done|rank 0|ERROR|Error" /tmp/t1.log | cut -c1-170
+python3 -m neuronode status --data-dir /tmp/t1 --json | grep -E '"(round|local_workers)"'
+cp /tmp/m1.log /tmp/m2.log /tmp/t1.log "${OUT:-/tmp}/" 2>/dev/null || true

@@ -8,6 +8,8 @@ import asyncio
 import json
 import multiprocessing
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -78,6 +80,12 @@ def neuronode_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "neuronode.cli", *args]
 
 
+def torchrun(processes: int) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m neuronode`: one member of N processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            "-m", "neuronode"]
+
+
 def run_neuronode(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     """`neuronode ARGS` in a fresh process; its exit status and captured output."""
     return subprocess.run(neuronode_cmd(*args), capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -85,10 +93,13 @@ def run_neuronode(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedPr
 
 class Node:
     """One `neuronode start` process with its own data dir, port and log file, forked from the
-    warm server (`cold=True`: a fresh `python -m neuronode.cli` process instead)."""
+    warm server (`cold=True`: a fresh `python -m neuronode.cli` process instead; `command`: a
+    fresh process of that command, e.g. `torchrun(2)`)."""
 
-    def __init__(self, tmp: Path, name: str, *extra: str, port: int | None = None, cold: bool = False) -> None:
-        self.cold = cold
+    def __init__(self, tmp: Path, name: str, *extra: str, port: int | None = None, cold: bool = False,
+                 command: Sequence[str] = ()) -> None:
+        self.cold = cold or bool(command)
+        self.command = list(command) or neuronode_cmd()
         self.name = name
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -107,7 +118,7 @@ class Node:
             return self
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it until exit
-        self.proc = subprocess.Popen(neuronode_cmd(*args), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([*self.command, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         return self
 
@@ -142,6 +153,15 @@ class Node:
         if out.returncode != 0:
             raise RuntimeError(f"status of {self.name} failed: {out.stderr.strip()}")
         return dict(json.loads(out.stdout))
+
+
+def stop(node: Node, *, within_s: float) -> None:
+    """SIGTERM `node`: it exits 0 within `within_s` seconds (a failure shows its log tail)."""
+    assert node.proc is not None
+    sent = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.wait(within_s) == 0, f"{node.name}:\n{node.log()[-4000:]}"
+    assert time.monotonic() - sent < within_s
 
 
 def finish(nodes: Sequence[Node], timeout_s: float = 400) -> None:
@@ -294,3 +314,24 @@ def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b""
     for chunk in chunks:
         chunk.signature = signature
     return chunks
+
+
+# ---- --task hf: a tiny Llama and a corpus of short stories (docs/models.md) ----------------------
+
+WORDS = ("the cat sat on a mat while dogs ran fast over green hills and birds sang songs of joy in an old "
+         "town by the river where children played games until the sun went down").split()
+
+
+def documents(n: int) -> list[str]:
+    rng = random.Random(1)
+    return [f"story {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 60))) + "." for i in range(n)]
+
+
+def llama(folder: Path, *, hidden: int = 64, vocab: int = 512) -> Path:
+    """The tiny Llama of docs/models.md: 2 layers, hidden 64."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 2 * hidden, "vocab_size": vocab, "max_position_embeddings": 256}))
+    return folder

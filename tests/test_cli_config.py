@@ -38,6 +38,9 @@ BAD_FLAGS = [
     (["--no-such-flag"], "unrecognized"),
     (["--d-model", "100", "--n-heads", "3"], "--d-model"),
     (["--task-option", "novalue"], "--task-option"),
+    (["--local-workers", "2"], "--max-local-workers 1"),  # the swarm's setting admits one process
+    (["--local-workers", "0"], "--local-workers"),
+    (["--max-restarts", "1"], "--max-restarts"),  # restarts are for members of several processes
 ]
 
 
@@ -60,6 +63,22 @@ def test_unknown_task_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path
 def test_unknown_builtin_task_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, err = run_cli(capsys, "start", "--task", "imagenet", "--data-dir", str(tmp_path))
     assert code == 2 and "--task" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("environ", "flags", "needle"), [
+    ({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}, ["--max-local-workers", "2"], "--nproc-per-node 3"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, ["--max-local-workers", "4", "--local-workers", "4"], "torchrun started 2"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, ["--max-local-workers", "4"], "--nnodes 1"),
+])
+def test_a_torchrun_member_the_swarm_does_not_admit_exits_2(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        environ: dict[str, str], flags: list[str], needle: str) -> None:
+    """torchrun's processes are one member: too many for --max-local-workers, another count than
+    --local-workers, or several machines, each one line before any process group is made."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", **environ}.items():
+        monkeypatch.setenv(key, value)
+    code, err = run_cli(capsys, "start", "--data-dir", str(tmp_path), *flags)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_unwritable_data_dir_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -233,16 +233,6 @@ def test_compose_header_names_every_variable_it_reads() -> None:
     assert used <= named, f"not described in the header of docker-compose.yml: {sorted(used - named)}"
 
 
-def test_compose_publishes_every_node_metrics_port_on_loopback() -> None:
-    published = {}
-    for name, svc in node_services(load_compose()).items():
-        (port,) = [str(p) for p in svc["ports"] if str(p).endswith(f":{METRICS_PORT}")]
-        host, host_port, _ = port.split(":")
-        assert host == "127.0.0.1", f"{name}: metrics are for this machine, not the internet"
-        published[name] = int(host_port)
-    assert len(set(published.values())) == len(published), published
-
-
 def test_compose_check_script_matches_the_compose_file() -> None:
     """scripts/compose_check.sh runs the services and images docker-compose.yml names."""
     script = COMPOSE_CHECK.read_text()

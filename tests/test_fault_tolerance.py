@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Node, finish, poll
+from helpers import Node, finish, poll, stop
 
 from neuronode.node import checkpoint
 
@@ -173,16 +173,10 @@ def test_sigterm_peer_leaves_and_round_closes_without_deadline(tmp_path: Path) -
     a, b = start_swarm(tmp_path, ["a", "b"], "--sync-timeout", "120")
     try:
         poll("round 1 on both", lambda: min(done_round(n) for n in (a, b)) >= 1, timeout_s=180)
-        assert b.proc is not None
-        started = time.monotonic()
-        b.proc.send_signal(signal.SIGTERM)
-        assert b.wait(10) == 0
-        assert time.monotonic() - started < 10
+        stop(b, within_s=10)
         before = done_round(a)
         poll("a's next round", lambda: done_round(a) > before, timeout_s=90)
-        assert a.proc is not None
-        a.proc.send_signal(signal.SIGTERM)
-        assert a.wait(10) == 0
+        stop(a, within_s=10)
     finally:
         for node in (a, b):
             node.kill()

@@ -61,7 +61,9 @@ from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
-NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig()))  # what nodes started with defaults run
+# What nodes started with defaults and NODE_ARGS run (the built-in task's settings: its sizes).
+NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig(), task=(
+    ("--seq-len", "64"), ("--d-model", "64"), ("--n-layers", "2"), ("--n-heads", "2"))))
 NODE_CODEC = NodeConfig().codec
 
 NODE_ID = "fuzzed"

@@ -37,6 +37,7 @@ METRIC_NAMES = {
     "neuronode_val_loss", "neuronode_tokens_per_second", "neuronode_bytes_sent_total",
     "neuronode_bytes_received_total", "neuronode_sync_seconds", "neuronode_round_contributors",
     "neuronode_peers_alive", "neuronode_utilization", "neuronode_refusals_total",
+    "neuronode_local_workers", "neuronode_rank_tokens_per_second",
 }
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -208,6 +209,8 @@ def test_metrics_scraped_over_http_while_training(tmp_path: Path) -> None:
         assert second.value("neuronode_sync_seconds_count") > 0
         assert second.value("neuronode_round_contributors") >= 1
         assert second.value("neuronode_tokens_per_second") > 0
+        assert second.value("neuronode_local_workers") == 1  # one process: its rate is the node's
+        assert second.value("neuronode_rank_tokens_per_second", rank="0") == second.value("neuronode_tokens_per_second")
         assert second.value("neuronode_val_loss") > 0
         assert 0 < second.value("neuronode_utilization") <= 1
         # B's endpoint too, keyed by A's id.

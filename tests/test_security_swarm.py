@@ -522,6 +522,7 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
     info.echoes.add(round=2, phase=pb.PHASE_UNSPECIFIED, maker_id="c", receipt_hash=b"h" * 32)
     info.wanted.add(round=2, phase=pb.PHASE_UNSPECIFIED, maker_id="c", receipt_hash=b"w" * 32)
     info.settings.aggregator = "mean"
+    info.settings.task.add(name="hidden_size", value="64")
     known = [pb.PeerRecord(node_id="b", address="127.0.0.1:2")]
     base = hello_body(info, known)
 

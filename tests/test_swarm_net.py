@@ -630,7 +630,8 @@ async def test_undecodable_request_is_invalid_argument(client: Client, method: s
                  id=f"settings-{flag}")
     for change, flag in [({"codec": "int8"}, "--codec int8"), ({"averaging": "reduce-scatter"}, "--averaging"),
                          ({"aggregator": "median"}, "--aggregator"), ({"outer_lr": 0.5}, "--outer-lr"),
-                         ({"outer_momentum": 0.8}, "--outer-momentum"), ({"overlap": True}, "--overlap")]
+                         ({"outer_momentum": 0.8}, "--outer-momentum"), ({"overlap": True}, "--overlap"),
+                         ({"max_local_workers": 8}, "--max-local-workers 8")]
 ])
 async def test_mismatched_hello_is_refused(
     client: Client, override: dict[str, Any], code: Code, keyword: str,

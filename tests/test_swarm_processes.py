@@ -28,7 +28,7 @@ def refusals(node: Node) -> list[str]:
 
 def test_three_nodes_chain_bootstrap_identical_replicas(tmp_path: Path) -> None:
     """A alone, B knows A, C knows only B: all learn all, average, and agree bit for bit.
-    D trains another model (other --d-model) and is refused by the others."""
+    D trains another model (other --d-model) and is refused by the others, naming --d-model."""
     args = ("--rounds", "3", "--inner-steps", "20", "--sync-timeout", "60")
     a = Node(tmp_path, "a", *args)
     b = Node(tmp_path, "b", *args, "--peers", a.address)
@@ -53,9 +53,9 @@ def test_three_nodes_chain_bootstrap_identical_replicas(tmp_path: Path) -> None:
     assert len({s["node_id"] for s in statuses}) == 3
     # Different data streams: their local losses differ, so equal digests come from averaging.
     assert len({done(n)[1]["loss"] for n in (a, b, c)}) == 3
-    # The odd model is refused on both sides and never averaged in.
-    assert any("model manifest mismatch" in r for r in refusals(d)), d.log()
-    assert any("model manifest mismatch" in r for r in refusals(a)), a.log()
+    # The odd model is refused on both sides, naming the size that differs, and never averaged in.
+    assert any("settings mismatch" in r and "--d-model 64" in r and "--d-model 128" in r for r in refusals(d)), d.log()
+    assert any("settings mismatch" in r and "--d-model" in r for r in refusals(a)), a.log()
     assert d.status()["last_round_contributors"] == 1
     assert d.status()["node_id"] not in statuses[0]["last_round_contributor_ids"]
 

@@ -40,10 +40,13 @@ def write_module(root: Path, name: str, source: str) -> None:
 
 
 def test_builtin_names_resolve_to_bytelm() -> None:
-    assert set(BUILTIN_TASKS) == {"bytelm", "builtin"}
-    for name in BUILTIN_TASKS:
+    assert set(BUILTIN_TASKS) == {"bytelm", "builtin", "hf"}
+    for name in ("bytelm", "builtin"):
         assert load_task(name) is bytelm.factory
     assert load_task(" bytelm ") is bytelm.factory
+    from neuronode.training import hf
+
+    assert load_task("hf") is hf.factory  # imports no Hugging Face library until it runs
 
 
 @pytest.mark.parametrize(
@@ -74,7 +77,7 @@ def test_task_config_options_are_a_read_only_copy() -> None:
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [
-        ("gpt5", "unknown task; use a built-in one (bytelm, builtin) or 'package.module:factory'"),
+        ("gpt5", "unknown task; use a built-in one (bytelm, builtin, hf) or 'package.module:factory'"),
         ("mod:", "expected 'package.module:factory'"),
         (":make", "expected 'package.module:factory'"),
         ("a:b:c", "expected 'package.module:factory'"),

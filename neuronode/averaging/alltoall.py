@@ -58,7 +58,7 @@ class AllToAll(Averaging):
         started = time.perf_counter()
         vector = await self.mean(got)
         return Average(vector=vector, contributors=sorted(got), fewest=len(got), encode_s=prepared.encode_s,
-                       exchange_s=waited, average_s=elapsed(started), sent=[own])
+                       exchange_s=waited, average_s=elapsed(started), sent=[own], weights=weights(got))
 
     async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
         """The others' contributions to a round we only listen to, averaged."""
@@ -70,9 +70,13 @@ class AllToAll(Averaging):
                                lineage=lineage_hash(*next(iter(got.values())).lineage), publish=False)
         if not got:
             return self.nothing_heard(round_id)
-        return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got))
+        return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got), weights=weights(got))
 
     async def mean(self, got: dict[str, Contribution]) -> torch.Tensor:
         """The aggregator over the round's contributions, in sorted sender order (decoded lazily)."""
         pieces = {sender: (c.data, c.weight) for sender, c in got.items()}
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.aggregate, pieces)
+
+
+def weights(got: dict[str, Contribution]) -> dict[str, float]:
+    return {sender: got[sender].weight for sender in sorted(got)}

@@ -85,6 +85,9 @@ class Average:
     exchange_s: float = 0.0  # waiting for the network (both phases under reduce-scatter)
     average_s: float = 0.0  # aggregating and decoding (reducing and assembling too)
     sent: list[Contribution] = field(default_factory=list)  # every encode of the round that we sent
+    # What each contribution weighed (its samples), by sender; all-to-all only (a reducer sees
+    # slices, the others only averaged shards).
+    weights: dict[str, float] = field(default_factory=dict)
 
 
 class Averaging:

@@ -25,10 +25,14 @@ from neuronode.events import fields
 from neuronode.node import checkpoint
 from neuronode.node.catchup import CatchUp
 from neuronode.node.console import Progress, attach_progress, progress_line
+from neuronode.node.history import History, RoundRecord
+from neuronode.node.member import MemberLost
 from neuronode.node.metrics import Metrics, Snapshot
+from neuronode.node.page import Page, WarningEvents, shows_addresses
 from neuronode.node.pools import Pools
-from neuronode.node.rounds import Rounds
+from neuronode.node.rounds import Rounds, finite
 from neuronode.node.trainer import Trainer, make_aggregator
+from neuronode.node.web import on_loop
 from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.security import Security
@@ -58,6 +62,10 @@ class Daemon:
         self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
         attach_progress(self.progress)
         self.writing: asyncio.Future[Any] | None = None
+        self.history = History(data_dir)  # restore() loads the one in the data dir
+        self.history_writing: asyncio.Future[Any] | None = None
+        self.round_bytes = (0, 0)  # bytes sent and received when the last round closed
+        self.events = WarningEvents()  # the status page's recent warnings (with --metrics-port)
         self.swarm: SwarmNode | None = None
         self.rounds: Rounds | None = None
 
@@ -74,13 +82,16 @@ class Daemon:
             raise CheckpointError(
                 f"checkpoint {loaded.path} is for another model (different task or size flags); "
                 "use another --data-dir or the flags it was made with")
-        self.trainer.load_state_dict(loaded.state)
+        self.trainer.load_state_dict(loaded.state, path=str(loaded.path))
         if "feedback" in loaded.state:  # error feedback belongs to the encoder (its own thread)
             self.pools.encode.submit(self.encoder.load_state_dict, loaded.state["feedback"]).result()
         self.restored_meta = loaded.meta
+        self.history = History.load(self.data_dir, up_to_round=self.engine.round)
         self.last_contributors = list(loaded.meta.get("last_round_contributor_ids", []))
+        progress = self.trainer.data_progress()
         logger.info("resumed from %s (round %d)", loaded.path.name, self.engine.round,
-                    extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name))
+                    extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name,
+                                 data_pass=progress.get("data_pass", 0), data_documents=progress.get("data_documents", 0)))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -94,6 +105,8 @@ class Daemon:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, request_stop)
+        if self.stop_flag.is_set():  # a signal while we started up (run_daemon)
+            request_stop()
         self.state.start(self.engine.round, await self.pools.run(self.pools.train, self.engine.param_digest))
         if self.engine.round == 0:
             await self.pools.run(self.pools.train, self.trainer.validate)
@@ -103,22 +116,27 @@ class Daemon:
                                        status_provider=self.status, state_provider=self.trainer.snapshot,
                                        security=self.security,
                                        loopback_only=not self.cfg.authenticated and not self.cfg.open)
-        swarm.restore_counters(bytes_sent=int(self.restored_meta.get("bytes_sent", 0)),
-                               bytes_received=int(self.restored_meta.get("bytes_received", 0)))
+        self.round_bytes = (int(self.restored_meta.get("bytes_sent", 0)), int(self.restored_meta.get("bytes_received", 0)))
+        swarm.restore_counters(bytes_sent=self.round_bytes[0], bytes_received=self.round_bytes[1])
         rounds = self.rounds = self.build_rounds(swarm)
         if self.cfg.metrics_port:
-            self.metrics.serve(self.cfg.listen.rpartition(":")[0].strip("[]"), self.cfg.metrics_port)
+            self.serve_page(swarm)
         try:
             await swarm.start()
         except BaseException:
-            self.metrics.close()
+            self.close_page()
             raise
         try:
             await self.join(stopped)
             while not stopped.is_set() and not rounds.finished():
                 if not await rounds.one(stopped):
                     break
+            if self.stop_flag.is_set():  # another rank of our member was told to stop
+                request_stop()
             await rounds.flush(stopped)
+        except MemberLost:
+            request_stop()  # at once: our peers must not wait for a member that lost a process
+            raise
         finally:
             await rounds.cancel_pending()
             await self.shutdown(stopped)
@@ -137,7 +155,43 @@ class Daemon:
                            pools=self.pools, save=self.save_checkpoint)
         return Rounds(cfg=cfg, trainer=self.trainer, state=self.state, swarm=swarm, averaging=averaging,
                       catch_up=catch_up, pools=self.pools, stop=self.stop_flag, save=self.save_checkpoint,
-                      on_step=self.on_step, on_sync=self.metrics.sync_seconds.observe)
+                      on_step=self.on_step, on_sync=self.metrics.sync_seconds.observe, on_round=self.record_round)
+
+    def serve_page(self, swarm: SwarmNode) -> None:
+        """--metrics-port: /metrics and the status page (neuronode.node.web)."""
+        host = self.cfg.listen.rpartition(":")[0].strip("[]")
+        page = Page(cfg=self.cfg, swarm=swarm, state=self.state, history=self.history,
+                    show_addresses=shows_addresses(self.cfg, host), events=self.events)
+        loop = asyncio.get_running_loop()
+        self.metrics.serve(host, self.cfg.metrics_port, shows_addresses=page.show_addresses,
+                           api={"/api/status": on_loop(loop, page.status), "/api/history": on_loop(loop, page.history_json)})
+        logging.getLogger().addHandler(self.events)
+
+    def close_page(self) -> None:
+        self.metrics.close()
+        logging.getLogger().removeHandler(self.events)
+
+    async def record_round(self) -> None:
+        """Add the round just closed to the history in the data dir (written on the writer thread,
+        after the checkpoint it follows)."""
+        assert self.swarm is not None and self.rounds is not None
+        counters, rounds = self.swarm.counters, self.rounds
+        sent, received = counters.bytes_sent, counters.bytes_received
+        self.history.add(RoundRecord(
+            round=self.state.round, time_s=round(time.time(), 3), loss=finite(self.trainer.loss),
+            val_loss=finite(self.trainer.val_loss),
+            tokens_per_s=round(finite_or(self.trainer.tokens_per_s, 0.0), 3), sync_s=round(rounds.last_sync_s, 3),
+            bytes_sent=max(0, sent - self.round_bytes[0]), bytes_received=max(0, received - self.round_bytes[1]),
+            contributors=len(rounds.last_contributors), contributor_ids=tuple(rounds.last_contributors)))
+        self.round_bytes = (sent, received)
+        await self.flush_history()
+        self.history_writing = asyncio.get_running_loop().run_in_executor(
+            self.pools.writer, save_history, self.history, self.history.records())
+
+    async def flush_history(self) -> None:
+        if self.history_writing is not None:
+            await self.history_writing
+            self.history_writing = None
 
     async def shutdown(self, stopped: asyncio.Event) -> None:
         assert self.swarm is not None and self.rounds is not None
@@ -148,9 +202,10 @@ class Daemon:
             # catches up with the swarm if it moved on meanwhile).
             await self.save_checkpoint()
         await self.flush_checkpoint()
+        await self.flush_history()
         await self.drain(stopped)
         await self.swarm.stop()
-        self.metrics.close()
+        self.close_page()
         self.pools.shutdown()
 
     async def drain(self, stopped: asyncio.Event) -> None:
@@ -210,7 +265,8 @@ class Daemon:
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, max_relay_mbps=self.cfg.relay_mbps(),
             round_lag=2 if self.cfg.overlap else 1,
-            settings=Settings.from_config(self.cfg), max_ids_per_host=self.cfg.max_ids_per_host,
+            settings=Settings.from_config(self.cfg, task=tuple(self.trainer.task.settings.items())),
+            max_ids_per_host=self.cfg.max_ids_per_host,
             reachable=self.cfg.reachable,
         )
 
@@ -218,12 +274,17 @@ class Daemon:
         """Daemon-side status fields (the swarm adds peers, bytes and agreement)."""
         rounds = self.rounds
         contributors = rounds.last_contributors if rounds is not None and rounds.last_contributors else self.last_contributors
+        rates = self.trainer.rank_tokens_per_s  # one read: the training thread updates them
         return {
             "round": self.state.round, "phase": self.state.phase.value, "param_digest": self.state.param_digest,
             "loss": finite_or(self.trainer.loss), "val_loss": finite_or(self.trainer.val_loss),
             "last_round_contributors": len(contributors), "last_round_contributor_ids": contributors,
-            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": self.trainer.tokens_per_s,
+            "inner_steps": self.engine.inner_steps_total, "tokens_per_s": sum(rates),
             "utilization": rounds.utilization if rounds is not None else 0.0,
+            "local_workers": self.trainer.local_workers, "rank_tokens_per_s": rates,
+            "rank_param_digests": list(self.trainer.rank_digests) or [self.state.param_digest],
+            "task": self.cfg.task, "n_params": self.trainer.n_params,
+            "task_settings": dict(self.trainer.task.settings), **self.trainer.data_progress(),
         }
 
     def metrics_snapshot(self) -> Snapshot:
@@ -232,7 +293,8 @@ class Daemon:
         sent, received, refusals = swarm.traffic() if swarm is not None else ({}, {}, {})
         return Snapshot(
             rounds=self.state.round, inner_steps=self.engine.inner_steps_total,
-            loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=self.trainer.tokens_per_s,
+            loss=self.trainer.loss, val_loss=self.trainer.val_loss, tokens_per_s=status["tokens_per_s"],
+            local_workers=status["local_workers"], rank_tokens_per_s=status["rank_tokens_per_s"],
             contributors=status["last_round_contributors"], utilization=status["utilization"],
             peers_alive=swarm.alive_count() if swarm is not None else 0,
             bytes_sent=sent, bytes_received=received, refusals=refusals,
@@ -248,15 +310,27 @@ class Daemon:
         before."""
         assert self.swarm is not None
         await self.flush_checkpoint()
+        try:  # first: in a member it collects every rank's stream position and digest
+            state = await self.pools.run(self.pools.train, self.trainer.state_dict)
+        except MemberLost as exc:
+            logger.warning("no checkpoint: %s (a restart resumes from the last one)", exc,
+                           extra=fields("checkpoint_skipped", reason=str(exc)))
+            return
         meta = {**self.status(), **self.swarm.snapshot(), "phase": NodePhase.STOPPED.value,
                 "manifest_hash": self.engine.manifest_hash(), "saved_at": time.time()}
-        state = await self.pools.run(self.pools.train, self.trainer.state_dict)
         feedback = await self.pools.run(self.pools.encode, self.encoder.state_dict)
         if feedback is not None:
             state["feedback"] = feedback  # where release 0.1 kept it: its checkpoints load as ever
-        self.writing = asyncio.get_running_loop().run_in_executor(
-            self.pools.writer, lambda: checkpoint.save(self.data_dir, meta["round"], meta, state,
-                                                       keep=self.cfg.keep_checkpoints))
+        self.writing = asyncio.get_running_loop().run_in_executor(self.pools.writer, self.write_checkpoint, meta, state)
+
+    def write_checkpoint(self, meta: dict[str, Any], state: dict[str, Any]) -> None:
+        """In the writer thread: serialize, fsync, rename; log how long it took."""
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.data_dir, meta["round"], meta, state, keep=self.cfg.keep_checkpoints)
+        seconds = time.perf_counter() - t0
+        logger.debug("checkpoint %s written in %.2f s", path.name, seconds,
+                     extra=fields("checkpoint_saved", round_id=meta["round"], checkpoint=path.name,
+                                  bytes=path.stat().st_size, seconds=round(seconds, 3)))
 
     async def flush_checkpoint(self) -> None:
         if self.writing is not None:
@@ -266,3 +340,12 @@ class Daemon:
 
 def finite_or(value: float, default: float = float("nan")) -> float:
     return value if math.isfinite(value) else default
+
+
+def save_history(history: History, records: list[RoundRecord]) -> None:
+    """On the writer thread: a history that cannot be written is a warning, never a stop."""
+    try:
+        history.save(records)
+    except OSError as exc:
+        logger.warning("could not write the round history %s (%s)", history.path, exc.strerror,
+                       extra=fields("history_unwritten", file=str(history.path)))

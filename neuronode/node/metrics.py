@@ -1,4 +1,5 @@
-"""Prometheus metrics, read from the daemon's state at scrape time (`--metrics-port`).
+"""Prometheus metrics, read from the daemon's state at scrape time (`--metrics-port`, which also
+serves the status page: neuronode.node.web).
 
 Nothing on the hot path updates a metric except the sync-time histogram: a custom collector
 reads the counters the daemon and the swarm keep anyway, so a scrape costs one pass over them.
@@ -11,11 +12,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from neuronode.config import is_loopback_host
 from neuronode.errors import ConfigError
+from neuronode.events import fields
+from neuronode.node.web import PageApp, Source, serve
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ class Snapshot:
     bytes_relayed: int = 0
     control_bytes_sent: int = 0
     control_bytes_received: int = 0
+    local_workers: int = 1
+    rank_tokens_per_s: list[float] = field(default_factory=list)
 
 
 class NodeCollector(Collector):
@@ -50,7 +56,13 @@ class NodeCollector(Collector):
         yield counter("neuronode_inner_steps", "inner optimizer steps", s.inner_steps)
         yield gauge("neuronode_loss", "last training loss", s.loss)
         yield gauge("neuronode_val_loss", "validation loss after the last round", s.val_loss)
-        yield gauge("neuronode_tokens_per_second", "training throughput", s.tokens_per_s)
+        yield gauge("neuronode_tokens_per_second", "training throughput (a member's: all its processes')", s.tokens_per_s)
+        yield gauge("neuronode_local_workers", "processes this member trains with (--local-workers)", s.local_workers)
+        per_rank = GaugeMetricFamily("neuronode_rank_tokens_per_second", "training throughput, by process of the member",
+                                     labels=["rank"])
+        for rank, rate in enumerate(s.rank_tokens_per_s):
+            per_rank.add_metric([str(rank)], rate)
+        yield per_rank
         yield gauge("neuronode_round_contributors", "contributions averaged in the last round", s.contributors)
         yield gauge("neuronode_peers_alive", "peers heard from recently", s.peers_alive)
         yield gauge("neuronode_utilization", "share of the last round's wall time spent training", s.utilization)
@@ -90,15 +102,26 @@ class Metrics:
 
         self._server: Any = None
 
-    def serve(self, host: str, port: int) -> None:
+    def serve(self, host: str, port: int, *, api: dict[str, Source] | None = None,
+              shows_addresses: bool = True) -> None:
+        """/metrics, and the status page with its `api` documents, on host:port."""
+        app = PageApp(metrics=make_wsgi_app(self.registry), api=api or {})
         try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._server = serve(app, host, port)
         except OSError as exc:
             raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
                               "choose a free port, or 0 to turn metrics off") from None
-        logger.info("metrics on http://%s:%d/metrics", host, port)
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        logger.info("metrics on http://%s/metrics, status page on http://%s/", where, where)
+        if not is_loopback_host(host):
+            logger.info("the status page and metrics on port %d can be reached from other machines (%s); the "
+                        "page %s peers' addresses%s", port, host or "every address",
+                        "shows" if shows_addresses else "hides",
+                        "" if shows_addresses else " (--page-show-addresses shows them)",
+                        extra=fields("page_public", host=host, port=port, addresses_shown=shows_addresses))
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            server, self._server = self._server, None
+            server.shutdown()
+            server.server_close()

@@ -57,6 +57,7 @@ class Rounds:
     save: Callable[[], Awaitable[None]]  # a checkpoint after every outer step
     on_step: Callable[[Trainer], None] | None = None
     on_sync: Callable[[float], None] = lambda _: None
+    on_round: Callable[[], Awaitable[None]] | None = None  # after a round's outer step and checkpoint
     pending: asyncio.Task[Average] | None = None  # --overlap: the exchange of state.pending
     last_contributors: list[str] = field(default_factory=list)
     last_sync_s: float = 0.0
@@ -172,10 +173,12 @@ class Rounds:
         self.last_contributors = average.contributors
         self.state.completed(round_id, digest)
         await self.save()
+        if self.on_round is not None:
+            await self.on_round()
         logger.info("round %d done: loss %.4f val_loss %.4f contributors %d sync %.1fs waited %.1fs digest %s from %s",
                     self.state.round, self.trainer.loss, self.trainer.val_loss, len(average.contributors),
                     self.last_sync_s, time.monotonic() - waited, digest[:12], ",".join(average.contributors),
                     extra=fields("round_done", round_id=round_id, round=self.state.round, contributors=average.contributors,
                                  param_digest=digest, loss=finite(self.trainer.loss), val_loss=finite(self.trainer.val_loss),
-                                 sync_s=round(self.last_sync_s, 3)))
+                                 sync_s=round(self.last_sync_s, 3), weights=average.weights))
         return True

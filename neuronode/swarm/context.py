@@ -36,21 +36,33 @@ class Settings:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     overlap: bool = False
+    # The most processes a member may train with (--local-workers): nobody can count another
+    # member's ranks, so a claimed weight is bounded by this many times one process's samples.
+    max_local_workers: int = 1
+    # The task's own settings, (name, value) in the order compared (Task.settings: sizes,
+    # tokenizer, sequence length); compared after the flags above, before the parameter manifest.
+    task: tuple[tuple[str, str], ...] = ()
 
     FLAGS: ClassVar[dict[str, str]] = {"codec": "--codec", "averaging": "--averaging", "aggregator": "--aggregator/--aggregator-option",
-             "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap"}
+             "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap",
+             "max_local_workers": "--max-local-workers"}
 
     @classmethod
-    def from_config(cls, cfg: NodeConfig) -> Settings:
+    def from_config(cls, cfg: NodeConfig, *, task: tuple[tuple[str, str], ...] = ()) -> Settings:
         return cls(codec=cfg.codec, averaging=cfg.averaging,
                    aggregator=canonical_aggregator(cfg.aggregator, cfg.aggregator_option),
-                   outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, overlap=cfg.overlap)
+                   outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, overlap=cfg.overlap,
+                   max_local_workers=cfg.max_local_workers, task=task)
 
     def mismatch(self, theirs: Settings) -> tuple[str, str, str] | None:
-        """(flag, their value, ours) of the first setting that differs, else None."""
+        """(flag or setting name, their value, ours) of the first setting that differs, else None."""
         for name, flag in self.FLAGS.items():
             if getattr(theirs, name) != getattr(self, name):
                 return flag, str(getattr(theirs, name)), str(getattr(self, name))
+        ours, their_task = dict(self.task), dict(theirs.task)
+        for name in [*ours, *(n for n in their_task if n not in ours)]:
+            if ours.get(name) != their_task.get(name):
+                return name, their_task.get(name, "(not set)"), ours.get(name, "(not set)")
         return None
 
 

@@ -26,6 +26,9 @@ from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
     MAX_ID_CHARS,
     MAX_PEERS_LISTED,
+    MAX_SETTING_NAME_CHARS,
+    MAX_SETTING_VALUE_CHARS,
+    MAX_TASK_SETTINGS,
     PROTOCOL_VERSION,
     Refusal,
     settings_fields,
@@ -131,9 +134,13 @@ class Peers:
                 or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64
                 or any(len(d.param_digest) > MAX_ID_CHARS for d in info.recent_digests)
                 or len(info.settings.averaging) > MAX_ID_CHARS or len(info.settings.aggregator) > MAX_ID_CHARS
-                or len(info.carried_by) > MAX_CARRIERS or any(len(c) > MAX_ID_CHARS for c in info.carried_by)):
+                or len(info.carried_by) > MAX_CARRIERS or any(len(c) > MAX_ID_CHARS for c in info.carried_by)
+                or len(info.settings.task) > MAX_TASK_SETTINGS
+                or any(len(t.name) > MAX_SETTING_NAME_CHARS or len(t.value) > MAX_SETTING_VALUE_CHARS
+                       for t in info.settings.task)):
             raise Refusal("INVALID_ARGUMENT", "hello needs a node id and swarm id of at most 128 characters, "
-                          f"an address of at most 256, at most 64 recent digests and {MAX_CARRIERS} carriers")
+                          f"an address of at most 256, at most 64 recent digests, {MAX_CARRIERS} carriers "
+                          f"and {MAX_TASK_SETTINGS} task settings (names of at most 64 characters, values of 128)")
         check_receipt_sizes(info)
         rounds = [info.round, info.contributes_from, *(d.round for d in info.recent_digests),
                   *(r.round for r in [*info.receipts, *info.disputed]), *(e.round for e in info.echoes)]
@@ -147,17 +154,18 @@ class Peers:
             raise Refusal("FAILED_PRECONDITION",
                           f"protocol version mismatch: {info.node_id} speaks v{info.protocol_version}, "
                           f"this node v{PROTOCOL_VERSION}; run the same neuronode release")
-        if info.manifest_hash != cfg.manifest_hash:
-            raise Refusal("FAILED_PRECONDITION",
-                          f"model manifest mismatch: {info.node_id} trains another model "
-                          f"({info.manifest_hash[:12]} vs {cfg.manifest_hash[:12]} here); "
-                          "use the same --task and model-size flags on every node")
+        # Named settings first: a different size or tokenizer is named, not reported as another manifest.
         differs = cfg.settings.mismatch(Settings(**settings_fields(info.settings)))
         if differs is not None:
             flag, theirs, ours = differs
             raise Refusal("FAILED_PRECONDITION",
                           f"settings mismatch: {info.node_id[:MAX_ID_CHARS]} runs {flag} {theirs[:64]}, this node "
                           f"({cfg.node_id}) {flag} {ours}; every member of a swarm needs the same {flag}")
+        if info.manifest_hash != cfg.manifest_hash:
+            raise Refusal("FAILED_PRECONDITION",
+                          f"model manifest mismatch: {info.node_id} trains another model "
+                          f"({info.manifest_hash[:12]} vs {cfg.manifest_hash[:12]} here); "
+                          "use the same --task and model-size flags on every node")
         if banned := self.ctx.table.banned_for(info.node_id):
             raise Refusal("PERMISSION_DENIED", f"{info.node_id[:MAX_ID_CHARS]} is banned here for {banned:.0f} more "
                           "seconds: it signed two different versions of one contribution or receipt")

@@ -8,13 +8,19 @@ import grpc
 
 from neuronode.v1 import node_pb2 as pb
 
-PROTOCOL_VERSION = 3  # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings)
+# 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings);
+# 4: this release (the task's settings in NodeInfo.settings.task, SwarmSettings.max_local_workers,
+# ...: docs/protocol.md)
+PROTOCOL_VERSION = 4
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
 MAX_MESSAGE_BYTES = 8 << 20
 MAX_ID_CHARS = 128
 MAX_ADDRESS_CHARS = 256
 MAX_PEERS_LISTED = 256
+MAX_TASK_SETTINGS = 32
+MAX_SETTING_NAME_CHARS = 64
+MAX_SETTING_VALUE_CHARS = 128
 
 CODEC_TO_PB = {
     "fp32": pb.CODEC_FP32,
@@ -66,14 +72,17 @@ STATUS_CODES = {
 def settings_to_pb(s: Any) -> pb.SwarmSettings:
     """Settings (neuronode.swarm.context) as NodeInfo.settings."""
     return pb.SwarmSettings(codec=CODEC_TO_PB[s.codec], averaging=s.averaging, aggregator=s.aggregator,
-                            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap)
+                            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap,
+                            max_local_workers=s.max_local_workers,
+                            task=[pb.TaskSetting(name=k, value=v) for k, v in s.task])
 
 
 def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
     """NodeInfo.settings as the fields of Settings (an unknown codec reads as its number)."""
     return {"codec": PB_TO_CODEC.get(m.codec, f"codec {m.codec}"), "averaging": m.averaging,
             "aggregator": m.aggregator, "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum,
-            "overlap": m.overlap}
+            "overlap": m.overlap, "max_local_workers": m.max_local_workers,
+            "task": tuple((t.name, t.value) for t in m.task)}
 
 
 class Refusal(Exception):
@@ -95,6 +104,8 @@ def status_to_dict(resp: pb.StatusResponse) -> dict[str, Any]:
                  "last_seen_s": round(p.last_seen_s, 3), "alive": p.alive}
                 for p in value
             ]
+        elif fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            value = dict(value)
         elif fd.is_repeated:
             value = list(value)
         out[fd.name] = value

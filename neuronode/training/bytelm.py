@@ -11,8 +11,10 @@ Nodes on different Python versions therefore read (slightly) different text; the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import math
 import os
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neuronode.training.task import Task, TaskConfig, TaskError
+from neuronode.training.task import Task, TaskConfig, TaskError, task_device
 
 logger = logging.getLogger(__name__)
 
@@ -297,20 +299,10 @@ def _parse_options(options: Mapping[str, str]) -> _Options:
     return _Options(corpus_bytes=int(corpus_mb * 2**20), val_windows=val_windows)
 
 
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise TaskError(f"task device {name!r} is not a torch device: {e}") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TaskError(f"task device {name!r}: CUDA is not available; use --device cpu")
-    return device
-
-
 def factory(cfg: TaskConfig) -> Task:
     """The ``bytelm`` task: byte-level GPT on stdlib source, sized by ``cfg``."""
     opts = _parse_options(cfg.options)
-    device = _device(cfg.device)
+    device = task_device(cfg.device)
     corpus = load_corpus(opts.corpus_bytes)
     gpt_cfg = GPTConfig(
         block_size=cfg.seq_len, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_embd=cfg.d_model
@@ -347,4 +339,25 @@ def factory(cfg: TaskConfig) -> Task:
         validate=validate,
         samples_per_batch=cfg.batch_size,
         tokens_per_batch=cfg.batch_size * cfg.seq_len,
+        # --n-heads changes no parameter shape: without it here, nodes would average apart.
+        settings={"--seq-len": str(cfg.seq_len), "--d-model": str(cfg.d_model),
+                  "--n-layers": str(cfg.n_layers), "--n-heads": str(cfg.n_heads)},
+        files={"config.json": (json.dumps({"neuronode_task": "bytelm", **dataclasses.asdict(gpt_cfg)},
+                                          indent=2) + "\n").encode()},
     )
+
+
+def load_exported(model_dir: str | Path) -> GPT:
+    """The model `neuronode export` wrote for this task (config.json and model.safetensors, no
+    hf extra needed): ``model = load_exported("out"); logits = model(byte_ids)``."""
+    from safetensors.torch import load_file
+
+    folder = Path(model_dir)
+    fields = json.loads((folder / "config.json").read_text())
+    fields.pop("neuronode_task", None)
+    model = build_model(GPTConfig(**fields), seed=0)
+    tensors = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to wte
+        raise ValueError(f"{folder}: not a bytelm export (missing {missing}, unexpected {unexpected})")
+    return model.eval()

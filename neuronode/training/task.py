@@ -10,6 +10,10 @@ Contract a factory must keep, because every node of a swarm runs it independentl
   (bit-identical everywhere), so the first outer round starts from one model.
 - ``cfg.data_seed`` differs per node: the batch stream should depend on it, so nodes see
   different data.
+- ``loss_fn(model, batch)`` calls the ``model`` it is given, not the one it built: in a member
+  of several processes (``--local-workers``, torchrun) that is the DistributedDataParallel
+  wrapper, whose forward makes the backward average the gradients of all processes; each
+  process gets its own ``cfg.data_seed``.
 - if ``Task.batches`` has ``state_dict()`` / ``load_state_dict()`` (see
   :class:`StatefulIterator`), the daemon checkpoints it and a restarted node resumes the
   same stream instead of replaying it.
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "TaskFactory",
     "create_task",
     "load_task",
+    "task_device",
 ]
 
 _MAX_SEED = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
@@ -86,9 +92,27 @@ class Task:
     validate: Callable[[nn.Module], float] | None = None
     samples_per_batch: int = 1
     tokens_per_batch: int = 0  # for tokens/s display; 0 = unknown
+    # What every node of a swarm must run alike beyond the parameter shapes (sizes, tokenizer,
+    # sequence length), by name, in the order they are compared at Hello: a member with another
+    # value is refused with a message naming the setting and both values.
+    settings: Mapping[str, str] = field(default_factory=dict)
+    # Files that describe the model, written next to its weights by `neuronode export`
+    # (config.json, tokenizer files), by file name.
+    files: Mapping[str, bytes] = field(default_factory=dict)
 
 
 TaskFactory = Callable[[TaskConfig], Task]
+
+
+def task_device(name: str) -> torch.device:
+    """``TaskConfig.device`` as a torch device; a TaskError saying what to use instead."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise TaskError(f"task device {name!r} is not a torch device: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TaskError(f"task device {name!r}: CUDA is not available; use --device cpu")
+    return device
 
 
 @runtime_checkable
@@ -109,9 +133,23 @@ def _builtin_bytelm() -> TaskFactory:
     return bytelm.factory
 
 
+def _builtin(path: str) -> Callable[[], TaskFactory]:
+    """A built-in task by module path, imported only when chosen (no import of it here: the
+    task modules import this one)."""
+
+    def load() -> TaskFactory:
+        module_name, _, attr = path.partition(":")
+        factory: TaskFactory = getattr(importlib.import_module(module_name), attr)
+        return factory
+
+    return load
+
+
 _BUILTINS: dict[str, Callable[[], TaskFactory]] = {
     "bytelm": _builtin_bytelm,
     "builtin": _builtin_bytelm,
+    # Hugging Face architectures, tokenizers and local data (the hf extra).
+    "hf": _builtin("neuronode.training.hf:factory"),
 }
 BUILTIN_TASKS: tuple[str, ...] = tuple(_BUILTINS)
 

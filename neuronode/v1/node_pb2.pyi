@@ -142,20 +142,32 @@ class ReceiptEcho(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., receipt_hash: _Optional[bytes] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class SwarmSettings(_message.Message):
-    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap")
+    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap", "max_local_workers", "task")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     averaging: str
     aggregator: str
     outer_lr: float
     outer_momentum: float
     overlap: bool
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    max_local_workers: int
+    task: _containers.RepeatedCompositeFieldContainer[TaskSetting]
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ..., max_local_workers: _Optional[int] = ..., task: _Optional[_Iterable[_Union[TaskSetting, _Mapping]]] = ...) -> None: ...
+
+class TaskSetting(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
     __slots__ = ("round", "param_digest", "contributors")
@@ -412,7 +424,14 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions", "bytes_relayed", "control_bytes_sent", "control_bytes_received")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions", "bytes_relayed", "control_bytes_sent", "control_bytes_received", "task", "n_params", "task_settings", "data_pass", "data_documents", "local_workers", "rank_tokens_per_s", "rank_param_digests")
+    class TaskSettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -441,6 +460,14 @@ class StatusResponse(_message.Message):
     BYTES_RELAYED_FIELD_NUMBER: _ClassVar[int]
     CONTROL_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     CONTROL_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    N_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TASK_SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PASS_FIELD_NUMBER: _ClassVar[int]
+    DATA_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RANK_PARAM_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -469,4 +496,12 @@ class StatusResponse(_message.Message):
     bytes_relayed: int
     control_bytes_sent: int
     control_bytes_received: int
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ..., bytes_relayed: _Optional[int] = ..., control_bytes_sent: _Optional[int] = ..., control_bytes_received: _Optional[int] = ...) -> None: ...
+    task: str
+    n_params: int
+    task_settings: _containers.ScalarMap[str, str]
+    data_pass: int
+    data_documents: int
+    local_workers: int
+    rank_tokens_per_s: _containers.RepeatedScalarFieldContainer[float]
+    rank_param_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ..., bytes_relayed: _Optional[int] = ..., control_bytes_sent: _Optional[int] = ..., control_bytes_received: _Optional[int] = ..., task: _Optional[str] = ..., n_params: _Optional[int] = ..., task_settings: _Optional[_Mapping[str, str]] = ..., data_pass: _Optional[int] = ..., data_documents: _Optional[int] = ..., local_workers: _Optional[int] = ..., rank_tokens_per_s: _Optional[_Iterable[float]] = ..., rank_param_digests: _Optional[_Iterable[str]] = ...) -> None: ...

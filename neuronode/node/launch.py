@@ -1,0 +1,99 @@
+"""`neuronode start --local-workers K`: start the K processes of one member through torch's
+elastic agent, in this process (what `torchrun --standalone --nproc-per-node K -m neuronode start`
+does, without needing a `torchrun` on PATH), and stop them cleanly.
+
+The agent starts `python -m neuronode start ARGS` K times with the rank variables set (each
+process becomes a rank: neuronode.node.member), watches them, stops them all when one fails, and
+restarts them from the member's checkpoint up to --max-restarts times.
+
+Signals: SIGTERM or SIGINT to this launcher is passed on to every rank, which stop together at
+the next step boundary, rank 0 writing a checkpoint; the launcher then exits 0 as they do. A
+second signal stops them the agent's way (SIGTERM, then SIGKILL after 30 s). Stock torchrun
+handles the first signal that second way and exits non-zero (docs/multi-gpu.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from neuronode.config import NodeConfig
+from neuronode.errors import ConfigError
+from neuronode.events import fields
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 30  # after a second signal: SIGTERM to the ranks, SIGKILL after this
+
+
+def launch_member(cfg: NodeConfig, argv: Sequence[str]) -> int:
+    """Run `neuronode ARGV` as the cfg.local_workers ranks of one member; their exit status."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ConfigError("--local-workers needs torch.distributed, which this torch build lacks; "
+                          "install a torch with distributed support, or start one process per member")
+    import torch.distributed.elastic.rendezvous.registry as rendezvous
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    # The first SIGTERM/SIGINT is ours (below); the agent keeps SIGHUP and SIGQUIT.
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0", run_id=uuid.uuid4().hex,
+                                  min_nodes=1, max_nodes=1)
+    spec = WorkerSpec(role="neuronode", local_world_size=cfg.local_workers, entrypoint=sys.executable,
+                      args=("-m", "neuronode", *argv), rdzv_handler=rendezvous.get_rendezvous_handler(params),
+                      max_restarts=cfg.max_restarts, monitor_interval=0.1)
+    with tempfile.TemporaryDirectory(prefix="neuronode-agent-") as logs:  # the agent's error files, if any
+        agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=logs), start_method="spawn",
+                                  shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        try:
+            return supervise(agent, cfg)
+        finally:
+            spec.rdzv_handler.shutdown()  # its keep-alive thread would hold up our exit
+
+
+def supervise(agent: Any, cfg: NodeConfig) -> int:
+    """Run the agent until the member ends; pass a first SIGTERM/SIGINT on to every rank."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    signals = 0
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            raise SignalException(f"signal {signum} again: stopping the member's processes", signal.Signals(signum))
+        # A stop is not a failure: no restart after it (the agent reads this attribute only).
+        agent._remaining_restarts = 0  # noqa: SLF001 - the agent has no public way to say it
+        for worker in agent.get_worker_group().workers:
+            if worker.id is not None:
+                try:
+                    os.kill(int(worker.id), signum)
+                except ProcessLookupError:
+                    pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    logger.info("starting a member of %d processes (restarts: %d)", cfg.local_workers, cfg.max_restarts,
+                extra=fields("member_starting", local_workers=cfg.local_workers, max_restarts=cfg.max_restarts))
+    try:
+        result = agent.run()
+    except SignalException as exc:
+        logger.warning("%s", exc, extra=fields("member_killed"))
+        return 128 + int(exc.sigval)
+    if result.is_failed():
+        failures = {rank: f.exitcode for rank, f in sorted(result.failures.items())}
+        logger.error("the member failed: exit status by rank %s", failures,
+                     extra=fields("member_failed", exit_codes={str(k): v for k, v in failures.items()}))
+        return next((code for code in failures.values() if 0 < code < 128), 1)
+    return 0
