@@ -13,11 +13,15 @@
 #             scripts/debian_base.sh (mmdebstrap/debootstrap from the Debian mirror).
 #   build     the node image (deploy/Dockerfile) and Prometheus (deploy/prometheus.Dockerfile) at
 #             once, with this machine's pip settings passed in (below).
-#   up        nodes + Prometheus with short settings (NEURONODE_ROUNDS, NEURONODE_INNER_STEPS,
-#             NEURONODE_RESTART=on-failure: a node that finished its rounds exits 0 and stays
-#             down); waits for every HEALTHCHECK and for Prometheus to have every node's target up.
-#   stop      `docker compose stop` mid-run: every node exits 0 with its round in its checkpoint.
-#   resume    `docker compose up` again: every node comes back at the round it had reached.
+#   up        nodes + Prometheus with short settings (NEURONODE_INNER_STEPS, the health check's
+#             pace, NEURONODE_RESTART=on-failure: a node that finished its rounds exits 0 and stays
+#             down), first without a last round; waits for every HEALTHCHECK and for Prometheus to
+#             have every node's target up; every node serves its status page and metrics on
+#             127.0.0.1; Prometheus runs every query of the Grafana dashboard.
+#   stop      `docker compose stop` while the nodes train: every node exits 0 with its round in
+#             its checkpoint.
+#   resume    `docker compose up` again, now with NEURONODE_ROUNDS: every node comes back at the
+#             round it had reached.
 #   finish    every node ends its rounds and exits 0; `neuronode status --data-dir` in a container
 #             of each node (its volume) shows the last round, one digest and four contributors.
 #   down      `docker compose logs` reads, `docker compose down -v` leaves no container,
@@ -47,7 +51,7 @@ DEBIAN_BASE=neuronode-base:bookworm
 NODE_IMAGE=neuronode:local         # the images docker-compose.yml names
 PROMETHEUS_IMAGE=neuronode-prometheus:local
 NODES=(node-a node-b node-c node-d)
-PROM_PORT=${NEURONODE_PROMETHEUS_PORT:-9090}
+PROM_PORT=9090                     # docker-compose.yml publishes Prometheus there
 
 work=$(mktemp -d /tmp/compose-check.XXXXXX)
 t0=$(date +%s.%N)
@@ -420,6 +424,19 @@ while time.monotonic() < deadline:
 print(f"compose_check: Prometheus targets up: {sorted(up)}, want {sorted(want)}", file=sys.stderr)
 raise SystemExit(1)
 PY
+# Each node's status page and metrics, published on 127.0.0.1 (the page's files ship in the wheel).
+for node in "${NODES[@]}"; do
+  port=$(compose port "$node" 9400 | sed 's/.*://')
+  python3 - "$port" "$node" <<'PY' || die "$node does not serve its status page on 127.0.0.1:$port"
+import json, sys, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+page = urllib.request.urlopen(base + "/", timeout=10)
+assert page.status == 200 and page.headers.get_content_type() == "text/html", page.headers
+assert json.load(urllib.request.urlopen(base + "/api/status", timeout=10))["node_id"]
+assert b"neuronode_rounds_total" in urllib.request.urlopen(base + "/metrics", timeout=10).read()
+PY
+done
+say "every node serves its status page, /api/status and /metrics on 127.0.0.1"
 # Grafana's panels, run as queries on this Prometheus: each must be valid PromQL here.
 python3 - "$PROM_PORT" deploy/grafana/dashboards/neuronode.json <<'PY' || die "a Grafana panel's query fails on Prometheus"
 import json, re, sys, urllib.error, urllib.parse, urllib.request
