@@ -19,7 +19,7 @@ from typing import Any
 
 from neuronode.errors import ConfigError
 
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "sparse")
 AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 LOG_FORMATS = ("text", "json")
@@ -92,7 +92,13 @@ class NodeConfig:
     seed: int = opt(0, "model-initialisation seed (must match across the swarm)")
     threads: int = opt(0, "torch threads for this node (0: half the cores, at most 8)")
     device: str = opt("auto", "where to train", choices=DEVICES)
-    codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire", choices=CODECS)
+    codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire (sparse: the k largest of each "
+                     "block, few bits each, about 50x fewer bytes than bf16; all-to-all only)", choices=CODECS)
+    sparse_k: int = opt(64, "--codec sparse: entries kept per block (1 to 1024, at most --sparse-block)")
+    sparse_bits: int = opt(2, "--codec sparse: bits per kept value, sign included (2, 4 or 8)")
+    sparse_block: int = opt(4096, "--codec sparse: elements per block (64 to 65536)")
+    sparse_decay: float = opt(0.95, "--codec sparse: error feedback keeps this share of what was not sent, "
+                              "per round (in (0, 1])")
     averaging: str = opt("all-to-all", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
                          "member i averages shard i (about 2x one contribution sent, whatever the swarm size)",
                          choices=("all-to-all", "reduce-scatter"))
@@ -127,6 +133,12 @@ class NodeConfig:
                 or any(kv.startswith("cosine_threshold=") for kv in self.aggregator_option)):
             raise ConfigError(f"--aggregator {self.aggregator} (or a cosine filter) needs whole "
                               "contributions; with --averaging reduce-scatter use mean, trimmed-mean or median")
+        if self.codec == "sparse" and self.averaging == "reduce-scatter":
+            raise ConfigError("--codec sparse needs --averaging all-to-all: under reduce-scatter a reducer's "
+                              "averaged shard is the union of the members' kept entries, up to N times denser, "
+                              "and re-encoding it sparse would drop most of it")
+        if self.sparse_k > self.sparse_block:
+            raise ConfigError(f"--sparse-k {self.sparse_k} must be at most --sparse-block {self.sparse_block}")
         tls = [self.tls_cert, self.tls_key, self.tls_ca]
         if any(tls) and not all(tls):
             raise ConfigError("--tls-cert, --tls-key and --tls-ca go together; give all three")
@@ -183,6 +195,10 @@ RANGES: dict[str, tuple[Any, str]] = {
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "max_ids_per_host": (lambda v: v >= 1, "1 or more"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
+    "sparse_k": (lambda v: 1 <= v <= 1024, "between 1 and 1024"),
+    "sparse_bits": (lambda v: v in (2, 4, 8), "2, 4 or 8"),
+    "sparse_block": (lambda v: 64 <= v <= 65536, "between 64 and 65536"),
+    "sparse_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
 }
 
 

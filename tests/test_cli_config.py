@@ -38,6 +38,14 @@ BAD_FLAGS = [
     (["--no-such-flag"], "unrecognized"),
     (["--d-model", "100", "--n-heads", "3"], "--d-model"),
     (["--task-option", "novalue"], "--task-option"),
+    (["--sparse-bits", "3"], "--sparse-bits"),
+    (["--sparse-k", "0"], "--sparse-k"),
+    (["--sparse-k", "2048"], "--sparse-k"),
+    (["--sparse-block", "32"], "--sparse-block"),
+    (["--sparse-k", "128", "--sparse-block", "64"], "--sparse-k 128 must be at most --sparse-block 64"),
+    (["--sparse-decay", "0"], "--sparse-decay"),
+    (["--sparse-decay", "1.5"], "--sparse-decay"),
+    (["--codec", "sparse", "--averaging", "reduce-scatter"], "union of the members' kept entries"),
 ]
 
 

@@ -18,10 +18,13 @@ from neuronode.codec import (
     ContributionEncoder,
     EncoderConfig,
     ErrorFeedback,
+    chunk_elements,
+    chunk_ranges,
     codec_spec,
     decode_frame,
     encode_frames,
     get_codec,
+    receiving,
     roundtrip,
 )
 from neuronode.codec.sparse import SparseCodec, rice_parameter
@@ -112,6 +115,14 @@ def test_one_block_fits_the_smallest_chunk(k: int, bits: int, block: int) -> Non
     assert codec.payload_bytes(block) <= 4096  # --chunk-bytes' least
     x = heavy_tailed(block + 3, seed=k)
     assert torch.equal(codec.decode(codec.encode(x), block + 3), roundtrip(x, codec.spec))
+
+
+def test_the_flags_defaults_are_the_codecs() -> None:
+    from neuronode.config import NodeConfig
+
+    cfg = NodeConfig()
+    assert (cfg.sparse_k, cfg.sparse_bits, cfg.sparse_block, cfg.sparse_decay) == (64, 2, 4096, 0.95)
+    assert get_codec(codec_spec("sparse", k=cfg.sparse_k, bits=cfg.sparse_bits, block=cfg.sparse_block)) is DEFAULT
 
 
 def test_rice_parameter_and_spec() -> None:
@@ -259,6 +270,20 @@ def test_frames_of_varying_length_assemble_and_a_longer_one_is_refused() -> None
     fresh = Assembler(n_elems=x.numel(), codec=SMALL.spec, chunk_bytes=SMALL.payload_bytes(64) * 4)
     with pytest.raises(CodecError, match="at most"):
         fresh.add(0, raw + bytes(bounds[0]))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
+@pytest.mark.parametrize("chunk_bytes", [4096, 10_000, 1 << 20])
+def test_a_receiver_cuts_the_chunks_its_sender_cut(codec: SparseCodec, chunk_bytes: int) -> None:
+    """A receiver knows a stream's chunk_elements, not the sender's --chunk-bytes: the bound of
+    a chunk is its blocks' bounds, so both cut the same ranges."""
+    n = 300_000 * codec.block_elems + 7  # several chunks of every size here
+    sent = chunk_ranges(n, codec.spec, chunk_bytes)
+    assert len(sent) > 2
+    got = receiving(codec=codec.spec, n_elems=n, chunk_elements=chunk_elements(codec.spec, chunk_bytes),
+                    chunk_count=len(sent), shuffled=False)
+    assert [got.chunk_elems(i) for i in range(got.count)] == [b - a for a, b in sent]
+    assert all(codec.payload_bytes(b - a) <= chunk_bytes for a, b in sent)
 
 
 def test_a_compressed_frame_declaring_more_than_the_bound_is_refused_before_decompressing() -> None:

@@ -182,6 +182,7 @@ class ContributionEncoder:
         self.vector = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
                                     byte_shuffle=cfg.byte_shuffle, capped=cfg.capped)
         self.feedback = ErrorFeedback(n_elements, decay=cfg.feedback_decay) if get_codec(cfg.codec).lossy else None
+        self.residual_norm = 0.0  # L2 norm of the feedback's residual after the last encode (a float: read anywhere)
         self._thread: int | None = None
 
     def _on_one_thread(self) -> None:
@@ -204,6 +205,7 @@ class ContributionEncoder:
                  for j, (a, b) in enumerate(ranges)]
         if self.feedback is not None:
             self.feedback.update_parts(delta, [(a, p.data) for (a, _), p in zip(ranges, parts, strict=True)])
+            self.residual_norm = float(self.feedback.residual.norm())
         return Encoded(parts=parts, compensated=delta)
 
     def reduce(self, aggregate: Aggregate, pieces: Mapping[str, Contribution], link_bytes_per_s: float, *,
@@ -224,6 +226,7 @@ class ContributionEncoder:
         self._on_one_thread()
         if self.feedback is not None:
             self.feedback.reset()
+            self.residual_norm = 0.0
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         self._on_one_thread()
@@ -233,3 +236,4 @@ class ContributionEncoder:
         self._on_one_thread()
         if self.feedback is not None:
             self.feedback.load_state_dict(state)
+            self.residual_norm = float(self.feedback.residual.norm())

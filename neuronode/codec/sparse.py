@@ -24,7 +24,7 @@ little-endian within each byte, numpy's ``bitorder="little"``). The first two se
 length fixed by n; the unary one varies with the gaps, from K to K + Q bits (K entries; Q, the
 most all q can sum to, is sum over blocks of (len - kept) >> r, since a block's gaps sum to at
 most its length minus what it keeps). So a payload's size is not fixed: ``payload_bytes(n)`` is
-the most it may take (0.0205 bytes per parameter at the defaults, typically 0.0195), and the
+the most it may take (84 bytes a block, 0.0205 bytes per parameter at the defaults, typically 0.0195), and the
 payload carries its own length (the frame's, or a compressed frame's declared content size,
 bounded by that: ``neuronode.codec.framing``). There is one valid encoding per kept set and
 value: a decoder refuses a payload shorter or longer than its sections, a scale that is not a
@@ -145,9 +145,14 @@ class SparseCodec(Codec):
                 -(-(count + most_q) // 8))
 
     def payload_bytes(self, n: int) -> int:
-        """The most n elements may take (the size varies with the kept indices)."""
-        scales, fields, _, unary = self._sections(n)
-        return scales + fields + unary
+        """The most n elements may take (the size varies with the kept indices): the sum of
+        each block's own bound, so that a chunk's bound is its blocks' (``chunk_ranges``)."""
+        full, tail = self._blocks(n)
+        return full * self._block_bound(self.block_elems) + (self._block_bound(tail) if tail else 0)
+
+    def _block_bound(self, length: int) -> int:
+        kept = min(self.k, length)
+        return 4 + -(-kept * (self.bits + self.rice) // 8) + -(-(kept + ((length - kept) >> self.rice)) // 8)
 
     def min_payload_bytes(self, n: int) -> int:
         scales, fields, unary, _ = self._sections(n)

@@ -8,7 +8,9 @@ import grpc
 
 from neuronode.v1 import node_pb2 as pb
 
-PROTOCOL_VERSION = 3  # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings)
+# 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings); 4: this release
+# (the sparse codec and its settings among them: docs/protocol.md)
+PROTOCOL_VERSION = 4
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -22,6 +24,7 @@ CODEC_TO_PB = {
     "bf16": pb.CODEC_BF16,
     "int8": pb.CODEC_INT8,
     "int4": pb.CODEC_INT4,
+    "sparse": pb.CODEC_SPARSE,
 }
 PB_TO_CODEC = {v: k for k, v in CODEC_TO_PB.items()}
 
@@ -66,14 +69,17 @@ STATUS_CODES = {
 def settings_to_pb(s: Any) -> pb.SwarmSettings:
     """Settings (neuronode.swarm.context) as NodeInfo.settings."""
     return pb.SwarmSettings(codec=CODEC_TO_PB[s.codec], averaging=s.averaging, aggregator=s.aggregator,
-                            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap)
+                            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap,
+                            sparse_k=s.sparse_k, sparse_bits=s.sparse_bits, sparse_block=s.sparse_block,
+                            sparse_decay=s.sparse_decay)
 
 
 def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
     """NodeInfo.settings as the fields of Settings (an unknown codec reads as its number)."""
     return {"codec": PB_TO_CODEC.get(m.codec, f"codec {m.codec}"), "averaging": m.averaging,
             "aggregator": m.aggregator, "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum,
-            "overlap": m.overlap}
+            "overlap": m.overlap, "sparse_k": m.sparse_k, "sparse_bits": m.sparse_bits,
+            "sparse_block": m.sparse_block, "sparse_decay": m.sparse_decay}
 
 
 class Refusal(Exception):
