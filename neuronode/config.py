@@ -133,10 +133,7 @@ class NodeConfig:
                 or any(kv.startswith("cosine_threshold=") for kv in self.aggregator_option)):
             raise ConfigError(f"--aggregator {self.aggregator} (or a cosine filter) needs whole "
                               "contributions; with --averaging reduce-scatter use mean, trimmed-mean or median")
-        if self.codec == "sparse" and self.averaging == "reduce-scatter":
-            raise ConfigError("--codec sparse needs --averaging all-to-all: under reduce-scatter a reducer's "
-                              "averaged shard is the union of the members' kept entries, up to N times denser, "
-                              "and re-encoding it sparse would drop most of it")
+        check_averaging(self.codec, self.averaging)
         if self.sparse_k > self.sparse_block:
             raise ConfigError(f"--sparse-k {self.sparse_k} must be at most --sparse-block {self.sparse_block}")
         tls = [self.tls_cert, self.tls_key, self.tls_ca]
@@ -200,6 +197,14 @@ RANGES: dict[str, tuple[Any, str]] = {
     "sparse_block": (lambda v: 64 <= v <= 65536, "between 64 and 65536"),
     "sparse_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
 }
+
+
+def check_averaging(codec: str, averaging: str) -> None:
+    """--codec sparse averages all-to-all only (a ConfigError saying why otherwise)."""
+    if codec == "sparse" and averaging == "reduce-scatter":
+        raise ConfigError("--codec sparse needs --averaging all-to-all: under reduce-scatter a reducer's "
+                          "averaged shard is the union of the members' kept entries, up to N times denser, "
+                          "and re-encoding it sparse would drop most of it")
 
 
 def is_loopback_host(host: str) -> bool:
