@@ -18,6 +18,7 @@ from neuronode.codec import (
     ContributionEncoder,
     EncoderConfig,
     ErrorFeedback,
+    VectorEncoder,
     chunk_elements,
     chunk_ranges,
     codec_spec,
@@ -325,3 +326,27 @@ def test_the_encoder_sends_what_it_kept_back_in_later_rounds() -> None:
         if decay == 1.0:
             assert torch.allclose(sent + residual, 40 * delta, rtol=1e-4, atol=1e-3)
         assert float(residual.norm()) < 40 * float(delta.norm()) * (0.6 if decay == 1.0 else 0.35)
+
+
+# ---- aggregation -----------------------------------------------------------------------------------
+
+
+def test_the_default_aggregation_keeps_sparse_contributions() -> None:
+    """The node's default aggregator over sparse contributions (decoded into dense float32
+    vectors, zeros where a member kept nothing): every entry any member kept stays in the
+    average, with that member's sign where it alone kept it. A coordinate-wise rule such as the
+    median would erase them (the median of one value and two zeros is zero)."""
+    from neuronode.config import NodeConfig
+    from neuronode.node.trainer import make_aggregator
+
+    aggregate = make_aggregator(NodeConfig(codec="sparse"))
+    members = {name: VectorEncoder(codec="sparse", chunk_bytes=1 << 20, zstd_level=0, byte_shuffle=False).encode(
+        heavy_tailed(3 * 4096, seed=i), 0.0, sender_id=name) for i, name in enumerate("abc")}
+    decoded = {name: c.data.decode() for name, c in members.items()}
+    result = aggregate({name: (c.data, 1.0 + i) for i, (name, c) in enumerate(members.items())})
+    kept = [d != 0 for d in decoded.values()]
+    union = kept[0] | kept[1] | kept[2]
+    assert torch.equal(result != 0, union)
+    alone = union & (torch.stack(kept).sum(dim=0) == 1)
+    for d, k in zip(decoded.values(), kept, strict=True):
+        assert torch.equal(result[alone & k].sign(), d[alone & k].sign())
