@@ -225,3 +225,33 @@ async def test_hostile_sparse_chunks_are_refused_and_never_stored(rogue: Rogue,
     assert status == Code.OK, details
     stored = rogue.node.book.close(0)[ROGUE]
     assert torch.equal(stored.data.decode(), sparse(ROGUE, vector(7)).data.decode())
+
+
+async def test_randomly_mutated_sparse_chunks_never_reach_the_book(rogue: Rogue) -> None:
+    """Seeded fuzzing: one byte of one chunk's raw payload changed, or the payload cut or
+    padded at random. A change the codec cannot tell from honest (a value's sign, a scale's
+    low bits) fails the digest instead: every stream is refused, nothing is stored."""
+    import random
+
+    await rogue.hello()
+    rng = random.Random(28)
+    codes = set()
+    for _ in range(24):
+        chunks = honest()
+        index = rng.randrange(len(chunks))
+        payload = bytearray(zstd.ZstdDecompressor().decompress(chunks[index].payload)
+                            if chunks[index].compressed else chunks[index].payload)
+        how = rng.choice(["byte", "cut", "pad"])
+        if how == "byte":
+            at = rng.randrange(len(payload))
+            payload[at] ^= rng.randrange(1, 256)
+        elif how == "cut":
+            del payload[rng.randrange(len(payload)):]
+        else:
+            payload += bytes(rng.randrange(1, 64))
+        chunks[index].payload, chunks[index].compressed = bytes(payload), False
+        status, details = await rogue.push(chunks)
+        assert status in (Code.INVALID_ARGUMENT, Code.DATA_LOSS), (how, details)
+        assert ROGUE not in rogue.node.book.contributors(0)
+        codes.add(status)
+    assert Code.INVALID_ARGUMENT in codes
