@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from neuronode.codec.quant import NOT_FINITE, Codec, CodecError, _check_input, all_finite
+from neuronode.memory import empty_floats
 
 __all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_BLOCK", "DEFAULT_DECAY", "DEFAULT_K", "SparseCodec",
            "rice_parameter", "sparse_spec"]
@@ -163,7 +164,8 @@ class SparseCodec(Codec):
     def _select(self, blocks: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of `blocks` (m, length): the `keep` largest magnitudes' indices, ascending
         (m, keep) int64, and their values (m, keep)."""
-        index = blocks.abs().topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
+        magnitudes = torch.abs(blocks, out=empty_floats(blocks.numel()).view(blocks.shape))  # a reused buffer
+        index = magnitudes.topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
         return index, blocks.gather(1, index)
 
     def encode(self, x: torch.Tensor) -> bytes:
@@ -264,6 +266,6 @@ class SparseCodec(Codec):
         target[positions] = values
 
     def decode(self, buf: bytes, n: int) -> torch.Tensor:
-        out = torch.empty(n, dtype=torch.float32)
+        out = empty_floats(n)
         self.decode_into(buf, n, out)
         return out
