@@ -87,8 +87,8 @@ class NodeConfig:
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --inner-lr")
     grad_clip: float = opt(1.0, "clip gradient norm to this (0: off)")
     grad_accum: int = opt(1, "micro-batches accumulated per inner step")
-    outer_lr: float = opt(0.7, "outer Nesterov learning rate")
-    outer_momentum: float = opt(0.9, "outer Nesterov momentum")
+    outer_lr: float = opt(-1.0, "outer learning rate (-1: 0.7, or 3.0 with --codec sparse)")
+    outer_momentum: float = opt(-1.0, "outer Nesterov momentum (-1: 0.9, or 0 with --codec sparse: plain SGD)")
     seed: int = opt(0, "model-initialisation seed (must match across the swarm)")
     threads: int = opt(0, "torch threads for this node (0: half the cores, at most 8)")
     device: str = opt("auto", "where to train", choices=DEVICES)
@@ -142,6 +142,13 @@ class NodeConfig:
         if self.d_model % self.n_heads:
             raise ConfigError(f"--d-model {self.d_model} must be divisible by --n-heads {self.n_heads}")
 
+    def outer(self) -> tuple[float, float]:
+        """(--outer-lr, --outer-momentum) with -1 resolved: the outer step measured best for
+        the codec (docs/benchmarks.md, "The sparse codec")."""
+        lr, momentum = OUTER_DEFAULTS["sparse" if self.codec == "sparse" else "dense"]
+        return (lr if self.outer_lr == -1 else self.outer_lr,
+                momentum if self.outer_momentum == -1 else self.outer_momentum)
+
     @property
     def authenticated(self) -> bool:
         """Whether peers must prove membership (shared secret and/or mutual TLS)."""
@@ -176,14 +183,18 @@ class NodeConfig:
 POSITIVE_INT = {"inner_steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads",
                 "grad_accum", "min_peers", "chunk_bytes", "keep_checkpoints"}
 NON_NEGATIVE_INT = {"rounds", "threads", "schedule_steps", "seed"}
-POSITIVE_FLOAT = {"inner_lr", "outer_lr", "sync_timeout", "heartbeat_s"}
+POSITIVE_FLOAT = {"inner_lr", "sync_timeout", "heartbeat_s"}
+# The outer step's defaults (--outer-lr, --outer-momentum -1): Nesterov for the dense codecs,
+# plain SGD with a larger step for the sparse one, whose error feedback acts as momentum.
+OUTER_DEFAULTS = {"dense": (0.7, 0.9), "sparse": (3.0, 0.0)}
 RANGES: dict[str, tuple[Any, str]] = {
     "warmup_steps": (lambda v: v >= -1, "-1 (auto) or more"),
     "seed": (lambda v: 0 <= v < 2**31, "between 0 and 2147483647"),
     "weight_decay": (lambda v: v >= 0, "0 or more"),
     "grad_clip": (lambda v: v >= 0, "0 (off) or more"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
-    "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "outer_lr": (lambda v: v == -1 or v > 0, "greater than 0, or -1 (the codec's default)"),
+    "outer_momentum": (lambda v: v == -1 or 0 <= v < 1, "in [0, 1), or -1 (the codec's default)"),
     "zstd_level": (lambda v: -1 <= v <= 22, "-1 (auto), 0 (off) or a level up to 22"),
     "round_seconds": (lambda v: v >= 0, "0 (off) or more"),
     "max_upload_mbps": (lambda v: v >= 0, "0 (no cap) or more"),

@@ -168,6 +168,17 @@ def test_status_of_a_data_dir_reads_the_checkpoint_without_torch(tmp_path: Path)
     assert '"round": 3' in out.stdout
 
 
+def test_the_outer_step_defaults_to_the_codecs() -> None:
+    """Nesterov (0.7, 0.9) for the dense codecs, plain SGD with a larger step for sparse (its
+    error feedback acts as momentum: docs/benchmarks.md); a given value always wins."""
+    assert NodeConfig().outer() == (0.7, 0.9)
+    assert NodeConfig(codec="int4").outer() == (0.7, 0.9)
+    assert NodeConfig(codec="sparse").outer() == (3.0, 0.0)
+    assert NodeConfig(codec="sparse", outer_lr=0.5).outer() == (0.5, 0.0)
+    assert NodeConfig(codec="sparse", outer_momentum=0.9).outer() == (3.0, 0.9)
+    assert NodeConfig(outer_lr=1.0, outer_momentum=0.0).outer() == (1.0, 0.0)
+
+
 def test_relay_cap_defaults_to_half_the_upload_cap() -> None:
     assert NodeConfig(max_upload_mbps=20).relay_mbps() == 10
     assert NodeConfig().relay_mbps() == 0  # no upload cap: no relay cap of its own

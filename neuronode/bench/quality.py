@@ -300,8 +300,9 @@ def settings_flags(args: argparse.Namespace) -> list[str]:
 def settings_report(args: argparse.Namespace) -> dict[str, Any]:
     """The outer step's settings the nodes ran, and with --codec sparse the codec's."""
     cfg = node_config(args)
-    names = SETTINGS if args.codec == "sparse" else SETTINGS[:2]
-    return {name: getattr(cfg, name) for name in names}
+    outer_lr, outer_momentum = cfg.outer()
+    sparse = {name: getattr(cfg, name) for name in SETTINGS[2:]} if args.codec == "sparse" else {}
+    return {"outer_lr": outer_lr, "outer_momentum": outer_momentum, **sparse}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -351,7 +352,7 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, inner_steps: int, ro
     for name, kind in (("sparse_k", int), ("sparse_bits", int), ("sparse_block", int), ("sparse_decay", float),
                        ("outer_lr", float), ("outer_momentum", float)):
         parser.add_argument(flag_name(name), type=kind, default=None,
-                            help=f"{flag_name(name)} of the nodes (default: the daemon's, {getattr(NodeConfig, name)})")
+                            help=f"{flag_name(name)} of the nodes (default: the daemon's)")
     parser.add_argument("--overlap", action="store_true", help="sync in the background (--overlap of start)")
     parser.add_argument("--seed", type=int, default=0, help="model seed of every node (default: 0)")
     for name in ("d-model", "n-layers", "n-heads", "seq-len", "batch-size"):

@@ -55,9 +55,10 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg: NodeConfig) -> Settings:
+        outer_lr, outer_momentum = cfg.outer()
         return cls(codec=cfg.codec, averaging=cfg.averaging,
                    aggregator=canonical_aggregator(cfg.aggregator, cfg.aggregator_option),
-                   outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, overlap=cfg.overlap,
+                   outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=cfg.overlap,
                    sparse_k=cfg.sparse_k, sparse_bits=cfg.sparse_bits, sparse_block=cfg.sparse_block,
                    sparse_decay=cfg.sparse_decay)
 
