@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from neuronode.config import NodeConfig, build_config, flag_name, parse_hostport
+from neuronode.config import CODECS, NodeConfig, build_config, flag_name, parse_hostport
 from neuronode.errors import ConfigError, NeuronodeError
 from neuronode.security.ca_cli import add_ca_parser, run_ca
 
@@ -105,8 +105,12 @@ def add_bench_parser(sub: Any) -> None:
     sync = kinds.add_parser("sync", help="average a P-parameter pseudo-gradient among N local nodes")
     sync.add_argument("--nodes", type=int, default=4, help="local node processes (default: 4)")
     sync.add_argument("--params", type=float, default=10e6, help="parameters P (default: 10e6)")
-    sync.add_argument("--codec", default="fp32", choices=("fp32", "fp16", "bf16", "int8", "int4"),
-                      help="wire codec (default: fp32)")
+    sync.add_argument("--codec", default="fp32", choices=CODECS, help="wire codec (default: fp32)")
+    for name, kind in (("sparse_k", int), ("sparse_bits", int), ("sparse_block", int), ("sparse_decay", float)):
+        sync.add_argument(flag_name(name), type=kind, default=getattr(NodeConfig, name),
+                          help=f"--codec sparse: the daemon's {flag_name(name)} (default: {getattr(NodeConfig, name)})")
+    sync.add_argument("--max-upload-mbps", type=float, default=0.0,
+                      help="every node's upload cap in Mbit/s, as the daemon's flag (default: 0, none)")
     sync.add_argument("--averaging", default="all-to-all", choices=("all-to-all", "reduce-scatter"),
                       help="averaging scheme, as the daemon's --averaging (default: all-to-all)")
     sync.add_argument("--rounds", type=int, default=3, help="rounds timed; the median is reported (default: 3)")

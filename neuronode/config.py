@@ -19,7 +19,7 @@ from typing import Any
 
 from neuronode.errors import ConfigError
 
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "sparse")
 AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 LOG_FORMATS = ("text", "json")
@@ -87,8 +87,8 @@ class NodeConfig:
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --inner-lr")
     grad_clip: float = opt(1.0, "clip gradient norm to this (0: off)")
     grad_accum: int = opt(1, "micro-batches accumulated per inner step")
-    outer_lr: float = opt(0.7, "outer Nesterov learning rate")
-    outer_momentum: float = opt(0.9, "outer Nesterov momentum")
+    outer_lr: float = opt(-1.0, "outer learning rate (-1: 0.7, or 3.0 with --codec sparse)")
+    outer_momentum: float = opt(-1.0, "outer Nesterov momentum (-1: 0.9, or 0 with --codec sparse: plain SGD)")
     seed: int = opt(0, "model-initialisation seed (must match across the swarm)")
     threads: int = opt(0, "torch threads for this node (0: half the cores, at most 8)")
     device: str = opt("auto", "where to train", choices=DEVICES)
@@ -99,7 +99,13 @@ class NodeConfig:
                                  "samples, at most this many times one process's)")
     max_restarts: int = opt(0, "with --local-workers: how often the member is restarted from its checkpoint "
                             "after one of its processes failed")
-    codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire", choices=CODECS)
+    codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire (sparse: the k largest of each "
+                     "block, few bits each, about 50x fewer bytes than bf16; all-to-all only)", choices=CODECS)
+    sparse_k: int = opt(64, "--codec sparse: entries kept per block (1 to 1024, at most --sparse-block)")
+    sparse_bits: int = opt(2, "--codec sparse: bits per kept value, sign included (2, 4 or 8)")
+    sparse_block: int = opt(4096, "--codec sparse: elements per block (64 to 65536)")
+    sparse_decay: float = opt(0.95, "--codec sparse: error feedback keeps this share of what was not sent, "
+                              "per round (in (0, 1])")
     averaging: str = opt("all-to-all", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
                          "member i averages shard i (about 2x one contribution sent, whatever the swarm size)",
                          choices=("all-to-all", "reduce-scatter"))
@@ -137,6 +143,9 @@ class NodeConfig:
                 or any(kv.startswith("cosine_threshold=") for kv in self.aggregator_option)):
             raise ConfigError(f"--aggregator {self.aggregator} (or a cosine filter) needs whole "
                               "contributions; with --averaging reduce-scatter use mean, trimmed-mean or median")
+        check_averaging(self.codec, self.averaging)
+        if self.sparse_k > self.sparse_block:
+            raise ConfigError(f"--sparse-k {self.sparse_k} must be at most --sparse-block {self.sparse_block}")
         tls = [self.tls_cert, self.tls_key, self.tls_ca]
         if any(tls) and not all(tls):
             raise ConfigError("--tls-cert, --tls-key and --tls-ca go together; give all three")
@@ -153,6 +162,13 @@ class NodeConfig:
             raise ConfigError(f"{how} {workers} is more than --max-local-workers {self.max_local_workers}; "
                               f"a swarm that admits such members runs with --max-local-workers {workers} "
                               "on every member")
+
+    def outer(self) -> tuple[float, float]:
+        """(--outer-lr, --outer-momentum) with -1 resolved: the outer step measured best for
+        the codec (docs/benchmarks.md, "The sparse codec")."""
+        lr, momentum = OUTER_DEFAULTS["sparse" if self.codec == "sparse" else "dense"]
+        return (lr if self.outer_lr == -1 else self.outer_lr,
+                momentum if self.outer_momentum == -1 else self.outer_momentum)
 
     @property
     def authenticated(self) -> bool:
@@ -189,14 +205,18 @@ POSITIVE_INT = {"inner_steps", "batch_size", "seq_len", "d_model", "n_layers", "
                 "grad_accum", "min_peers", "chunk_bytes", "keep_checkpoints", "local_workers",
                 "max_local_workers"}
 NON_NEGATIVE_INT = {"rounds", "threads", "schedule_steps", "seed", "max_restarts"}
-POSITIVE_FLOAT = {"inner_lr", "outer_lr", "sync_timeout", "heartbeat_s"}
+POSITIVE_FLOAT = {"inner_lr", "sync_timeout", "heartbeat_s"}
+# The outer step's defaults (--outer-lr, --outer-momentum -1): Nesterov for the dense codecs,
+# plain SGD with a larger step for the sparse one, whose error feedback acts as momentum.
+OUTER_DEFAULTS = {"dense": (0.7, 0.9), "sparse": (3.0, 0.0)}
 RANGES: dict[str, tuple[Any, str]] = {
     "warmup_steps": (lambda v: v >= -1, "-1 (auto) or more"),
     "seed": (lambda v: 0 <= v < 2**31, "between 0 and 2147483647"),
     "weight_decay": (lambda v: v >= 0, "0 or more"),
     "grad_clip": (lambda v: v >= 0, "0 (off) or more"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
-    "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "outer_lr": (lambda v: v == -1 or v > 0, "greater than 0, or -1 (the codec's default)"),
+    "outer_momentum": (lambda v: v == -1 or 0 <= v < 1, "in [0, 1), or -1 (the codec's default)"),
     "zstd_level": (lambda v: -1 <= v <= 22, "-1 (auto), 0 (off) or a level up to 22"),
     "round_seconds": (lambda v: v >= 0, "0 (off) or more"),
     "max_upload_mbps": (lambda v: v >= 0, "0 (no cap) or more"),
@@ -205,7 +225,19 @@ RANGES: dict[str, tuple[Any, str]] = {
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "max_ids_per_host": (lambda v: v >= 1, "1 or more"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
+    "sparse_k": (lambda v: 1 <= v <= 1024, "between 1 and 1024"),
+    "sparse_bits": (lambda v: v in (2, 4, 8), "2, 4 or 8"),
+    "sparse_block": (lambda v: 64 <= v <= 65536, "between 64 and 65536"),
+    "sparse_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
 }
+
+
+def check_averaging(codec: str, averaging: str) -> None:
+    """--codec sparse averages all-to-all only (a ConfigError saying why otherwise)."""
+    if codec == "sparse" and averaging == "reduce-scatter":
+        raise ConfigError("--codec sparse needs --averaging all-to-all: under reduce-scatter a reducer's "
+                          "averaged shard is the union of the members' kept entries, up to N times denser, "
+                          "and re-encoding it sparse would drop most of it")
 
 
 def is_loopback_host(host: str) -> bool:

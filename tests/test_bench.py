@@ -195,6 +195,17 @@ def test_interrupt_becomes_a_bench_error(monkeypatch: pytest.MonkeyPatch) -> Non
     assert caught.value.exit_code == 130
 
 
+def test_sparse_within_its_byte_budget_and_replicas_identical() -> None:
+    """--codec sparse at the defaults: about 0.0195 bytes a parameter (0.02 is the budget); the
+    CPU figures by role and the codec's settings are reported."""
+    result = bench_sync("--nodes", "2", "--params", "300000", "--codec", "sparse", "--rounds", "1", "--no-gloo")
+    assert result["replicas_identical"] is True
+    assert 0.015 < result["payload_bytes_per_param"] <= 0.02
+    assert (result["sparse_k"], result["sparse_bits"], result["sparse_block"]) == (64, 2, 4096)
+    assert result["encode_cpu_seconds"] > 0 and result["decode_cpu_seconds"] > 0
+    assert result["codec_cpu_seconds"] > 0 and result["int8_codec_cpu_seconds"] > 0
+
+
 def test_one_node_is_a_usage_error() -> None:
     out = run_neuronode("bench", "sync", "--nodes", "1", "--json")
     assert out.returncode == 2
@@ -218,9 +229,10 @@ def node_result(round_seconds: list[float], sha: str = "s", *, sent: int = 300,
     rounds = [{"seconds": s, "encode_s": s / 4, "exchange_s": s / 2, "decode_average_s": s / 4,
                "contributors": contributors, "digest": sha, "bytes_sent": sent,
                "payload_bytes": sent, "cpu_s": s, "page_faults": int(s * 10), "zstd_levels": [1],
-               "shuffled": True}
+               "shuffled": True, "encode_cpu_s": s / 8, "decode_cpu_s": s / 2}
               for s in round_seconds]
-    return {"rounds": rounds, "peak_rss_bytes": 1000 + len(round_seconds)}
+    return {"rounds": rounds, "peak_rss_bytes": 1000 + len(round_seconds), "codec_cpu_s": 0.5,
+            "int8_codec_cpu_s": 0.25}
 
 
 def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
@@ -239,6 +251,9 @@ def test_summary_takes_the_slowest_worker_per_round_and_the_median() -> None:
     assert result["replicas_identical"] is True and result["result_digest"] == "s"
     assert result["zstd_levels_used"] == [1] and result["byte_shuffle"] is True
     assert result["gloo_peak_rss_bytes"] == 9 and result["gloo_replicas_identical"] is True
+    # CPU by role: the mean over workers per round ((1+3)/2, (5+1)/2, (2+2.5)/2), its median.
+    assert result["encode_cpu_seconds"] == round(2.25 / 8, 4) and result["decode_cpu_seconds"] == 1.125
+    assert result["codec_cpu_seconds"] == 0.5 and result["codec_cpu_ratio_vs_int8"] == 2.0
 
 
 def test_summary_of_the_grpc_floor() -> None:
@@ -289,4 +304,38 @@ def test_summary_flags_differing_replicas_and_missing_contributors() -> None:
 
 
 def test_used_between_counts_bytes_and_cpu() -> None:
-    assert used_between(Usage(100, 1.0, 7), Usage(400, 3.5, 19)) == {"bytes_sent": 300, "cpu_s": 2.5, "page_faults": 12}
+    assert used_between(Usage(100, 1.0, 7, 0.5, 1.0), Usage(400, 3.5, 19, 0.75, 2.0)) == {
+        "bytes_sent": 300, "cpu_s": 2.5, "page_faults": 12, "encode_cpu_s": 0.25, "decode_cpu_s": 1.0}
+
+
+def test_pool_clocks_count_only_their_own_threads_cpu() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from neuronode.bench.sync_worker import PoolClock
+
+    clock = PoolClock()
+    with ThreadPoolExecutor(1, initializer=clock.register) as pool:
+        before = clock.seconds()
+        pool.submit(lambda: sum(i * i for i in range(2_000_000))).result()
+        busy = clock.seconds() - before
+        sum(i * i for i in range(2_000_000))  # this thread's work is not the pool's
+        assert 0 < busy and clock.seconds() - before < busy * 1.5 + 0.05
+
+
+@pytest.mark.parametrize(("flags", "word"), [
+    ({"codec": "sparse", "averaging": "reduce-scatter"}, "union of the members' kept entries"),
+    ({"codec": "sparse", "sparse_bits": 3}, "--sparse-bits"),
+    ({"max_upload_mbps": -1.0}, "--max-upload-mbps"),
+])
+def test_config_refuses_what_the_daemon_refuses(flags: dict[str, Any], word: str) -> None:
+    good: dict[str, Any] = dict(nodes=2, params=10, codec="fp32", averaging="all-to-all", rounds=1, zstd_level=-1)
+    with pytest.raises(ConfigError, match=word):
+        SyncBenchConfig(**{**good, **flags})
+
+
+def test_round_deadlines_follow_the_upload_cap() -> None:
+    """fp32 at 20 Mbit/s, 4 nodes, 25M parameters: 300 MB a node a round, two minutes."""
+    free = SyncBenchConfig(nodes=4, params=25_000_000, codec="fp32", averaging="all-to-all", rounds=1, zstd_level=0)
+    capped = SyncBenchConfig(nodes=4, params=25_000_000, codec="fp32", averaging="all-to-all", rounds=1,
+                             zstd_level=0, max_upload_mbps=20.0)
+    assert capped.round_timeout_s - free.round_timeout_s == pytest.approx(3 * 120.0)

@@ -130,6 +130,9 @@ def parse(module: Any, *flags: str) -> argparse.Namespace:
     (quality, ("--inner-steps", "0"), "--inner-steps 0"),
     (utilization, ("--rounds", "1"), "--rounds 1"),
     (utilization, ("--max-upload-mbps", "-1"), "--max-upload-mbps"),
+    (quality, ("--codec", "sparse", "--sparse-bits", "3"), "--sparse-bits"),
+    (quality, ("--outer-momentum", "1.0"), "--outer-momentum"),
+    (utilization, ("--codec", "sparse", "--sparse-k", "0"), "--sparse-k"),
 ])
 def test_bad_flags_are_refused_before_any_process_starts(module: Any, flags: tuple[str, ...], word: str) -> None:
     with pytest.raises(ConfigError, match=word):
@@ -153,3 +156,14 @@ def test_node_flags() -> None:
         assert "--d-model 64" in joined and "--task-option val_windows=8" in joined
         assert "--threads 1" in joined and "--log-format json" in joined
     assert "--node-id bench-2" in " ".join(other)
+
+
+def test_settings_flags_reach_every_node_and_the_report() -> None:
+    args = parse(quality, "--codec", "sparse", "--sparse-k", "32", "--sparse-bits", "4", "--outer-lr", "1.0",
+                 "--outer-momentum", "0")
+    joined = " ".join(quality.spec_from_args(args).node_argv(1, data_dir=Path("d"), port=1, bootstrap="b:1"))
+    assert "--sparse-k 32" in joined and "--sparse-bits 4" in joined and "--outer-lr 1.0" in joined
+    assert "--outer-momentum 0.0" in joined and "--sparse-block" not in joined  # the daemon's default
+    assert quality.settings_report(args) == {"outer_lr": 1.0, "outer_momentum": 0.0, "sparse_k": 32,
+                                             "sparse_bits": 4, "sparse_block": 4096, "sparse_decay": 0.95}
+    assert quality.settings_report(parse(quality, "--codec", "int8")).keys() == {"outer_lr", "outer_momentum"}

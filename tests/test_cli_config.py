@@ -41,6 +41,14 @@ BAD_FLAGS = [
     (["--local-workers", "2"], "--max-local-workers 1"),  # the swarm's setting admits one process
     (["--local-workers", "0"], "--local-workers"),
     (["--max-restarts", "1"], "--max-restarts"),  # restarts are for members of several processes
+    (["--sparse-bits", "3"], "--sparse-bits"),
+    (["--sparse-k", "0"], "--sparse-k"),
+    (["--sparse-k", "2048"], "--sparse-k"),
+    (["--sparse-block", "32"], "--sparse-block"),
+    (["--sparse-k", "128", "--sparse-block", "64"], "--sparse-k 128 must be at most --sparse-block 64"),
+    (["--sparse-decay", "0"], "--sparse-decay"),
+    (["--sparse-decay", "1.5"], "--sparse-decay"),
+    (["--codec", "sparse", "--averaging", "reduce-scatter"], "union of the members' kept entries"),
 ]
 
 
@@ -177,6 +185,17 @@ def test_status_of_a_data_dir_reads_the_checkpoint_without_torch(tmp_path: Path)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert '"round": 3' in out.stdout
+
+
+def test_the_outer_step_defaults_to_the_codecs() -> None:
+    """Nesterov (0.7, 0.9) for the dense codecs, plain SGD with a larger step for sparse (its
+    error feedback acts as momentum: docs/benchmarks.md); a given value always wins."""
+    assert NodeConfig().outer() == (0.7, 0.9)
+    assert NodeConfig(codec="int4").outer() == (0.7, 0.9)
+    assert NodeConfig(codec="sparse").outer() == (3.0, 0.0)
+    assert NodeConfig(codec="sparse", outer_lr=0.5).outer() == (0.5, 0.0)
+    assert NodeConfig(codec="sparse", outer_momentum=0.9).outer() == (3.0, 0.9)
+    assert NodeConfig(outer_lr=1.0, outer_momentum=0.0).outer() == (1.0, 0.0)
 
 
 def test_relay_cap_defaults_to_half_the_upload_cap() -> None:

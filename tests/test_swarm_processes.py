@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import Node, finish, poll, run_to_end
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
@@ -297,3 +298,37 @@ def test_a_contribution_cut_on_one_link_is_fetched_and_every_round_averages_ever
     assert [e["sender"] for e in b.events("fetched")] == ["a"] * 3, b.log()[-3000:]
     assert not b.events("deadline") and len(b.events("fetch_early")) == 3, b.log()[-3000:]
     assert len({n.status()["param_digest"] for n in nodes}) == 1
+
+
+def test_sparse_codec_keeps_replicas_identical_and_its_residual_survives_a_restart(tmp_path: Path) -> None:
+    """Three nodes average --codec sparse contributions: one digest every round, all three in
+    each. What the wire has not carried yet (the error-feedback residual) is in each node's
+    checkpoint, and a node restarted from it carries on with it."""
+    from neuronode.config import NodeConfig
+    from neuronode.node import checkpoint
+    from neuronode.node.daemon import Daemon
+    from neuronode.node.trainer import Trainer
+
+    small = ("--rounds", "2", "--inner-steps", "3", "--batch-size", "4", "--seq-len", "32", "--d-model", "64",
+             "--n-layers", "2", "--n-heads", "2", "--codec", "sparse", "--sparse-k", "32")
+    nodes = run_swarm(tmp_path, ["a", "b", "c"], *small)
+    statuses = [n.status() for n in nodes]
+    assert len({s["param_digest"] for s in statuses}) == 1
+    for node in nodes:
+        assert [(e["round"], len(e["contributors"])) for e in node.events("round_done")] == [(1, 3), (2, 3)]
+    assert {s["codec"] for s in statuses} == {"sparse:k=32,bits=2,block=4096"}
+    stored = checkpoint.load_latest(nodes[0].data_dir)
+    assert stored is not None
+    residual = stored.state["feedback"]["residual"]
+    assert float(residual.norm()) > 0
+    assert statuses[0]["feedback_norm"] == pytest.approx(float(residual.norm()), rel=1e-6)
+    cfg = NodeConfig(data_dir=str(nodes[0].data_dir), node_id="a", codec="sparse", sparse_k=32, batch_size=4,
+                     seq_len=32, d_model=64, n_layers=2, n_heads=2, threads=1)
+    daemon = Daemon(cfg, trainer=Trainer(cfg, node_id="a"), node_id="a", data_dir=nodes[0].data_dir)
+    try:
+        daemon.restore()
+        restored = daemon.pools.encode.submit(daemon.encoder.state_dict).result()  # the encoder's thread
+        assert restored is not None and torch.equal(restored["residual"], residual)
+        assert daemon.status()["feedback_norm"] == statuses[0]["feedback_norm"]
+    finally:
+        daemon.pools.shutdown()

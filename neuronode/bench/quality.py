@@ -50,10 +50,12 @@ from neuronode.bench.common import (
     log_tail,
     wait_all,
 )
-from neuronode.config import NodeConfig
+from neuronode.config import CODECS, NodeConfig, flag_name
 from neuronode.errors import ConfigError
 
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+# Swarm settings a bench may give its nodes (`neuronode start` flags of these names); the
+# daemon's defaults where not given.
+SETTINGS = ("outer_lr", "outer_momentum", "sparse_k", "sparse_bits", "sparse_block", "sparse_decay")
 AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
 # Deadline of a whole run, generous for 2 busy cores: process start (torch import, corpus, first
 # contact), per round (exchange, validation, checkpoint) and per inner step for every 2 nodes
@@ -269,7 +271,7 @@ def check_finished(spec: SwarmSpec, runs: list[NodeRun], statuses: list[dict[str
 def spec_from_args(args: argparse.Namespace) -> SwarmSpec:
     if args.nodes < 2:
         raise ConfigError(f"--nodes {args.nodes}: a swarm needs at least 2 nodes")
-    extra = [*device_flags(args), "--aggregator", args.aggregator]
+    extra = [*device_flags(args), *settings_flags(args), "--aggregator", args.aggregator]
     for option in args.aggregator_option or ():
         extra += ["--aggregator-option", option]
     return SwarmSpec(nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,
@@ -281,13 +283,35 @@ def device_flags(args: argparse.Namespace) -> list[str]:
     return ["--device", args.device] if args.device else []
 
 
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    """What the nodes run of the settings a bench takes (checked here: a bad value is one line,
+    not a node failing at start)."""
+    given = {name: getattr(args, name) for name in SETTINGS if getattr(args, name, None) is not None}
+    return NodeConfig(codec=args.codec, **given)
+
+
+def settings_flags(args: argparse.Namespace) -> list[str]:
+    """The settings given on the bench's command line, as the nodes' flags."""
+    node_config(args)
+    return [arg for name in SETTINGS if getattr(args, name, None) is not None
+            for arg in (flag_name(name), str(getattr(args, name)))]
+
+
+def settings_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The outer step's settings the nodes ran, and with --codec sparse the codec's."""
+    cfg = node_config(args)
+    outer_lr, outer_momentum = cfg.outer()
+    sparse = {name: getattr(cfg, name) for name in SETTINGS[2:]} if args.codec == "sparse" else {}
+    return {"outer_lr": outer_lr, "outer_momentum": outer_momentum, **sparse}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by the `bench quality` flags; returns the JSON object."""
     spec = spec_from_args(args)
     with tempfile.TemporaryDirectory(prefix="neuronode-bench-quality-") as tmp:
         runs, seconds = run_swarm(spec, Path(tmp))
         result = summarize(spec, runs)
-    result.update(seconds=round(seconds, 3), aggregator=args.aggregator)
+    result.update(seconds=round(seconds, 3), aggregator=args.aggregator, **settings_report(args))
     return result
 
 
@@ -325,6 +349,10 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, inner_steps: int, ro
     parser.add_argument("--inner-steps", type=int, default=inner_steps,
                         help=f"inner steps per round H (default: {inner_steps})")
     parser.add_argument("--codec", default="bf16", choices=CODECS, help="wire codec (default: bf16)")
+    for name, kind in (("sparse_k", int), ("sparse_bits", int), ("sparse_block", int), ("sparse_decay", float),
+                       ("outer_lr", float), ("outer_momentum", float)):
+        parser.add_argument(flag_name(name), type=kind, default=None,
+                            help=f"{flag_name(name)} of the nodes (default: the daemon's)")
     parser.add_argument("--overlap", action="store_true", help="sync in the background (--overlap of start)")
     parser.add_argument("--seed", type=int, default=0, help="model seed of every node (default: 0)")
     for name in ("d-model", "n-layers", "n-heads", "seq-len", "batch-size"):

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronode.bench.common import BenchError, check, entry_points
+from neuronode.config import check_averaging
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from neuronode.averaging.local import LocalSwarm
 
 AVERAGING = ("all-to-all", "reduce-scatter")
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # neuronode.codec.CODECS, without importing torch
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "sparse")  # neuronode.codec.CODECS, without importing torch
 SYNC_TIMEOUT_S = 600.0  # never reached: every member delivers, however slow the machine
 CHUNK_BYTES = 1 << 20  # the daemon's default --chunk-bytes
 
@@ -207,6 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           (args.params >= 1, f"--params {args.params}: at least 1"),
           (args.averaging in AVERAGING, f"--averaging {args.averaging}: choose one of {', '.join(AVERAGING)}"),
           (args.codec in CODECS, f"--codec {args.codec}: choose one of {', '.join(CODECS)}"))
+    check_averaging(args.codec, args.averaging)
     started = time.perf_counter()
     result = asyncio.run(simulate(args))
     result["seconds"] = round(time.perf_counter() - started, 3)

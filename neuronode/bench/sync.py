@@ -32,6 +32,17 @@ everything one node sends in a round, message framing included. Both are means o
 workers and timed rounds, so their ratio means something even when auto zstd varies the
 level: about (N-1) x payload for all-to-all, 2(N-1)/N x payload for reduce-scatter.
 
+CPU by role, per node and round: `encode_cpu_seconds` (the encoder thread: encoding and error
+feedback) and `decode_cpu_seconds` (the two codec threads: taking in received chunks, and
+averaging, which decodes every contribution into the float32 accumulator). `codec_cpu_seconds`
+and `int8_codec_cpu_seconds` are one encode and decode of a node's whole vector with this run's
+codec and with int8, timed by each worker after its rounds (the median over workers), and
+`codec_cpu_ratio_vs_int8` their ratio: a codec's cost against int8's under the same load.
+
+`--max-upload-mbps M` caps every node's upload as the daemon's flag does (0: none); round
+deadlines then grow by three times what one node's all-to-all upload takes at the cap.
+`--codec sparse` takes the daemon's `--sparse-*` settings, reported back in the JSON.
+
 `--zstd-level -1` (auto) chooses the level per encode as the daemon does
 (`neuronode.codec.auto_zstd_level`, from the node's last push rate and our last zstd rate);
 the first round then runs at level 1 while nothing is measured, so auto adds one untimed
@@ -75,6 +86,13 @@ WARMUP_ROUNDS = 0
 START_TIMEOUT_S = 120.0  # process start (torch import) and peer discovery, on a loaded machine
 AVERAGING = ("all-to-all", "reduce-scatter")
 AUTO_ZSTD = -1
+SPARSE_SETTINGS = ("sparse_k", "sparse_bits", "sparse_block", "sparse_decay")
+
+
+def bytes_per_param_bound(codec: str) -> float:
+    """At least what one parameter takes in `codec` (a parent's estimate, without torch: the
+    timeouts only need an upper bound; under reduce-scatter a node sends less)."""
+    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.07, "int4": 0.57}.get(codec, 0.05)
 
 
 class BenchInterrupted(BenchError):
@@ -98,6 +116,11 @@ class SyncBenchConfig:
     byte_shuffle: bool = NodeConfig.byte_shuffle
     secret_file: str = ""  # closed swarm: HMAC proofs on every call and contribution
     grpc_floor: bool = False  # also time bare grpc.aio moving the same bytes (neuronode.bench.floor)
+    max_upload_mbps: float = 0.0  # every node's --max-upload-mbps (0: no cap)
+    sparse_k: int = NodeConfig.sparse_k  # --codec sparse: its settings, as the daemon's flags
+    sparse_bits: int = NodeConfig.sparse_bits
+    sparse_block: int = NodeConfig.sparse_block
+    sparse_decay: float = NodeConfig.sparse_decay
 
     def __post_init__(self) -> None:
         check((self.nodes >= 2, f"--nodes {self.nodes}: averaging needs at least 2 nodes"),
@@ -109,6 +132,9 @@ class SyncBenchConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be {allowed}")
         if self.averaging not in AVERAGING:
             raise ConfigError(f"--averaging {self.averaging}: choose one of {', '.join(AVERAGING)}")
+        # The daemon's own checks of the codec's settings and the cap, naming the flag.
+        NodeConfig(codec=self.codec, averaging=self.averaging, max_upload_mbps=self.max_upload_mbps,
+                   **{name: getattr(self, name) for name in SPARSE_SETTINGS})
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SyncBenchConfig:
@@ -118,7 +144,9 @@ class SyncBenchConfig:
                    chunk_bytes=getattr(args, "chunk_bytes", NodeConfig.chunk_bytes),
                    byte_shuffle=getattr(args, "byte_shuffle", NodeConfig.byte_shuffle),
                    secret_file=getattr(args, "secret_file", "") or "",
-                   grpc_floor=getattr(args, "grpc_floor", False))
+                   grpc_floor=getattr(args, "grpc_floor", False),
+                   max_upload_mbps=getattr(args, "max_upload_mbps", 0.0),
+                   **{name: getattr(args, name, getattr(NodeConfig, name)) for name in SPARSE_SETTINGS})
 
     @property
     def warmup_rounds(self) -> int:
@@ -127,8 +155,14 @@ class SyncBenchConfig:
 
     @property
     def round_timeout_s(self) -> float:
-        """Generous bound for one round (about 10x what 2 busy cores need)."""
-        return 60.0 + 4e-7 * self.params * self.nodes
+        """Generous bound for one round (about 10x what 2 busy cores need), plus, under an
+        upload cap, three times what one node's upload takes at the cap (all-to-all: N - 1 full
+        contributions at the codec's full size, fp32 at most: bytes_per_param_bound)."""
+        capped = 0.0
+        if self.max_upload_mbps:
+            upload_bytes = (self.nodes - 1) * self.params * bytes_per_param_bound(self.codec)
+            capped = 3 * upload_bytes * 8 / (self.max_upload_mbps * 1e6)
+        return 60.0 + 4e-7 * self.params * self.nodes + capped
 
     @property
     def total_timeout_s(self) -> float:
@@ -211,6 +245,9 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
     def slowest(key: str) -> list[float]:  # per round, the slowest worker
         return [max(rounds[k][key] for rounds in timed) for k in range(n_rounds)]
 
+    def per_node(key: str) -> list[float]:  # per round, the mean over workers
+        return [statistics.fmean(rounds[k][key] for rounds in timed) for k in range(n_rounds)]
+
     round_s = slowest("seconds")
     digests_agree = all(len({rounds[k]["digest"] for rounds in timed}) == 1 for k in range(n_rounds))
     contributors = min(r["contributors"] for r in every)
@@ -234,6 +271,16 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         "peak_rss_bytes": max(w["peak_rss_bytes"] for w in nodes),
         # All workers' CPU per round: steadier than wall time on a shared machine.
         "cpu_seconds": round(statistics.median(cpu_s), 3),
+        # Per node and round (mean over workers, median over rounds): its encoder thread's CPU
+        # (encoding and error feedback), its two codec threads' (taking in chunks: decompressing,
+        # checking, hashing; and averaging: decoding every contribution into the accumulator).
+        "encode_cpu_seconds": round(statistics.median(per_node("encode_cpu_s")), 4),
+        "decode_cpu_seconds": round(statistics.median(per_node("decode_cpu_s")), 4),
+        # One encode and decode of a node's whole vector with this codec and with int8, timed in
+        # the same run after the rounds (median over workers): the codec's cost against int8's.
+        "codec_cpu_seconds": round(statistics.median(w["codec_cpu_s"] for w in nodes), 4),
+        "int8_codec_cpu_seconds": round(statistics.median(w["int8_codec_cpu_s"] for w in nodes), 4),
+        "max_upload_mbps": cfg.max_upload_mbps,
         # All workers' minor page faults per round (fresh memory the kernel had to zero).
         "page_faults": int(statistics.median(faults)),
         "replicas_identical": digests_agree and contributors == cfg.nodes,
@@ -242,6 +289,9 @@ def summarize(cfg: SyncBenchConfig, nodes: list[dict[str, Any]], gloo: list[dict
         "gloo_seconds": None, "ratio_vs_gloo": None,
         "grpc_floor_seconds": None, "ratio_vs_grpc_floor": None,
     }
+    result["codec_cpu_ratio_vs_int8"] = round(result["codec_cpu_seconds"] / max(result["int8_codec_cpu_seconds"], 1e-9), 2)
+    if cfg.codec == "sparse":
+        result.update({name: getattr(cfg, name) for name in SPARSE_SETTINGS})
     if gloo:
         result.update(summarize_gloo(gloo))
         result["ratio_vs_gloo"] = round(seconds / max(result["gloo_seconds"], 1e-9), 2)

@@ -77,6 +77,20 @@ def digest_of(t: torch.Tensor) -> str:
     return blake3.blake3(memoryview(t.contiguous().numpy()).cast("B")).hexdigest()  # type: ignore[arg-type]
 
 
+class PoolClock:
+    """The CPU seconds the threads of one pool have used: each thread registers itself as the
+    pool starts it (the pool's initializer), and its own clock is read from any thread."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def register(self) -> None:
+        self.threads.append(threading.get_ident())
+
+    def seconds(self) -> float:
+        return sum(time.clock_gettime(time.pthread_getcpuclockid(t)) for t in self.threads)
+
+
 @dataclass(frozen=True)
 class Usage:
     """A node's cumulative counters at one barrier."""
@@ -84,16 +98,22 @@ class Usage:
     bytes_sent: int
     cpu_s: float
     page_faults: int
+    encode_cpu_s: float = 0.0  # the encoder thread's (encoding, error feedback)
+    codec_cpu_s: float = 0.0  # the two codec threads' (taking in chunks, averaging)
 
     @classmethod
-    def now(cls, bytes_sent: int) -> Usage:
-        return cls(bytes_sent, time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+    def now(cls, bytes_sent: int, encode: PoolClock, codec: PoolClock) -> Usage:
+        return cls(bytes_sent, time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                   encode.seconds(), codec.seconds())
 
 
 def used_between(before: Usage, after: Usage) -> dict[str, Any]:
-    """Bytes sent (message framing included), CPU seconds and minor page faults between two barriers."""
+    """Bytes sent (message framing included), CPU seconds (all, the encoder's, the codec
+    threads') and minor page faults between two barriers."""
     return {"bytes_sent": after.bytes_sent - before.bytes_sent, "cpu_s": after.cpu_s - before.cpu_s,
-            "page_faults": after.page_faults - before.page_faults}
+            "page_faults": after.page_faults - before.page_faults,
+            "encode_cpu_s": after.encode_cpu_s - before.encode_cpu_s,
+            "decode_cpu_s": after.codec_cpu_s - before.codec_cpu_s}
 
 
 class NodeWorker:
@@ -106,13 +126,13 @@ class NodeWorker:
         self.node_id = f"bench-{index}"
         self.delta = pseudo_gradient(cfg.params, seed=1000 + index)
         # As in a node: one thread for the encoder, two for the swarm's chunk decoding and averaging.
-        self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="encode")
-        self.codec_pool = ThreadPoolExecutor(2, thread_name_prefix="codec")
+        self.encode_clock, self.codec_clock = PoolClock(), PoolClock()
+        self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="encode", initializer=self.encode_clock.register)
+        self.codec_pool = ThreadPoolExecutor(2, thread_name_prefix="codec", initializer=self.codec_clock.register)
         self.hash_pool = ThreadPoolExecutor(1, thread_name_prefix="hash")
 
     async def run(self) -> dict[str, Any]:
         from neuronode.security.auth import load_secret
-        from neuronode.swarm.context import Settings
         from neuronode.swarm.node import SwarmConfig, SwarmNode
         from neuronode.swarm.security import Security
 
@@ -127,7 +147,7 @@ class NodeWorker:
             node_id=self.node_id, swarm_id="bench", manifest_hash=f"bench-{self.cfg.params}",
             n_elements=self.cfg.params, listen="127.0.0.1:0", advertise="", peers=peers,
             sync_timeout_s=self.cfg.round_timeout_s, min_contributors=self.cfg.nodes, heartbeat_s=HEARTBEAT_S,
-            settings=Settings(codec=self.cfg.codec, averaging=self.cfg.averaging),
+            settings=self.settings(), max_upload_mbps=self.cfg.max_upload_mbps,
         ), executor=self.codec_pool, security=Security(node_id=self.node_id, swarm_id="bench", secret=secret))
         address = await node.start()
         try:
@@ -138,19 +158,42 @@ class NodeWorker:
             await node.stop(grace_s=1.0)
             for pool in (self.encode_pool, self.codec_pool, self.hash_pool):
                 pool.shutdown(wait=True)
-        return {"index": self.index, "address": address, "rounds": rounds, "peak_rss_bytes": peak_rss_bytes()}
+        return {"index": self.index, "address": address, "rounds": rounds, "peak_rss_bytes": peak_rss_bytes(),
+                **self.codec_reference()}
+
+    def settings(self) -> Any:
+        from neuronode.swarm.context import Settings
+
+        cfg = self.cfg
+        return Settings(codec=cfg.codec, averaging=cfg.averaging, sparse_k=cfg.sparse_k, sparse_bits=cfg.sparse_bits,
+                        sparse_block=cfg.sparse_block, sparse_decay=cfg.sparse_decay)
+
+    def codec_reference(self) -> dict[str, float]:
+        """CPU seconds (this thread's) to encode and decode our vector once with the run's codec
+        and with int8, measured here after the rounds: a ratio under the same load."""
+        from neuronode.codec import get_codec
+
+        out = {}
+        for key, spec in (("codec_cpu_s", self.settings().codec_spec), ("int8_codec_cpu_s", "int8")):
+            codec, decoded = get_codec(spec), torch.empty_like(self.delta)
+            started = time.thread_time()
+            codec.decode_into(codec.encode(self.delta), self.delta.numel(), decoded)
+            out[key] = time.thread_time() - started
+        return out
 
     def averaging(self, node: Any) -> Any:
         from neuronode.averaging import PROTOCOLS, AveragingConfig
         from neuronode.codec import ContributionEncoder, EncoderConfig
         from neuronode.diloco import average
 
-        cfg = self.cfg
-        encoder = ContributionEncoder(EncoderConfig(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes,
-                                                    zstd_level=cfg.zstd_level, byte_shuffle=cfg.byte_shuffle),
+        cfg, settings = self.cfg, self.settings()
+        encoder = ContributionEncoder(EncoderConfig(codec=settings.codec_spec, chunk_bytes=cfg.chunk_bytes,
+                                                    zstd_level=cfg.zstd_level, byte_shuffle=cfg.byte_shuffle,
+                                                    capped=cfg.max_upload_mbps > 0,
+                                                    feedback_decay=settings.sparse_decay or 1.0),
                                       n_elements=cfg.params, sender_id=self.node_id)
         return PROTOCOLS[cfg.averaging](
-            AveragingConfig(node_id=self.node_id, codec=cfg.codec, n_elements=cfg.params,
+            AveragingConfig(node_id=self.node_id, codec=settings.codec_spec, n_elements=cfg.params,
                             sync_timeout_s=cfg.round_timeout_s, min_contributors=cfg.nodes),
             transport=node.transport, encoder=encoder, encoder_pool=self.encode_pool, aggregate=average,
             executor=self.codec_pool)
@@ -165,13 +208,13 @@ class NodeWorker:
         unhashed: torch.Tensor | None = None  # the last round's average
         for round_id in range(total + 1):
             await self.barrier(node, round_id, deadline=deadline)
-            usage.append(Usage.now(node.counters.bytes_sent))
+            usage.append(self.usage(node))
             if unhashed is not None:
                 # After the barrier: every worker is done with that round, so hashing steals no
                 # CPU from a slower worker's timed work (and its CPU time is not counted).
                 results[-1]["digest"] = await asyncio.get_running_loop().run_in_executor(
                     self.hash_pool, digest_of, unhashed)
-                usage[-1] = Usage.now(node.counters.bytes_sent)
+                usage[-1] = self.usage(node)
                 unhashed = None
             if round_id < total:
                 deadline = time.monotonic() + self.cfg.round_timeout_s
@@ -180,6 +223,9 @@ class NodeWorker:
         for result, before, after in zip(results, usage, usage[1:], strict=False):
             result.update(used_between(before, after))
         return results
+
+    def usage(self, node: Any) -> Usage:
+        return Usage.now(node.counters.bytes_sent, self.encode_clock, self.codec_clock)
 
     async def barrier(self, node: Any, round_id: int, *, deadline: float) -> None:
         """Every peer at `round_id` in our table (so we push to and wait for all of them), then

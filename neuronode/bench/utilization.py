@@ -48,6 +48,7 @@ from neuronode.bench.quality import (
     device_flags,
     rounds_done,
     run_swarm,
+    settings_flags,
 )
 
 
@@ -55,7 +56,7 @@ def spec_from_args(args: argparse.Namespace) -> SwarmSpec:
     check((args.nodes >= 2, f"--nodes {args.nodes}: a swarm needs at least 2 nodes"),
           (args.rounds >= 2, f"--rounds {args.rounds}: the first round is not timed; run at least 2"),
           (args.max_upload_mbps >= 0, f"--max-upload-mbps {args.max_upload_mbps}: must be >= 0 (0: no cap)"))
-    extra = device_flags(args)
+    extra = [*device_flags(args), *settings_flags(args)]
     if args.max_upload_mbps:
         extra += ["--max-upload-mbps", str(args.max_upload_mbps)]
     return SwarmSpec(nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,

@@ -31,7 +31,8 @@ from neuronode.codec.framing import (
     shard_ranges,
     shuffle_width,
 )
-from neuronode.codec.quant import BLOCK_ELEMS, CODECS, Codec, CodecError, check_finite, get_codec
+from neuronode.codec.quant import BLOCK_ELEMS, Codec, CodecError, check_finite
+from neuronode.codec.registry import CODECS, SPARSE, codec_spec, get_codec
 
 Digest = ContributionDigest
 
@@ -54,6 +55,8 @@ __all__ = [
     "ErrorFeedback",
     "Frame",
     "check_finite",
+    "codec_spec",
+    "SPARSE",
     "shard_ranges",
     "MAX_CHUNK_PAYLOAD",
     "chunk_elements",

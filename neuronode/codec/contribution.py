@@ -32,7 +32,7 @@ from neuronode.codec.framing import (
     chunk_elements,
     encode_frames,
 )
-from neuronode.codec.quant import get_codec
+from neuronode.codec.registry import get_codec
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Contribution:
 
     round_id: int
     sender_id: str
-    codec: str
+    codec: str  # the codec's wire name (a sparse codec's parameters are the swarm's settings)
     weight: float
     data: Assembler  # raw codec payloads; decode(), add_into() and decode_into() read them
     n_elements: int  # elements of the whole model (a shard covers part of them)
@@ -136,11 +136,11 @@ class VectorEncoder:
                                     zstd_level=level, shuffle=shuffle, digest=digest, own=own))
         if level > 0 and vector.numel():
             elapsed_s = max(time.perf_counter() - started, 1e-9)
-            raw_bytes = c.payload_bytes(vector.numel())
+            raw_bytes = sum(f.raw_len for f in frames)
             self.compress_rate = raw_bytes / elapsed_s
             self.saved_fraction = max(0.0, 1.0 - sum(len(f.data) for f in frames) / raw_bytes)
         identity.setdefault("n_elements", vector.numel())
-        return Contribution(round_id=round_id, sender_id=sender_id, codec=self.codec, weight=weight,
+        return Contribution(round_id=round_id, sender_id=sender_id, codec=c.name, weight=weight,
                             data=own, digest=digest.hexdigest(),
                             chunk_elements=chunk_elements(self.codec, self.chunk_bytes),
                             shuffled=shuffle, frames=frames, zstd_level=level, **identity)
@@ -148,11 +148,12 @@ class VectorEncoder:
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    codec: str
+    codec: str  # a name get_codec takes (the sparse codec's with its parameters: codec_spec)
     chunk_bytes: int
     zstd_level: int  # AUTO_ZSTD: auto by measured link speed
     byte_shuffle: bool
     capped: bool = False  # an upload cap is set (auto zstd may compress harder)
+    feedback_decay: float = 1.0  # error feedback: residual × decay + Δ (--sparse-decay)
 
 
 @dataclass
@@ -180,7 +181,8 @@ class ContributionEncoder:
         self.sender_id = sender_id
         self.vector = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
                                     byte_shuffle=cfg.byte_shuffle, capped=cfg.capped)
-        self.feedback = ErrorFeedback(n_elements) if get_codec(cfg.codec).lossy else None
+        self.feedback = ErrorFeedback(n_elements, decay=cfg.feedback_decay) if get_codec(cfg.codec).lossy else None
+        self.residual_norm = 0.0  # L2 norm of the feedback's residual after the last encode (a float: read anywhere)
         self._thread: int | None = None
 
     def _on_one_thread(self) -> None:
@@ -203,6 +205,7 @@ class ContributionEncoder:
                  for j, (a, b) in enumerate(ranges)]
         if self.feedback is not None:
             self.feedback.update_parts(delta, [(a, p.data) for (a, _), p in zip(ranges, parts, strict=True)])
+            self.residual_norm = float(self.feedback.residual.norm())
         return Encoded(parts=parts, compensated=delta)
 
     def reduce(self, aggregate: Aggregate, pieces: Mapping[str, Contribution], link_bytes_per_s: float, *,
@@ -223,6 +226,7 @@ class ContributionEncoder:
         self._on_one_thread()
         if self.feedback is not None:
             self.feedback.reset()
+            self.residual_norm = 0.0
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         self._on_one_thread()
@@ -232,3 +236,4 @@ class ContributionEncoder:
         self._on_one_thread()
         if self.feedback is not None:
             self.feedback.load_state_dict(state)
+            self.residual_norm = float(self.feedback.residual.norm())

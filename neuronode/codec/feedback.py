@@ -2,7 +2,8 @@
 
 What quantization drops in one round is added back before encoding the next, so the error does
 not accumulate in the model: over many rounds the sum of what was sent tracks the sum of the
-true pseudo-gradients to within one round's quantization error.
+true pseudo-gradients to within one round's quantization error. With a decay β < 1 (the sparse
+codec's --sparse-decay, SparseLoCo's e ← β·e + Δ) what stays unsent fades by β a round.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ __all__ = ["ErrorFeedback"]
 class ErrorFeedback:
     """Holds the float32 residual ``compensated - decoded`` of the last round.
 
-    Per round: ``c = ef.compensate(delta)``; send ``c``; ``ef.update(c, roundtrip(c, codec))``.
+    Per round: ``c = ef.compensate(delta)`` (delta + decay × residual); send ``c``;
+    ``ef.update(c, roundtrip(c, codec))``.
     """
 
-    def __init__(self, n_elems: int) -> None:
+    def __init__(self, n_elems: int, *, decay: float = 1.0) -> None:
         if n_elems < 0:
             raise CodecError(f"n_elems must be >= 0, got {n_elems}")
+        if not 0.0 < decay <= 1.0:
+            raise CodecError(f"error-feedback decay must be in (0, 1], got {decay}")
+        self.decay = decay
         self.residual = torch.zeros(n_elems, dtype=torch.float32)
 
     def _check(self, t: torch.Tensor, what: str) -> None:
@@ -37,11 +42,13 @@ class ErrorFeedback:
             )
 
     def compensate(self, delta: torch.Tensor) -> torch.Tensor:
-        """``delta + residual`` as a new tensor (delta is left untouched)."""
+        """``delta + decay × residual`` as a new tensor (delta is left untouched)."""
         self._check(delta, "delta")
         if delta.device.type != "cpu":
-            return delta + self.residual.to(delta.device)
-        return torch.add(delta, self.residual, out=empty_floats(delta.numel()))
+            return delta + self.residual.to(delta.device) * self.decay
+        if self.decay == 1.0:
+            return torch.add(delta, self.residual, out=empty_floats(delta.numel()))
+        return torch.add(delta, self.residual, alpha=self.decay, out=empty_floats(delta.numel()))
 
     def update(self, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Set residual = compensated - decoded (what the wire lost this round)."""

@@ -6,6 +6,10 @@ when that makes it smaller.  The *raw payload* of a frame is the uncompressed co
 digests and the Assembler work on raw payloads, so they do not depend on the zstd level or on
 which frames happened to compress.
 
+A frame's raw length is its payload's length, or a compressed frame's declared content size:
+for fixed-size codecs exactly ``Codec.payload_bytes`` of its elements, for the sparse codec
+(``exact_size`` False) at most that, the codec checking the rest of the payload's structure.
+
 Optional byte shuffle: before zstd, the bytes of each element are split into planes (all first
 bytes, then all second bytes, ...).  It only touches compressed frames; a frame sent raw is the
 plain payload.  Sender and receiver must agree on it (it belongs in the contribution header).
@@ -23,7 +27,8 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from neuronode.codec.quant import CodecError, get_codec
+from neuronode.codec.quant import CodecError
+from neuronode.codec.registry import get_codec
 from neuronode.memory import empty_floats
 
 __all__ = [
@@ -204,42 +209,48 @@ def immutable(buf: bytes) -> bytes:
 
 
 def decode_frame(
-    frame_data: bytes, compressed: bool, *, expected_raw_len: int, shuffle_width: int = 1
+    frame_data: bytes, compressed: bool, *, expected_raw_len: int, shuffle_width: int = 1, exact: bool = True
 ) -> bytes:
     """Return the raw payload of a frame, allocating at most ``expected_raw_len`` bytes.
 
     A compressed frame must declare its content size in the zstd header, that size must equal
-    ``expected_raw_len``, and the frame must be shorter than that (the sender only compresses
-    when it helps).  So a decompression bomb is rejected from its header, before any output is
-    allocated.  Raises CodecError on any mismatch or corrupt data.
+    ``expected_raw_len`` (with ``exact`` False: be at most that, a codec whose payload sizes
+    vary), and the frame must be shorter than that (the sender only compresses when it helps).
+    So a decompression bomb is rejected from its header, before any output is allocated.
+    Raises CodecError on any mismatch or corrupt data.
     """
+    def wrong(length: int) -> bool:
+        return length != expected_raw_len if exact else length > expected_raw_len
+
+    bound = f"{'' if exact else 'at most '}{expected_raw_len}"
     if not compressed:
-        if len(frame_data) != expected_raw_len:
-            raise CodecError(f"raw frame is {len(frame_data)} bytes, expected {expected_raw_len}")
+        if wrong(len(frame_data)):
+            raise CodecError(f"raw frame is {len(frame_data)} bytes, expected {bound}")
         return immutable(frame_data)
     if len(frame_data) >= expected_raw_len:
-        raise CodecError(
-            f"compressed frame of {len(frame_data)} bytes is not smaller than its "
-            f"{expected_raw_len}-byte payload"
-        )
+        raise CodecError(f"compressed frame of {len(frame_data)} bytes is not smaller than its "
+                         f"{expected_raw_len}-byte payload")
     try:
         declared = zstd.frame_content_size(frame_data)
     except zstd.ZstdError as e:
         raise CodecError(f"bad zstd frame header: {e}") from None
-    if declared != expected_raw_len:  # also catches -1 (size not in the header)
+    if declared < 0 or wrong(declared):  # -1: size not in the header
+        raise CodecError(f"zstd frame declares {declared} bytes of content, expected {bound}")
+    if len(frame_data) >= declared:  # a codec whose sizes vary: its payload may be shorter
         raise CodecError(
-            f"zstd frame declares {declared} bytes of content, expected {expected_raw_len}"
+            f"compressed frame of {len(frame_data)} bytes is not smaller than its "
+            f"{declared}-byte payload"
         )
     try:
-        # Content size is known, so the output buffer is exactly expected_raw_len bytes; zstd
+        # Content size is known, so the output buffer is exactly `declared` bytes; zstd
         # fails rather than write past it.  Trailing bytes after the frame are malformed.
         raw = zstd.ZstdDecompressor().decompress(
-            frame_data, max_output_size=expected_raw_len, allow_extra_data=False
+            frame_data, max_output_size=declared, allow_extra_data=False
         )
     except zstd.ZstdError as e:
         raise CodecError(f"corrupt zstd frame: {e}") from None
-    if len(raw) != expected_raw_len:
-        raise CodecError(f"frame decompressed to {len(raw)} bytes, expected {expected_raw_len}")
+    if len(raw) != declared:
+        raise CodecError(f"frame decompressed to {len(raw)} bytes, expected {declared}")
     return _unshuffle(raw, shuffle_width)
 
 
@@ -281,6 +292,7 @@ class Assembler:
         self._ranges = chunk_ranges(n_elems, codec, chunk_bytes)
         self._raw_lens = [self._codec.payload_bytes(b - a) for a, b in self._ranges]
         self._width = self._codec.shuffle_width if shuffle else 1
+        self._varies = not self._codec.exact_size  # raw lens are bounds, not exact sizes
         self._n_elems = n_elems
         self._chunks: dict[int, bytes] = {}
         self._held_bytes = 0
@@ -298,7 +310,7 @@ class Assembler:
 
     @property
     def size_bytes(self) -> int:
-        """Bytes of payload once complete."""
+        """Bytes of payload once complete (at most that, for a codec whose sizes vary)."""
         return sum(self._raw_lens)
 
     @property
@@ -321,7 +333,8 @@ class Assembler:
         return self._n_elems
 
     def expected_raw_len(self, index: int) -> int:
-        """Raw payload length of chunk ``index``; raises CodecError if out of range."""
+        """Raw payload length of chunk ``index`` (its bound, for a codec whose sizes vary);
+        raises CodecError if out of range."""
         self._check_index(index)
         return self._raw_lens[index]
 
@@ -336,10 +349,10 @@ class Assembler:
         self._check_index(index)
         if index in self._chunks:
             raise CodecError(f"duplicate chunk {index} of {self.count}")
-        if len(raw_payload) != self._raw_lens[index]:
-            raise CodecError(
-                f"chunk {index} has {len(raw_payload)} bytes, expected {self._raw_lens[index]}"
-            )
+        expected = self._raw_lens[index]
+        if len(raw_payload) > expected if self._varies else len(raw_payload) != expected:
+            raise CodecError(f"chunk {index} has {len(raw_payload)} bytes, expected "
+                             f"{'at most ' if self._varies else ''}{expected}")
         self._chunks[index] = immutable(raw_payload)
         self._held_bytes += len(raw_payload)
         self._unvetted += not vetted
@@ -349,15 +362,14 @@ class Assembler:
         if frame.count != self.count:
             raise CodecError(f"frame says {frame.count} chunks, contribution has {self.count}")
         expected = self.expected_raw_len(frame.index)
-        if frame.raw_len != expected:
+        if frame.raw_len > expected if self._varies else frame.raw_len != expected:
             raise CodecError(
                 f"frame {frame.index} says raw_len {frame.raw_len}, expected {expected}"
             )
         if frame.index in self._chunks:  # before decompressing: a duplicate costs no CPU
             raise CodecError(f"duplicate chunk {frame.index} of {self.count}")
-        raw = decode_frame(
-            frame.data, frame.compressed, expected_raw_len=expected, shuffle_width=self._width
-        )
+        raw = decode_frame(frame.data, frame.compressed, expected_raw_len=expected, shuffle_width=self._width,
+                           exact=not self._varies)
         self.add(frame.index, raw)
 
     def take(self, index: int, payload: bytes, *, compressed: bool,
@@ -366,7 +378,8 @@ class Assembler:
         decode to NaN/Inf before anything is stored (bad values never reach an average), then
         the digest. Chunks of one stream come one at a time, so the digest sees them in order."""
         expected = self.expected_raw_len(index)
-        raw = decode_frame(payload, compressed, expected_raw_len=expected, shuffle_width=self._width)
+        raw = decode_frame(payload, compressed, expected_raw_len=expected, shuffle_width=self._width,
+                           exact=not self._varies)
         self._codec.check_payload(raw, self.chunk_elems(index))
         digest.update(raw)
         self.add(index, raw, vetted=True)

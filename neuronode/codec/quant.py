@@ -25,11 +25,10 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 __all__ = [
     "BLOCK_ELEMS",
-    "CODECS",
+    "DENSE_CODECS",
     "Codec",
     "CodecError",
     "check_finite",
-    "get_codec",
 ]
 
 # 64 keeps one outlier from flattening many neighbours; with a float32 scale the overhead is
@@ -98,9 +97,11 @@ class Codec:
     block_elems: int = 1  # chunk boundaries must be multiples of this
     shuffle_width: int = 1  # bytes per element for the optional byte-shuffle filter
     wire_dtype: torch.dtype | None = None  # the payload is these values, little-endian: read in place
+    exact_size: bool = True  # False: a payload's size varies, payload_bytes(n) is its bound
 
     def payload_bytes(self, n: int) -> int:
-        """Exact encoded size in bytes of ``n`` elements."""
+        """Encoded size in bytes of ``n`` elements: exact, or the most it may take when the
+        codec's sizes vary (``exact_size`` False)."""
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> bytes:
@@ -144,6 +145,11 @@ class Codec:
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
+
+    @property
+    def spec(self) -> str:
+        """The name ``get_codec`` takes for this codec, its parameters included."""
+        return self.name
 
 
 class Fp32Codec(Codec):
@@ -402,16 +408,6 @@ class Int4Codec(_BlockIntCodec):
         np.multiply(ints.reshape(target.shape), scales[:, None], out=target, dtype=np.float32)
 
 
-_REGISTRY: dict[str, Codec] = {
+DENSE_CODECS: dict[str, Codec] = {
     c.name: c for c in (Fp32Codec(), Fp16Codec(), Bf16Codec(), Int8Codec(), Int4Codec())
 }
-
-CODECS: tuple[str, ...] = tuple(_REGISTRY)
-
-
-def get_codec(name: str) -> Codec:
-    """The codec registered under ``name`` (one of CODECS); raises CodecError otherwise."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}") from None

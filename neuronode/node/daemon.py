@@ -51,9 +51,11 @@ class Daemon:
         self.state = RoundState()
         self.security = Security(node_id=node_id, swarm_id=cfg.swarm_id)  # run_daemon sets the real one
         self.pools = Pools()
+        self.settings = Settings.from_config(cfg, task=tuple(trainer.task.settings.items()))
         self.encoder = ContributionEncoder(
-            EncoderConfig(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
-                          byte_shuffle=cfg.byte_shuffle, capped=cfg.max_upload_mbps > 0),
+            EncoderConfig(codec=self.settings.codec_spec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
+                          byte_shuffle=cfg.byte_shuffle, capped=cfg.max_upload_mbps > 0,
+                          feedback_decay=self.settings.sparse_decay or 1.0),
             n_elements=trainer.n_params, sender_id=node_id)
         self.restored_meta: dict[str, Any] = {}
         self.last_contributors: list[str] = []
@@ -147,7 +149,7 @@ class Daemon:
     def build_rounds(self, swarm: SwarmNode) -> Rounds:
         cfg = self.cfg
         averaging: Averaging = PROTOCOLS[cfg.averaging](
-            AveragingConfig(node_id=self.node_id, codec=cfg.codec, n_elements=self.trainer.n_params,
+            AveragingConfig(node_id=self.node_id, codec=self.settings.codec_spec, n_elements=self.trainer.n_params,
                             sync_timeout_s=cfg.sync_timeout, min_contributors=cfg.min_peers),
             transport=swarm.transport, encoder=self.encoder, encoder_pool=self.pools.encode,
             aggregate=make_aggregator(cfg), executor=self.pools.codec)
@@ -243,7 +245,7 @@ class Daemon:
             await self.swarm.check_reachable()  # at once: whether peers dial us, or we open sessions
         await self.swarm.set_serving(True)
         logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
-                    self.trainer.n_params, self.cfg.task, self.cfg.codec, self.state.round,
+                    self.trainer.n_params, self.cfg.task, self.settings.codec_spec, self.state.round,
                     f" of {self.cfg.rounds}" if self.cfg.rounds else "", extra=fields("joined", n_params=self.trainer.n_params))
 
     def on_step(self, trainer: Trainer) -> None:
@@ -265,8 +267,7 @@ class Daemon:
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, max_relay_mbps=self.cfg.relay_mbps(),
             round_lag=2 if self.cfg.overlap else 1,
-            settings=Settings.from_config(self.cfg, task=tuple(self.trainer.task.settings.items())),
-            max_ids_per_host=self.cfg.max_ids_per_host,
+            settings=self.settings, max_ids_per_host=self.cfg.max_ids_per_host,
             reachable=self.cfg.reachable,
         )
 
@@ -285,6 +286,7 @@ class Daemon:
             "rank_param_digests": list(self.trainer.rank_digests) or [self.state.param_digest],
             "task": self.cfg.task, "n_params": self.trainer.n_params,
             "task_settings": dict(self.trainer.task.settings), **self.trainer.data_progress(),
+            "codec": self.settings.codec_spec, "feedback_norm": self.encoder.residual_norm,
         }
 
     def metrics_snapshot(self) -> Snapshot:

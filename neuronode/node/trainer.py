@@ -110,7 +110,8 @@ class Trainer:
         inner = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, warmup_steps=warmup,
                             total_steps=total, min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip,
                             grad_accum=cfg.grad_accum)
-        outer = OuterConfig(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        lr, momentum = cfg.outer()
+        outer = OuterConfig(lr=lr, momentum=momentum)
         self.engine = DiLoCo(self.task.model, inner=inner, outer=outer)
         self.loss_fn = self.task.loss_fn if member is None else member.data_parallel(
             self.task.model, self.task.loss_fn, grad_accum=cfg.grad_accum)

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from neuronode.averaging import RoundBook, RoundState
 from neuronode.clock import Clock
-from neuronode.codec import get_codec, shard_ranges
+from neuronode.codec import SPARSE, codec_spec, get_codec, shard_ranges
 from neuronode.config import NodeConfig
 from neuronode.events import Throttled
 from neuronode.swarm.bans import Bans
@@ -42,17 +42,38 @@ class Settings:
     # The task's own settings, (name, value) in the order compared (Task.settings: sizes,
     # tokenizer, sequence length); compared after the flags above, before the parameter manifest.
     task: tuple[tuple[str, str], ...] = ()
+    # The sparse codec's: its defaults under --codec sparse (0 given), 0 under any other codec.
+    sparse_k: int = 0
+    sparse_bits: int = 0
+    sparse_block: int = 0
+    sparse_decay: float = 0.0
 
     FLAGS: ClassVar[dict[str, str]] = {"codec": "--codec", "averaging": "--averaging", "aggregator": "--aggregator/--aggregator-option",
              "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap",
-             "max_local_workers": "--max-local-workers"}
+             "max_local_workers": "--max-local-workers",
+             "sparse_k": "--sparse-k", "sparse_bits": "--sparse-bits", "sparse_block": "--sparse-block",
+             "sparse_decay": "--sparse-decay"}
+
+    def __post_init__(self) -> None:
+        sparse = self.codec == SPARSE
+        for name in ("sparse_k", "sparse_bits", "sparse_block", "sparse_decay"):
+            default = getattr(NodeConfig, name)
+            object.__setattr__(self, name, (getattr(self, name) or default) if sparse else type(default)(0))
 
     @classmethod
     def from_config(cls, cfg: NodeConfig, *, task: tuple[tuple[str, str], ...] = ()) -> Settings:
+        outer_lr, outer_momentum = cfg.outer()
         return cls(codec=cfg.codec, averaging=cfg.averaging,
                    aggregator=canonical_aggregator(cfg.aggregator, cfg.aggregator_option),
-                   outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, overlap=cfg.overlap,
-                   max_local_workers=cfg.max_local_workers, task=task)
+                   outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=cfg.overlap,
+                   max_local_workers=cfg.max_local_workers, task=task,
+                   sparse_k=cfg.sparse_k, sparse_bits=cfg.sparse_bits, sparse_block=cfg.sparse_block,
+                   sparse_decay=cfg.sparse_decay)
+
+    @property
+    def codec_spec(self) -> str:
+        """The codec with its parameters, as `get_codec` takes it: what fixes the geometry."""
+        return codec_spec(self.codec, k=self.sparse_k, bits=self.sparse_bits, block=self.sparse_block)
 
     def mismatch(self, theirs: Settings) -> tuple[str, str, str] | None:
         """(flag or setting name, their value, ours) of the first setting that differs, else None."""
@@ -162,7 +183,7 @@ def sender_bytes_bound(n_elements: int, codec: str, *, window: int) -> int:
 
 def buffered_bytes_bound(cfg: SwarmConfig, members: int) -> int:
     """What the round book may hold at most with `members` live members (docs/protocol.md)."""
-    return sender_bytes_bound(cfg.n_elements, cfg.settings.codec, window=2) * min(members, MAX_MEMBERS)
+    return sender_bytes_bound(cfg.n_elements, cfg.settings.codec_spec, window=2) * min(members, MAX_MEMBERS)
 
 
 @dataclass
@@ -183,7 +204,7 @@ class Context:
                                max_ids_per_host=cfg.max_ids_per_host,
                                min_fanout=MIN_FANOUT if cfg.sampled_membership else MAX_MEMBERS)
         self.book = RoundBook(first_round=self.state.round, clock=self.clock,
-                              max_sender_bytes=sender_bytes_bound(cfg.n_elements, cfg.settings.codec, window=2),
+                              max_sender_bytes=sender_bytes_bound(cfg.n_elements, cfg.settings.codec_spec, window=2),
                               idle_s=max(STREAM_IDLE_MIN_S, cfg.sync_timeout_s))
         self.channels = Channels(self.security)
         self.faults = Faults(cfg.fault_file or None, self_address=cfg.advertise)

@@ -139,7 +139,8 @@ class Inbound:
                           f"{cfg.n_elements}")
         if not (chunk.weight > 0 and chunk.weight < 1e15):
             raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count")
-        return receiving(codec=codec, n_elems=self.payload_elements(chunk, codec),
+        spec = cfg.settings.codec_spec  # with the swarm's --sparse-* settings, agreed at Hello
+        return receiving(codec=spec, n_elems=self.payload_elements(chunk, spec),
                          chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
                          shuffled=chunk.shuffled)
 

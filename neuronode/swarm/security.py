@@ -327,7 +327,8 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
               [[w.round, int(w.phase), w.maker_id, w.receipt_hash.hex(), w.whole] for w in info.wanted],
               [info.settings.codec, info.settings.averaging, info.settings.aggregator, info.settings.outer_lr,
                info.settings.outer_momentum, info.settings.overlap,
-               [[t.name, t.value] for t in info.settings.task]],
+               [[t.name, t.value] for t in info.settings.task], info.settings.sparse_k,
+               info.settings.sparse_bits, info.settings.sparse_block, info.settings.sparse_decay],
               info.public_key.hex(), int(info.reachable), list(info.carried_by),
               [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

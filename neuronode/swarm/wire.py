@@ -10,7 +10,7 @@ from neuronode.v1 import node_pb2 as pb
 
 # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings);
 # 4: this release (the task's settings in NodeInfo.settings.task, SwarmSettings.max_local_workers,
-# ...: docs/protocol.md)
+# the sparse codec and its settings, ...: docs/protocol.md)
 PROTOCOL_VERSION = 4
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
@@ -28,6 +28,7 @@ CODEC_TO_PB = {
     "bf16": pb.CODEC_BF16,
     "int8": pb.CODEC_INT8,
     "int4": pb.CODEC_INT4,
+    "sparse": pb.CODEC_SPARSE,
 }
 PB_TO_CODEC = {v: k for k, v in CODEC_TO_PB.items()}
 
@@ -74,7 +75,9 @@ def settings_to_pb(s: Any) -> pb.SwarmSettings:
     return pb.SwarmSettings(codec=CODEC_TO_PB[s.codec], averaging=s.averaging, aggregator=s.aggregator,
                             outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap,
                             max_local_workers=s.max_local_workers,
-                            task=[pb.TaskSetting(name=k, value=v) for k, v in s.task])
+                            task=[pb.TaskSetting(name=k, value=v) for k, v in s.task],
+                            sparse_k=s.sparse_k, sparse_bits=s.sparse_bits, sparse_block=s.sparse_block,
+                            sparse_decay=s.sparse_decay)
 
 
 def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
@@ -82,7 +85,8 @@ def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
     return {"codec": PB_TO_CODEC.get(m.codec, f"codec {m.codec}"), "averaging": m.averaging,
             "aggregator": m.aggregator, "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum,
             "overlap": m.overlap, "max_local_workers": m.max_local_workers,
-            "task": tuple((t.name, t.value) for t in m.task)}
+            "task": tuple((t.name, t.value) for t in m.task), "sparse_k": m.sparse_k,
+            "sparse_bits": m.sparse_bits, "sparse_block": m.sparse_block, "sparse_decay": m.sparse_decay}
 
 
 class Refusal(Exception):

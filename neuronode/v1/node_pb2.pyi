@@ -21,6 +21,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8: _ClassVar[Codec]
     CODEC_INT4: _ClassVar[Codec]
+    CODEC_SPARSE: _ClassVar[Codec]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_INT8: Codec
 CODEC_INT4: Codec
+CODEC_SPARSE: Codec
 PHASE_UNSPECIFIED: Phase
 PHASE_SHARD: Phase
 PHASE_AVERAGED: Phase
@@ -142,7 +144,7 @@ class ReceiptEcho(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., receipt_hash: _Optional[bytes] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class SwarmSettings(_message.Message):
-    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap", "max_local_workers", "task")
+    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap", "max_local_workers", "task", "sparse_k", "sparse_bits", "sparse_block", "sparse_decay")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +153,10 @@ class SwarmSettings(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     MAX_LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_K_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_BITS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_DECAY_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     averaging: str
     aggregator: str
@@ -159,7 +165,11 @@ class SwarmSettings(_message.Message):
     overlap: bool
     max_local_workers: int
     task: _containers.RepeatedCompositeFieldContainer[TaskSetting]
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ..., max_local_workers: _Optional[int] = ..., task: _Optional[_Iterable[_Union[TaskSetting, _Mapping]]] = ...) -> None: ...
+    sparse_k: int
+    sparse_bits: int
+    sparse_block: int
+    sparse_decay: float
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ..., max_local_workers: _Optional[int] = ..., task: _Optional[_Iterable[_Union[TaskSetting, _Mapping]]] = ..., sparse_k: _Optional[int] = ..., sparse_bits: _Optional[int] = ..., sparse_block: _Optional[int] = ..., sparse_decay: _Optional[float] = ...) -> None: ...
 
 class TaskSetting(_message.Message):
     __slots__ = ("name", "value")
@@ -424,7 +434,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions", "bytes_relayed", "control_bytes_sent", "control_bytes_received", "task", "n_params", "task_settings", "data_pass", "data_documents", "local_workers", "rank_tokens_per_s", "rank_param_digests")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions", "bytes_relayed", "control_bytes_sent", "control_bytes_received", "task", "n_params", "task_settings", "data_pass", "data_documents", "local_workers", "rank_tokens_per_s", "rank_param_digests", "codec", "feedback_norm")
     class TaskSettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -468,6 +478,8 @@ class StatusResponse(_message.Message):
     LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     RANK_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RANK_PARAM_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_NORM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     phase: str
@@ -504,4 +516,6 @@ class StatusResponse(_message.Message):
     local_workers: int
     rank_tokens_per_s: _containers.RepeatedScalarFieldContainer[float]
     rank_param_digests: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ..., bytes_relayed: _Optional[int] = ..., control_bytes_sent: _Optional[int] = ..., control_bytes_received: _Optional[int] = ..., task: _Optional[str] = ..., n_params: _Optional[int] = ..., task_settings: _Optional[_Mapping[str, str]] = ..., data_pass: _Optional[int] = ..., data_documents: _Optional[int] = ..., local_workers: _Optional[int] = ..., rank_tokens_per_s: _Optional[_Iterable[float]] = ..., rank_param_digests: _Optional[_Iterable[str]] = ...) -> None: ...
+    codec: str
+    feedback_norm: float
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ..., bytes_relayed: _Optional[int] = ..., control_bytes_sent: _Optional[int] = ..., control_bytes_received: _Optional[int] = ..., task: _Optional[str] = ..., n_params: _Optional[int] = ..., task_settings: _Optional[_Mapping[str, str]] = ..., data_pass: _Optional[int] = ..., data_documents: _Optional[int] = ..., local_workers: _Optional[int] = ..., rank_tokens_per_s: _Optional[_Iterable[float]] = ..., rank_param_digests: _Optional[_Iterable[str]] = ..., codec: _Optional[str] = ..., feedback_norm: _Optional[float] = ...) -> None: ...

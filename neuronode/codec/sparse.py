@@ -1,0 +1,271 @@
+"""The sparse codec: per block, the k largest magnitudes, b-bit values and Rice-coded indices.
+
+Per block of ``block`` elements (``--sparse-block``) it keeps the ``k`` (``--sparse-k``)
+largest-magnitude entries (all of a block shorter than k), each as a ``bits``-bit value
+(``--sparse-bits``: a sign bit and a magnitude code c in [0, L), L = 2^(bits-1)) against one
+float32 scale per block: s = max|x| / 2L, and an entry decodes to ±(2c + 1)·s, the middle of
+its bin of width max|x| / L, so no kept value is off by more than max|x| / 2L. Everything not
+kept decodes to 0; error feedback (``neuronode.codec.feedback``) carries it to the next round.
+
+Indices are coded as gaps: within a block the kept indices i_0 < i_1 < ... are sent as
+g_j = i_j - i_(j-1) - 1 (i_(-1) = -1), each g split into q = g >> r, sent in unary, and its r
+low bits, sent as they are (Rice coding with parameter r = floor(log2((block - k) // k)), 5 for
+64 of 4096, about 7.5 bits a gap). A gap is never negative, so the code cannot express a
+repeated or decreasing index.
+
+A payload of n elements (a chunk: chunks cut at block boundaries) is three sections, each
+padded to whole bytes with zero bits:
+
+    [scale of every block, float32 LE][fields: (g & (2^r - 1)) << bits | value, bits + r each]
+    [unary: q zero bits then a one, per entry]
+
+Entries run block after block, indices ascending within a block, in both bit sections (bits
+little-endian within each byte, numpy's ``bitorder="little"``). The first two sections have a
+length fixed by n; the unary one varies with the gaps, from K to K + Q bits (K entries; Q, the
+most all q can sum to, is sum over blocks of (len - kept) >> r, since a block's gaps sum to at
+most its length minus what it keeps). So a payload's size is not fixed: ``payload_bytes(n)`` is
+the most it may take (84 bytes a block, 0.0205 bytes per parameter at the defaults, typically 0.0195), and the
+payload carries its own length (the frame's, or a compressed frame's declared content size,
+bounded by that: ``neuronode.codec.framing``). There is one valid encoding per kept set and
+value: a decoder refuses a payload shorter or longer than its sections, a scale that is not a
+finite number >= 0, set padding bits, a unary section with fewer or more terminators than
+entries or whole bytes after the last one, and an index past its block's end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from neuronode.codec.quant import NOT_FINITE, Codec, CodecError, _check_input, all_finite
+from neuronode.memory import empty_floats
+
+__all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_BLOCK", "DEFAULT_DECAY", "DEFAULT_K", "SparseCodec",
+           "rice_parameter", "sparse_spec"]
+
+NAME = "sparse"
+BITS = (2, 4, 8)
+DEFAULT_K, DEFAULT_BITS, DEFAULT_BLOCK, DEFAULT_DECAY = 64, 2, 4096, 0.95
+# Bounds that keep one block's payload within the smallest --chunk-bytes (4096): at most
+# about 2.1 kB (k = 1024, 8 bits, block 65536).
+MIN_BLOCK, MAX_BLOCK, MAX_K = 64, 65536, 1024
+
+
+def sparse_spec(k: int = DEFAULT_K, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK) -> str:
+    """The codec name `get_codec` takes for these parameters ("sparse" for the defaults)."""
+    if (k, bits, block) == (DEFAULT_K, DEFAULT_BITS, DEFAULT_BLOCK):
+        return NAME
+    return f"{NAME}:k={k},bits={bits},block={block}"
+
+
+def parse_spec(spec: str) -> tuple[int, int, int]:
+    """(k, bits, block) of a `sparse_spec` name; CodecError when it is not one."""
+    name, _, options = spec.partition(":")
+    values = {"k": DEFAULT_K, "bits": DEFAULT_BITS, "block": DEFAULT_BLOCK}
+    if name != NAME:
+        raise CodecError(f"{spec!r} is not a sparse codec")
+    for option in filter(None, options.split(",")):
+        key, _, value = option.partition("=")
+        if key not in values or not value.isdigit():
+            raise CodecError(f"{spec!r}: options are k=, bits= and block= with whole numbers")
+        values[key] = int(value)
+    return values["k"], values["bits"], values["block"]
+
+
+def check_parameters(k: int, bits: int, block: int) -> None:
+    """Raise CodecError naming the flag whose value is out of range."""
+    if bits not in BITS:
+        raise CodecError(f"--sparse-bits {bits}: choose one of {', '.join(map(str, BITS))}")
+    if not MIN_BLOCK <= block <= MAX_BLOCK:
+        raise CodecError(f"--sparse-block {block}: must be between {MIN_BLOCK} and {MAX_BLOCK}")
+    if not 1 <= k <= min(block, MAX_K):
+        raise CodecError(f"--sparse-k {k}: must be between 1 and {min(block, MAX_K)} (and at most --sparse-block)")
+
+
+def rice_parameter(block: int, k: int) -> int:
+    """r = floor(log2(mean gap)), the mean gap being (block - k) // k; integers only, so every
+    node computes the same r."""
+    return max(0, ((block - k) // k).bit_length() - 1)
+
+
+def pack_fields(values: np.ndarray, width: int) -> bytes:
+    """`values` (non-negative, below 2^width) as `width`-bit fields, little-endian bit order,
+    zero-padded to whole bytes."""
+    bits = (values[:, None] >> np.arange(width, dtype=values.dtype)) & 1  # (K, width)
+    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_fields(buf: bytes | memoryview, count: int, width: int) -> np.ndarray:
+    """The inverse of `pack_fields` (int64); CodecError when a padding bit is set."""
+    bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little")
+    if bits[count * width:].any():
+        raise CodecError("sparse payload: trailing bits set after the value fields")
+    fields = bits[:count * width].reshape(count, width).astype(np.int64)
+    return fields @ (np.int64(1) << np.arange(width, dtype=np.int64))
+
+
+class SparseCodec(Codec):
+    """Top-k per block, b-bit values, Rice-coded index gaps (see the module docstring)."""
+
+    name = NAME
+    lossy = True
+    exact_size = False
+
+    def __init__(self, k: int = DEFAULT_K, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK) -> None:
+        check_parameters(k, bits, block)
+        self.k, self.bits, self.block_elems = k, bits, block
+        self.rice = rice_parameter(block, k)
+        self.levels = 1 << (bits - 1)  # magnitude codes per sign
+
+    @property
+    def spec(self) -> str:
+        return sparse_spec(self.k, self.bits, self.block_elems)
+
+    def __repr__(self) -> str:
+        return f"<codec {self.spec}>"
+
+    # ---- geometry ------------------------------------------------------------------------------
+
+    def _blocks(self, n: int) -> tuple[int, int]:
+        """(full blocks, length of the short last block or 0) of n elements."""
+        if n < 0:
+            raise CodecError(f"element count must be >= 0, got {n}")
+        return n // self.block_elems, n % self.block_elems
+
+    def entries(self, n: int) -> int:
+        """Entries kept of n elements: k per block, all of a block shorter than k."""
+        full, tail = self._blocks(n)
+        return full * self.k + min(self.k, tail)
+
+    def _sections(self, n: int) -> tuple[int, int, int, int]:
+        """(scale bytes, field bytes, fewest unary bytes, most unary bytes) of n elements."""
+        full, tail = self._blocks(n)
+        count = self.entries(n)
+        most_q = full * ((self.block_elems - self.k) >> self.rice) + ((tail - min(self.k, tail)) >> self.rice)
+        return (4 * (full + (tail > 0)), -(-count * (self.bits + self.rice) // 8), -(-count // 8),
+                -(-(count + most_q) // 8))
+
+    def payload_bytes(self, n: int) -> int:
+        """The most n elements may take (the size varies with the kept indices): the sum of
+        each block's own bound, so that a chunk's bound is its blocks' (``chunk_ranges``)."""
+        full, tail = self._blocks(n)
+        return full * self._block_bound(self.block_elems) + (self._block_bound(tail) if tail else 0)
+
+    def _block_bound(self, length: int) -> int:
+        kept = min(self.k, length)
+        return 4 + -(-kept * (self.bits + self.rice) // 8) + -(-(kept + ((length - kept) >> self.rice)) // 8)
+
+    def min_payload_bytes(self, n: int) -> int:
+        scales, fields, unary, _ = self._sections(n)
+        return scales + fields + unary
+
+    # ---- encoding ------------------------------------------------------------------------------
+
+    def _select(self, blocks: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of `blocks` (m, length): the `keep` largest magnitudes' indices, ascending
+        (m, keep) int64, and their values (m, keep)."""
+        magnitudes = torch.abs(blocks, out=empty_floats(blocks.numel()).view(blocks.shape))  # a reused buffer
+        index = magnitudes.topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
+        return index, blocks.gather(1, index)
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        x = _check_input(x, finite=False)
+        n = x.numel()
+        if n and not all_finite(x.numpy()):
+            raise CodecError(NOT_FINITE)
+        full, tail = self._blocks(n)
+        parts = []
+        if full:
+            parts.append(self._select(x[:full * self.block_elems].view(full, self.block_elems), self.k))
+        if tail:
+            parts.append(self._select(x[full * self.block_elems:].view(1, tail), min(self.k, tail)))
+        scales, fields, q = [], [], []
+        for index, values in parts:
+            s, f, g = self._quantize(index, values)
+            scales.append(s)
+            fields.append(f)
+            q.append(g)
+        if not parts:
+            return b""
+        q_all = np.concatenate(q)
+        unary = np.zeros(-(-(q_all.size + int(q_all.sum())) // 8) * 8, dtype=np.uint8)
+        unary[np.cumsum(q_all + 1) - 1] = 1  # each entry: q zero bits, then a one
+        return b"".join((np.concatenate(scales).astype("<f4").tobytes(),
+                         pack_fields(np.concatenate(fields), self.bits + self.rice),
+                         np.packbits(unary, bitorder="little").tobytes()))
+
+    def _quantize(self, index: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(scales (m,) float32, fields (m*keep,) int64, unary lengths q (m*keep,) int64) of the
+        kept entries of m blocks."""
+        absmax = values.abs().amax(dim=1)  # the block's max |x|: the largest is always kept
+        scales = absmax / (2 * self.levels)  # exact: a power of two (bar subnormals)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.floor(values.abs() / (2 * safe[:, None])).clamp_(max=self.levels - 1).to(torch.int64)
+        codes |= (values < 0).to(torch.int64) << (self.bits - 1)
+        gaps = torch.diff(index, dim=1, prepend=torch.full_like(index[:, :1], -1)) - 1
+        fields = (gaps & ((1 << self.rice) - 1)) << self.bits | codes
+        return scales.numpy(), fields.reshape(-1).numpy(), (gaps >> self.rice).reshape(-1).numpy()
+
+    # ---- decoding ------------------------------------------------------------------------------
+
+    def parse(self, buf: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kept entries of a payload of n elements: (positions (K,) int64, ascending, and
+        values (K,) float32); CodecError for anything but a payload `encode` could make."""
+        scale_bytes, field_bytes, least, most = self._sections(n)
+        fixed = scale_bytes + field_bytes
+        if not fixed + least <= len(buf) <= fixed + most:
+            raise CodecError(f"{self.name}: payload for {n} elements must be {fixed + least} to "
+                             f"{fixed + most} bytes, got {len(buf)}")
+        if n == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        scales = np.frombuffer(buf, dtype="<f4", count=scale_bytes // 4).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            largest = scales * np.float32(2 * self.levels - 1)  # the largest value a scale decodes to
+        if not (all_finite(largest) and bool((scales >= 0).all())):
+            raise CodecError(f"{self.name}: a block scale is not a finite number >= 0 (or too large to decode)")
+        count = self.entries(n)
+        fields = unpack_fields(memoryview(buf)[scale_bytes:fixed], count, self.bits + self.rice)
+        unary = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, offset=fixed), bitorder="little")
+        ends = np.flatnonzero(unary)
+        if ends.size != count:
+            raise CodecError(f"{self.name}: index bit stream holds {ends.size} entries, expected {count} "
+                             f"({'truncated' if ends.size < count else 'more than k per block'})")
+        if ends[-1] // 8 != len(buf) - fixed - 1:
+            raise CodecError(f"{self.name}: trailing bytes after the index bit stream")
+        gaps = (np.diff(ends, prepend=-1) - 1) << self.rice | fields >> self.bits
+        positions = self._positions(gaps, n)
+        codes = fields & ((1 << self.bits) - 1)
+        magnitudes = (2 * (codes & (self.levels - 1)) + 1).astype(np.float32)
+        signs = np.where(codes >> (self.bits - 1), np.float32(-1), np.float32(1))
+        block_of = positions // self.block_elems
+        return positions, magnitudes * scales[block_of] * signs
+
+    def _positions(self, gaps: np.ndarray, n: int) -> np.ndarray:
+        """Flat positions of the entries whose in-block gaps are `gaps`; CodecError when an
+        index falls past its block's end."""
+        full, tail = self._blocks(n)
+        keep = [(full, self.k, self.block_elems)] + ([(1, min(self.k, tail), tail)] if tail else [])
+        out, at, base = [], 0, 0
+        for blocks, kept, length in keep:
+            if not blocks:
+                continue
+            index = np.cumsum(gaps[at:at + blocks * kept].reshape(blocks, kept) + 1, axis=1) - 1
+            if int(index[:, -1].max()) >= length:
+                raise CodecError(f"{self.name}: an index is past the end of its {length}-element block")
+            out.append((index + base + length * np.arange(blocks, dtype=np.int64)[:, None]).reshape(-1))
+            at, base = at + blocks * kept, base + blocks * length
+        return np.concatenate(out)
+
+    def check_payload(self, buf: bytes, n: int) -> None:
+        self.parse(buf, n)
+
+    def decode_into(self, buf: bytes, n: int, out: torch.Tensor, *, vetted: bool = False) -> None:
+        positions, values = self.parse(buf, n)
+        target = out.numpy()
+        target.fill(0)
+        target[positions] = values
+
+    def decode(self, buf: bytes, n: int) -> torch.Tensor:
+        out = empty_floats(n)
+        self.decode_into(buf, n, out)
+        return out
