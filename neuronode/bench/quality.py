@@ -50,11 +50,10 @@ from neuronode.bench.common import (
     log_tail,
     wait_all,
 )
-from neuronode.config import NodeConfig
+from neuronode.config import AGGREGATORS, NodeConfig
 from neuronode.errors import ConfigError
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
-AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
 # Deadline of a whole run, generous for 2 busy cores: process start (torch import, corpus, first
 # contact), per round (exchange, validation, checkpoint) and per inner step for every 2 nodes
 # (the default model takes ~0.3 s a step here with one thread).

@@ -210,7 +210,8 @@ class Daemon:
             heartbeat_s=self.cfg.heartbeat_s, zstd_level=self.cfg.zstd_level, fault_file=self.cfg.fault_file,
             max_upload_mbps=self.cfg.max_upload_mbps, max_relay_mbps=self.cfg.relay_mbps(),
             round_lag=2 if self.cfg.overlap else 1,
-            settings=Settings.from_config(self.cfg), max_ids_per_host=self.cfg.max_ids_per_host,
+            settings=Settings.from_config(self.cfg, samples_per_batch=self.trainer.task.samples_per_batch),
+            max_ids_per_host=self.cfg.max_ids_per_host,
             reachable=self.cfg.reachable,
         )
 

@@ -25,6 +25,9 @@ from neuronode.swarm.server import Channels, Counters
 logger = logging.getLogger(__name__)
 
 
+MAX_WEIGHT = 1e15  # the bound of a swarm built without a config (in-process tests, benchmarks)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What every member of a swarm must run alike besides the model (NodeInfo.settings): a
@@ -36,15 +39,20 @@ class Settings:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     overlap: bool = False
+    max_weight: float = MAX_WEIGHT  # the most samples one contribution may claim (--max-weight)
 
     FLAGS: ClassVar[dict[str, str]] = {"codec": "--codec", "averaging": "--averaging", "aggregator": "--aggregator/--aggregator-option",
-             "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap"}
+             "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap",
+             "max_weight": "--max-weight"}
 
     @classmethod
-    def from_config(cls, cfg: NodeConfig) -> Settings:
+    def from_config(cls, cfg: NodeConfig, *, samples_per_batch: int | None = None) -> Settings:
+        """The settings `cfg` runs; the task's `samples_per_batch` (default --batch-size) sets
+        the default --max-weight."""
         return cls(codec=cfg.codec, averaging=cfg.averaging,
                    aggregator=canonical_aggregator(cfg.aggregator, cfg.aggregator_option),
-                   outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, overlap=cfg.overlap)
+                   outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, overlap=cfg.overlap,
+                   max_weight=cfg.weight_bound(cfg.batch_size if samples_per_batch is None else samples_per_batch))
 
     def mismatch(self, theirs: Settings) -> tuple[str, str, str] | None:
         """(flag, their value, ours) of the first setting that differs, else None."""
@@ -162,14 +170,14 @@ class Context:
     clock: Clock = field(default_factory=Clock)
     tasks: Tasks = field(default_factory=Tasks)
     counters: Counters = field(default_factory=Counters)
-    bans: Bans = field(default_factory=Bans)
     loopback_only: bool = False  # protected mode: no authentication and no --open
 
     def __post_init__(self) -> None:
         cfg = self.cfg
+        self.bans = Bans(clock=self.clock)  # the node's one ban list (neuronode.swarm.bans)
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock,
                                max_ids_per_host=cfg.max_ids_per_host,
-                               min_fanout=MIN_FANOUT if cfg.sampled_membership else MAX_MEMBERS)
+                               min_fanout=MIN_FANOUT if cfg.sampled_membership else MAX_MEMBERS, bans=self.bans)
         self.book = RoundBook(first_round=self.state.round, clock=self.clock,
                               max_sender_bytes=sender_bytes_bound(cfg.n_elements, cfg.settings.codec, window=2),
                               idle_s=max(STREAM_IDLE_MIN_S, cfg.sync_timeout_s))

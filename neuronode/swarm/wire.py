@@ -8,7 +8,7 @@ import grpc
 
 from neuronode.v1 import node_pb2 as pb
 
-PROTOCOL_VERSION = 3  # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings)
+PROTOCOL_VERSION = 4  # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello; 4: --max-weight in Hello (SwarmSettings.max_weight)
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -66,14 +66,15 @@ STATUS_CODES = {
 def settings_to_pb(s: Any) -> pb.SwarmSettings:
     """Settings (neuronode.swarm.context) as NodeInfo.settings."""
     return pb.SwarmSettings(codec=CODEC_TO_PB[s.codec], averaging=s.averaging, aggregator=s.aggregator,
-                            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap)
+                            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, overlap=s.overlap,
+                            max_weight=s.max_weight)
 
 
 def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
     """NodeInfo.settings as the fields of Settings (an unknown codec reads as its number)."""
     return {"codec": PB_TO_CODEC.get(m.codec, f"codec {m.codec}"), "averaging": m.averaging,
             "aggregator": m.aggregator, "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum,
-            "overlap": m.overlap}
+            "overlap": m.overlap, "max_weight": m.max_weight}
 
 
 class Refusal(Exception):

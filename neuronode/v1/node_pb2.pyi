@@ -142,20 +142,22 @@ class ReceiptEcho(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., receipt_hash: _Optional[bytes] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class SwarmSettings(_message.Message):
-    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap")
+    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap", "max_weight")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     averaging: str
     aggregator: str
     outer_lr: float
     outer_momentum: float
     overlap: bool
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    max_weight: float
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ..., max_weight: _Optional[float] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
     __slots__ = ("round", "param_digest", "contributors")
