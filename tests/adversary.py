@@ -328,8 +328,25 @@ def apply(behaviour: str) -> None:
         GrpcTransport.push = half_pushing(GrpcTransport.push)  # type: ignore[method-assign]
     elif behaviour == "equivocate-receipts":  # VICTIM hears another receipt than the others
         Peers.node_info, Peers.hello = receipt_lying(Peers.hello, honest_info)  # type: ignore[method-assign]
+    elif behaviour in ("heavy-flip", "flip"):  # its pseudo-gradient x -10; heavy-flip claims weight 1e14 too
+        from neuronode.node.trainer import Trainer
+
+        Trainer.pseudo_gradient = flipping(Trainer.pseudo_gradient)  # type: ignore[method-assign]
+        if behaviour == "heavy-flip":
+            Trainer.weight = lambda self: HEAVY  # type: ignore[method-assign]
     elif behaviour not in ("codec", "outer-lr"):  # those two only run with other flags
         raise ValueError(f"unknown behaviour {behaviour}")
+
+
+HEAVY = 1e14  # the weight a heavy-flip liar claims (the old bound was 1e15)
+FLIP = -10.0  # what a flipping liar multiplies its pseudo-gradient by
+
+
+def flipping(pseudo_gradient: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def lying(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return pseudo_gradient(self, *args, **kwargs) * FLIP
+
+    return lying
 
 
 def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
@@ -339,7 +356,7 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
               "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
-              "equivocate-receipts")
+              "equivocate-receipts", "heavy-flip", "flip")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 
