@@ -291,8 +291,16 @@ class NormClip:
         norms: list[float] = []
         dropped: list[str] = []
         size: int | None = None
+        scratch: Tensor | None = None  # one buffer decoded into, member after member
         for peer_id in peer_ids:  # pass 1: every norm, one decoded vector at a time
-            vector = _resolve(peer_id, contributions[peer_id][0])
+            source = contributions[peer_id][0]
+            if isinstance(source, Streamed) and hasattr(source, "decode_into"):
+                if scratch is None or scratch.numel() != source.n_elems:
+                    scratch = empty_floats(source.n_elems)
+                source.decode_into(scratch)
+                vector = scratch
+            else:
+                vector = _resolve(peer_id, source)
             if size is None:
                 size = vector.numel()
             elif vector.numel() != size:
