@@ -217,12 +217,12 @@ SKIPPED = ("h4",)  # the member a half-pushing liar leaves out (three of four ho
 
 
 def equivocating(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
-    """Push to VICTIM another contribution than to everyone else (three times the weight),
-    signed all the same: two statements for one slot."""
+    """Push to VICTIM another contribution than to everyone else (half the weight: within the
+    swarm's --max-weight), signed all the same: two statements for one slot."""
 
     async def lying(self: Any, peer_id: str, address: str, out: Any, box: Any) -> None:
         if peer_id == VICTIM and out.phase == 0:
-            out = dataclasses.replace(out, weight=out.weight * 3, signature=b"")
+            out = dataclasses.replace(out, weight=out.weight / 2, signature=b"")
             if hasattr(self, "sign"):  # the release under test signs statements itself
                 self.sign(out)
         await push(self, peer_id, address, out, box)
@@ -318,7 +318,7 @@ def apply(behaviour: str) -> None:
         from neuronode.swarm.node import SwarmNode
 
         SwarmNode.start = haunting(SwarmNode.start)  # type: ignore[method-assign]
-    elif behaviour == "equivocate-contributions":  # VICTIM gets a contribution of 3x the weight
+    elif behaviour == "equivocate-contributions":  # VICTIM gets a contribution of half the weight
         from neuronode.swarm.transport import GrpcTransport
 
         GrpcTransport.push = equivocating(GrpcTransport.push)  # type: ignore[method-assign]

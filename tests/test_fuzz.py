@@ -61,7 +61,7 @@ from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
-NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig()))  # what nodes started with defaults run
+NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig(inner_steps=5, batch_size=8)))  # what NODE_ARGS run
 NODE_CODEC = NodeConfig().codec
 
 NODE_ID = "fuzzed"

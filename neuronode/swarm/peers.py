@@ -293,7 +293,7 @@ class Peers:
         if resp.info.node_id == ctx.cfg.node_id:
             ctx.table.addresses.discard(address)  # that address is ourselves
             return True
-        await ctx.security.check_ahead(resp, ctx.executor)  # its signatures, off the event loop
+        await ctx.security.check_ahead(resp)  # its signatures, off the event loop
         return self.take_answer(address, resp)
 
     def take_answer(self, address: str, resp: pb.HelloResponse) -> bool:

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,9 @@ class Security:
     tls_files: tuple[str, str, str] | None = None  # cert, key, ca
     key: NodeKey = field(default_factory=NodeKey.generate)
     checked: Checked = field(default_factory=lambda: Checked(), compare=False, repr=False)
+    # check_ahead's one thread: signature checks wait for nothing else (decoding, averaging)
+    verifier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="signatures"),
+                                         compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -152,16 +155,16 @@ class Security:
             identity.verify(public_key, signature, domain, *fields)
             self.checked.add(key)
 
-    async def check_ahead(self, msg: pb.HelloRequest | pb.HelloResponse, executor: Executor) -> None:
+    async def check_ahead(self, msg: pb.HelloRequest | pb.HelloResponse) -> None:
         """Verify the signatures a Hello carries (its own, its receipts', every statement they
-        list: up to thousands) in a worker thread, so that the checks made when it is taken, on
-        the event loop, find them done. Bad ones are left for those checks to refuse."""
+        list: up to thousands) on our signature thread, so that the checks made when it is
+        taken, on the event loop, find them done. Bad ones are left for those checks to refuse."""
         try:
             items = hello_signatures(self.swarm_id, msg)
         except Exception:  # noqa: BLE001 - malformed: the checks on the loop refuse it, with a reason
             return
         if items:
-            good = await asyncio.get_running_loop().run_in_executor(executor, verified_keys, items)
+            good = await asyncio.get_running_loop().run_in_executor(self.verifier, verified_keys, items)
             for key in good:
                 self.checked.add(key)
 

@@ -44,7 +44,7 @@ class NodeService(pb_grpc.NodeServicer):
         await self.admission.check_certificate(context, info.node_id)
         if ctx.faults.path and ctx.faults.cut_off(info.advertise):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
-        await ctx.security.check_ahead(request, ctx.executor)  # its signatures, off the event loop
+        await ctx.security.check_ahead(request)  # its signatures, off the event loop
         try:
             self.peers.check_info(info)
             proven = caller_id(context)
