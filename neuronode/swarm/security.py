@@ -14,6 +14,7 @@ Both can be combined. The pure HMAC and certificate code lives in neuronode/secu
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import inspect
 import json
@@ -53,9 +54,6 @@ class Security:
     tls_files: tuple[str, str, str] | None = None  # cert, key, ca
     key: NodeKey = field(default_factory=NodeKey.generate)
     checked: Checked = field(default_factory=lambda: Checked(), compare=False, repr=False)
-    # check_ahead's one thread: signature checks wait for nothing else (decoding, averaging)
-    verifier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="signatures"),
-                                         compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -164,7 +162,7 @@ class Security:
         except Exception:  # noqa: BLE001 - malformed: the checks on the loop refuse it, with a reason
             return
         if items:
-            good = await asyncio.get_running_loop().run_in_executor(self.verifier, verified_keys, items)
+            good = await asyncio.get_running_loop().run_in_executor(verifier(), verified_keys, items)
             for key in good:
                 self.checked.add(key)
 
@@ -208,6 +206,13 @@ class Security:
 
 
 Signed = tuple[bytes, bytes, str, tuple[Any, ...]]  # public key, signature, domain, fields
+
+
+@functools.cache
+def verifier() -> ThreadPoolExecutor:
+    """The process's one thread for check_ahead: signature checks wait for nothing else
+    (decoding, averaging), and nodes in one process (tests) share it."""
+    return ThreadPoolExecutor(1, thread_name_prefix="signatures")
 
 
 class Checked:
