@@ -17,7 +17,7 @@ name               options (defaults)                     bad members tolerated 
 ``mean``           none                                   none                    O(nP)     (1)
 ``trimmed-mean``   ``trim_fraction=0.2``, in [0, 0.5)     ⌊f·n⌋ (a fraction < f)  O(nP)†    (~5)
 ``median``         none                                   fewer than n/2          O(nP)†    (~5)
-``norm-clip``¶     ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~4)
+``norm-clip``¶     ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~5)
 ``centered-clip``  ``clip_factor=1.0`` > 0,               fewer than n/2,         O(k·nP)   (~20)
                    ``iterations=3`` (k) ≥ 1               bounded influence
 =================  =====================================  ======================  ===============
