@@ -109,10 +109,13 @@ class NodeConfig:
     averaging: str = opt("all-to-all", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
                          "member i averages shard i (about 2x one contribution sent, whatever the swarm size)",
                          choices=("all-to-all", "reduce-scatter"))
-    aggregator: str = opt("mean", "how contributions are combined (robust ones resist lying peers)", choices=AGGREGATORS)
+    aggregator: str = opt("norm-clip", "how contributions are combined: norm-clip bounds each member's influence "
+                          "(any --averaging, any --codec); mean trusts every member", choices=AGGREGATORS)
     aggregator_option: tuple[str, ...] = opt(
         (), "comma list of aggregator options: trim_fraction, clip_factor, iterations, cosine_threshold",
         metavar="K=V,...")
+    max_weight: float = opt(0.0, "the most samples one member's contribution may claim per round; every member "
+                            "needs the same (0: inner-steps x batch-size x grad-accum x max-local-workers)")
     zstd_level: int = opt(-1, "zstd level for contribution chunks (0: off, -1: auto by measured link speed)")
     byte_shuffle: bool = opt(True, "split float bytes into planes before zstd (compresses float codecs ~15%% better)")
     chunk_bytes: int = opt(1 << 20, "encoded bytes per contribution chunk")
@@ -138,11 +141,6 @@ class NodeConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             validate_field(f.name, getattr(self, f.name), f.metadata)
-        if self.averaging == "reduce-scatter" and (
-                self.aggregator in ("norm-clip", "centered-clip")
-                or any(kv.startswith("cosine_threshold=") for kv in self.aggregator_option)):
-            raise ConfigError(f"--aggregator {self.aggregator} (or a cosine filter) needs whole "
-                              "contributions; with --averaging reduce-scatter use mean, trimmed-mean or median")
         check_averaging(self.codec, self.averaging)
         if self.sparse_k > self.sparse_block:
             raise ConfigError(f"--sparse-k {self.sparse_k} must be at most --sparse-block {self.sparse_block}")
@@ -174,6 +172,13 @@ class NodeConfig:
     def authenticated(self) -> bool:
         """Whether peers must prove membership (shared secret and/or mutual TLS)."""
         return bool(self.secret_file or self.tls_cert)
+
+    def weight_bound(self, samples_per_batch: int) -> float:
+        """--max-weight resolved: 0 is what an honest member of the most processes the swarm admits
+        trains on in a round (inner steps x samples per batch x grad-accum x --max-local-workers);
+        a member with another --batch-size claims at most this."""
+        return self.max_weight or float(self.inner_steps * samples_per_batch * self.grad_accum
+                                        * self.max_local_workers)
 
     def relay_mbps(self) -> float:
         """--max-relay-mbps resolved: -1 is half of --max-upload-mbps (0, no cap, without one)."""
@@ -224,6 +229,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "metrics_port": (lambda v: 0 <= v <= 65535, "a port between 1 and 65535, or 0 (off)"),
     "repair_cooldown": (lambda v: v >= 0, "0 or more"),
     "max_ids_per_host": (lambda v: v >= 1, "1 or more"),
+    "max_weight": (lambda v: 0 <= v < 1e15, "0 (inner-steps x batch-size x grad-accum x max-local-workers) or a sample count below 1e15"),
     "chunk_bytes": (lambda v: 4096 <= v <= 4 << 20, "between 4096 and 4194304 bytes"),
     "sparse_k": (lambda v: 1 <= v <= 1024, "between 1 and 1024"),
     "sparse_bits": (lambda v: v in (2, 4, 8), "2, 4 or 8"),

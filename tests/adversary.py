@@ -213,16 +213,16 @@ async def ghost(node_id: str) -> tuple[str, str, Any]:
 
 
 VICTIM = "h1"  # the member a liar tells something else than the rest
-SKIPPED = ("h3", "h4")  # the members a half-pushing liar leaves out
+SKIPPED = ("h4",)  # the member a half-pushing liar leaves out (three of four hosts hold it: a quorum)
 
 
 def equivocating(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
-    """Push to VICTIM another contribution than to everyone else (three times the weight),
-    signed all the same: two statements for one slot."""
+    """Push to VICTIM another contribution than to everyone else (half the weight: within the
+    swarm's --max-weight), signed all the same: two statements for one slot."""
 
     async def lying(self: Any, peer_id: str, address: str, out: Any, box: Any) -> None:
         if peer_id == VICTIM and out.phase == 0:
-            out = dataclasses.replace(out, weight=out.weight * 3, signature=b"")
+            out = dataclasses.replace(out, weight=out.weight / 2, signature=b"")
             if hasattr(self, "sign"):  # the release under test signs statements itself
                 self.sign(out)
         await push(self, peer_id, address, out, box)
@@ -231,7 +231,7 @@ def equivocating(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitabl
 
 
 def half_pushing(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
-    """Push our contribution to two of the four honest members only."""
+    """Push our contribution to three of the four honest members only."""
 
     async def lying(self: Any, peer_id: str, address: str, out: Any, box: Any) -> None:
         if peer_id in SKIPPED and out.phase == 0:
@@ -318,18 +318,35 @@ def apply(behaviour: str) -> None:
         from neuronode.swarm.node import SwarmNode
 
         SwarmNode.start = haunting(SwarmNode.start)  # type: ignore[method-assign]
-    elif behaviour == "equivocate-contributions":  # VICTIM gets a contribution of 3x the weight
+    elif behaviour == "equivocate-contributions":  # VICTIM gets a contribution of half the weight
         from neuronode.swarm.transport import GrpcTransport
 
         GrpcTransport.push = equivocating(GrpcTransport.push)  # type: ignore[method-assign]
-    elif behaviour == "half-push":  # its contribution reaches h1 and h2 only
+    elif behaviour == "half-push":  # its contribution reaches h1, h2 and h3 only
         from neuronode.swarm.transport import GrpcTransport
 
         GrpcTransport.push = half_pushing(GrpcTransport.push)  # type: ignore[method-assign]
     elif behaviour == "equivocate-receipts":  # VICTIM hears another receipt than the others
         Peers.node_info, Peers.hello = receipt_lying(Peers.hello, honest_info)  # type: ignore[method-assign]
+    elif behaviour in ("heavy-flip", "flip"):  # its pseudo-gradient x -10; heavy-flip claims weight 1e14 too
+        from neuronode.node.trainer import Trainer
+
+        Trainer.pseudo_gradient = flipping(Trainer.pseudo_gradient)  # type: ignore[method-assign]
+        if behaviour == "heavy-flip":
+            Trainer.weight = lambda self: HEAVY  # type: ignore[method-assign]
     elif behaviour not in ("codec", "outer-lr"):  # those two only run with other flags
         raise ValueError(f"unknown behaviour {behaviour}")
+
+
+HEAVY = 1e14  # the weight a heavy-flip liar claims (the old bound was 1e15)
+FLIP = -10.0  # what a flipping liar multiplies its pseudo-gradient by
+
+
+def flipping(pseudo_gradient: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def lying(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return pseudo_gradient(self, *args, **kwargs) * FLIP
+
+    return lying
 
 
 def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
@@ -339,7 +356,7 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
               "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
-              "equivocate-receipts")
+              "equivocate-receipts", "heavy-flip", "flip")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

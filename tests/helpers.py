@@ -221,6 +221,18 @@ async def wait_until(predicate: Callable[[], bool], *, what: str, timeout_s: flo
         await asyncio.sleep(0.02)
 
 
+def non_loopback_ipv4() -> str | None:
+    """This machine's address on its default route, if it has one (no packet is sent): a
+    caller that dials it reaches a local server from a host that is not loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        host = str(sock.getsockname()[0])
+    return None if host.startswith("127.") or host == "0.0.0.0" else host
+
+
 def swarm_config(node_id: str, **overrides: Any) -> Any:
     """The SwarmConfig of an in-process test node on 127.0.0.1:0 (fields overridable)."""
     from neuronode.swarm.node import SwarmConfig

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 from neuronode.averaging.agreement import (
-    QUORUM,
     Listings,
     Receipt,
     Statement,
@@ -65,7 +64,7 @@ def test_one_maker_with_two_versions_listing_a_statement_is_one_listing() -> Non
     x = statement("x")
     receipts = [receipt("liar", [x]), receipt("liar", [x, statement("liar")]), receipt("h", [statement("h")])]
     decision = decide(receipts, [], lineage=LINEAGE)
-    assert QUORUM == 2 and ("x", 0) not in decision.agreed
+    assert ("x", 0) not in decision.agreed  # liar and h published: x needs both
     decision = decide([*receipts, receipt("g", [x])], [], lineage=LINEAGE)
     assert ("x", 0) in decision.agreed and decision.holders[("x", 0)] == ["g", "liar", "x"]
 
@@ -82,3 +81,19 @@ def test_receipts_of_members_holding_everything_form_one_list() -> None:
     decision = decide(receipts, everyone[:1], lineage=LINEAGE)
     assert len(decision.agreed) == 50 and not decision.equivocators
     assert decision.holders[("m7", 0)] == sorted(f"m{i}" for i in range(50) if i != 7) + ["m7"]
+
+
+def test_a_statement_of_another_lineage_is_no_evidence_of_equivocation() -> None:
+    """x made round 1 in the lineage it repaired away from, then again in ours (it re-ran the
+    round after a repair): two statements for one slot, but not in one lineage, so no lie. Only
+    ours counts. Before, the two proved equivocation and x was left out and banned."""
+    ours = statement("x")
+    old = Statement(round_id=1, sender="x", phase=Phase.WHOLE, shard_index=0, lineage=b"m" * 32, body=b"o" * 32,
+                    signature=b"x".ljust(64, b"o"))
+    receipts = [receipt("a", [old]), receipt("b", [ours]), receipt("c", [ours])]
+    decision = decide(receipts, [ours], lineage=LINEAGE)
+    assert not decision.equivocators
+    assert decision.agreed == {("x", 0): ours}
+    forged = Statement(round_id=1, sender="x", phase=Phase.WHOLE, shard_index=0, lineage=LINEAGE, body=b"f" * 32,
+                       signature=b"x".ljust(64, b"f"))
+    assert "x" in decide([*receipts, receipt("d", [forged])], [ours], lineage=LINEAGE).equivocators  # in ours: a lie

@@ -127,7 +127,7 @@ def test_average_of_assemblers_matches_average_of_vectors() -> None:
     parts = {s: assemble(list(encode_frames(pseudo_grad(n, i), codec="int8", chunk_bytes=700, zstd_level=0)),
                          n=n, codec="int8", chunk_bytes=700) for i, s in enumerate(senders)}
     weights = {"a": 1.0, "b": 3.0, "c": 2.0}
-    for name in ("mean", "median"):
+    for name in ("mean", "median", "norm-clip"):  # norm-clip streams too: decoded into one buffer, then added
         aggregate = get_aggregator(name)
         streamed = aggregate({s: (parts[s], weights[s]) for s in senders})
         decoded = aggregate({s: (parts[s].decode(), weights[s]) for s in senders})

@@ -185,7 +185,10 @@ def test_lazy_members_are_decoded_once_in_sorted_order(
     }
     aggregator = get_aggregator(name, **options)
     assert torch.equal(aggregator(lazy), aggregator(eager))
-    assert calls == ["a", "b", "c"]
+    if name == "norm-clip" and not options:  # it streams: a pass for the norms, one to add (one vector held)
+        assert calls == ["a", "b", "c", "a", "b", "c"]
+    else:
+        assert calls == ["a", "b", "c"]
 
 
 @pytest.mark.parametrize("name", ROBUST)

@@ -6,13 +6,17 @@ the process-level lies in tests/test_adversary_swarm.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import torch
 from helpers import Nodes, encode, key_of, wait_until
 
-from neuronode.averaging.agreement import Receipt, decide, receipt_of, statement_of
-from neuronode.codec import Contribution, Phase
+from neuronode.averaging import AllToAll, AveragingConfig
+from neuronode.averaging.agreement import Receipt, decide, lineage_hash, receipt_of, statement_of
+from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase
+from neuronode.diloco import average
 from neuronode.swarm.context import Settings
 from neuronode.swarm.receipt_wire import receipt_to_pb
 from neuronode.swarm.security import Security
@@ -163,3 +167,42 @@ async def test_a_compact_receipt_is_checked_against_its_makers_signature_before_
     Security(node_id=LIAR, swarm_id=a.cfg.swarm_id, key=key_of("liar")).sign_hello(forged)
     refused = await say(a, forged)
     assert refused is not None and refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused
+
+
+async def test_a_member_that_runs_a_round_again_decides_on_the_receipt_it_published_first(nodes: Nodes) -> None:
+    """a published its receipt of round 1 in the lineage it then repaired away from, and runs
+    round 1 again in the swarm's. Its word on round 1 stays the first receipt (a second would be
+    equivocation), and it decides on that word as b and c do: all three average the same. Before,
+    a decided on the receipt it did not publish, and parted from b and c."""
+    a = await nodes.start("a", n_elements=N)
+    b = await nodes.start("b", peers=[a.advertise], n_elements=N)
+    c = await nodes.start("c", peers=[a.advertise], n_elements=N)
+    for node in (a, b, c):
+        await wait_until(lambda n=node: len(n.table.alive()) == 2, what="the swarm to form")
+    first = signed("a", 0.5, base_digest="repaired-away")
+    a.transport.publish_receipt(receipt_of(1, Phase.WHOLE, "a", [first]))
+    held = {name: signed(name, float(i), base_digest="swarm") for i, name in enumerate("abc")}
+    for node in (b, c):
+        await wait_until(lambda n=node: n.transport.member_views(1, Phase.WHOLE, ["a"])[0].has_receipt,
+                         what="a's first receipt to spread")
+    lineage = lineage_hash("swarm", ())
+    decided = await asyncio.gather(*(protocol(node).agree(1, Phase.WHOLE, dict(held), lambda: {"a", "b", "c"},
+                                                          lineage=lineage, publish=True) for node in (a, b, c)))
+    assert len({tuple(sorted(d)) for d in decided}) == 1, [sorted(d) for d in decided]
+    assert all(n.table.banned_for("a") == 0 for n in (a, b, c))
+
+
+def signed(sender: str, value: float, *, base_digest: str) -> Contribution:
+    c = encode(sender, torch.full((N,), value), round_id=1, base_digest=base_digest)
+    c.signature = Security(node_id=sender, swarm_id="net-test", key=key_of(sender)).sign_statement(statement_of(c))
+    c.public_key = key_of(sender).public
+    return c
+
+
+def protocol(node: object) -> AllToAll:
+    cfg = node.cfg  # type: ignore[attr-defined]
+    encoder = ContributionEncoder(EncoderConfig(codec="fp32", chunk_bytes=4096, zstd_level=1, byte_shuffle=False),
+                                  n_elements=N, sender_id=cfg.node_id)
+    return AllToAll(AveragingConfig(node_id=cfg.node_id, codec="fp32", n_elements=N, sync_timeout_s=10.0),
+                    transport=node.transport, encoder=encoder, encoder_pool=node.ctx.executor,  # type: ignore[attr-defined]
+                    aggregate=average, executor=node.ctx.executor)  # type: ignore[attr-defined]

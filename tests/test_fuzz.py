@@ -62,7 +62,7 @@ from neuronode.v1 import node_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 # What nodes started with defaults and NODE_ARGS run (the built-in task's settings: its sizes).
-NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig(), task=(
+NODE_SETTINGS = settings_to_pb(Settings.from_config(NodeConfig(inner_steps=5, batch_size=8), task=(
     ("--seq-len", "64"), ("--d-model", "64"), ("--n-layers", "2"), ("--n-heads", "2"))))
 NODE_CODEC = NodeConfig().codec
 
@@ -640,7 +640,9 @@ class Plan:
         return set().union(*(CODES[k] for k in kinds)) | {Code.FAILED_PRECONDITION} | other_codec
 
 
-PLANS = st.builds(Plan, codec=st.sampled_from(sorted(CODEC_TO_PB)), n_chunks=st.integers(2, 4),
+# The dense codecs' layouts; sparse chunks have their own hostile cases (tests/test_swarm_sparse.py).
+DENSE_CODECS = sorted(c for c in CODEC_TO_PB if get_codec(c).exact_size)
+PLANS = st.builds(Plan, codec=st.sampled_from(DENSE_CODECS), n_chunks=st.integers(2, 4),
                   compress=st.booleans(), seed=st.integers(0, 2**16),
                   defects=st.lists(DEFECTS, min_size=1, max_size=3).map(tuple),
                   structural=st.one_of(st.none(), STRUCTURAL))

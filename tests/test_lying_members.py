@@ -88,8 +88,10 @@ def test_a_liar_claiming_our_round_closed_before_the_others_published_is_not_bel
     honest = [peer(n, 3, {2: "d2"}) for n in ("b", "c", "d")]  # still closing round 2 -> 3
     liar = peer("liar", 4, {2: "d2", 3: "d3"})
     assert closed_without_us(3, "d3", [*honest, liar]) == []
-    honest[0] = peer("b", 4, {2: "d2", 3: "d3"})  # a member really closed it: now two say so
-    assert closed_without_us(3, "d3", [*honest, liar]) == ["b", "liar"]
+    honest[0] = peer("b", 4, {2: "d2", 3: "d3"})  # a member really closed it: two of four hosts say so
+    assert closed_without_us(3, "d3", [*honest, liar]) == []
+    honest[1] = peer("c", 4, {2: "d2", 3: "d3"})  # three of four: a quorum (a strict majority)
+    assert closed_without_us(3, "d3", [*honest, liar]) == ["b", "c", "liar"]
 
 
 def test_a_round_claimed_far_ahead_of_every_other_member_is_not_believed() -> None:
@@ -130,7 +132,7 @@ async def test_a_state_no_other_member_vouches_for_is_refused(nodes: Nodes, exec
     got = await joiner.fetch_state(["a-liar", "b", "c"])  # the liar first, as if it led the lineage
     assert got is not None and got.round == 7 and got.param_digest == good.param_digest
     [rejected] = events(caplog, "donor_rejected")
-    assert rejected["peer_id"] == "a-liar" and "0 of 2 other members of its lineage published" in str(rejected["reason"])
+    assert rejected["peer_id"] == "a-liar" and "0 of 2 other hosts of its lineage published" in str(rejected["reason"])
 
 
 async def test_a_donor_a_round_ahead_of_what_the_others_announced_is_asked_again_once_they_did(

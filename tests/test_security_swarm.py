@@ -11,7 +11,6 @@ Protected mode: without a secret or TLS a node listens publicly only with --open
 from __future__ import annotations
 
 import signal
-import socket
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +21,17 @@ import helpers
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import Node, chunks_of, encode, free_port, hides_refusal, key_of, poll, run_neuronode
+from helpers import (
+    Node,
+    chunks_of,
+    encode,
+    free_port,
+    hides_refusal,
+    key_of,
+    non_loopback_ipv4,
+    poll,
+    run_neuronode,
+)
 
 from neuronode import cli
 from neuronode.swarm.context import Settings
@@ -405,17 +414,6 @@ async def test_member_sending_invalid_streams_is_banned_others_are_not(
     assert closed_node.book.contributors(0) == {"honest"}
     status = await honest.stub.Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)
     assert status.node_id == "target"
-
-
-def non_loopback_ipv4() -> str | None:
-    """This machine's address on its default route, if it has one (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(("192.0.2.1", 9))
-        except OSError:
-            return None
-        host = str(sock.getsockname()[0])
-    return None if host.startswith("127.") or host == "0.0.0.0" else host
 
 
 @pytest.mark.timeout(60)

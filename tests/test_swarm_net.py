@@ -498,6 +498,23 @@ async def test_honest_contribution_is_stored_once(greeted: Client) -> None:
     assert torch.equal(stored.data.decode(), make_vector(7))  # the first one, untouched
 
 
+async def test_a_weight_above_the_swarms_bound_is_refused(nodes: Nodes, refused_address: str) -> None:
+    """The swarm's --max-weight bounds what one contribution may claim: a claim above it is
+    refused (INVALID_ARGUMENT, naming the flag) and never stored; one at the bound is taken.
+    Before, any weight below 1e15 was taken, and under the mean it decided the average."""
+    settings = Settings(max_weight=100.0)
+    node = await nodes.start("target", settings=settings)
+    async with grpc.aio.insecure_channel(node.advertise) as channel:
+        client = Client(node, channel, refused_address)
+        await client.hello(settings=settings_to_pb(settings))
+        status, details, _ = await client.push(honest_chunks(weight=101.0))
+        assert status == Code.INVALID_ARGUMENT and "--max-weight 100" in details, details
+        assert ROGUE not in node.book.contributors(0)
+        status, details, _ = await client.push(honest_chunks(weight=100.0))
+        assert status == Code.OK, details
+        assert node.book.close(0)[ROGUE].weight == 100.0
+
+
 async def test_second_stream_while_the_first_is_open_is_refused(greeted: Client) -> None:
     chunks = honest_chunks()
     release = asyncio.Event()
@@ -620,6 +637,8 @@ async def test_undecodable_request_is_invalid_argument(client: Client, method: s
                  Code.INVALID_ARGUMENT, "receipts", id="shard-index-too-big"),
     pytest.param({"echoes": [pb.ReceiptEcho(round=1, maker_id="a", receipt_hash=b"x")]},
                  Code.INVALID_ARGUMENT, "echoes", id="echo-hash-malformed"),
+    pytest.param({"echoes": [pb.ReceiptEcho(round=1, phase=7, maker_id="a", receipt_hash=bytes(32))]},  # type: ignore[arg-type]
+                 Code.INVALID_ARGUMENT, "echoes", id="echo-phase-unknown"),
     pytest.param({"round": 2**64 - 1}, Code.INVALID_ARGUMENT, "below 2^53", id="round-beyond-2^53"),
     pytest.param({"recent_digests": [pb.RoundDigest(round=2**60, param_digest="p")]}, Code.INVALID_ARGUMENT,
                  "below 2^53", id="digest-round-beyond-2^53"),
@@ -631,7 +650,8 @@ async def test_undecodable_request_is_invalid_argument(client: Client, method: s
     for change, flag in [({"codec": "int8"}, "--codec int8"), ({"averaging": "reduce-scatter"}, "--averaging"),
                          ({"aggregator": "median"}, "--aggregator"), ({"outer_lr": 0.5}, "--outer-lr"),
                          ({"outer_momentum": 0.8}, "--outer-momentum"), ({"overlap": True}, "--overlap"),
-                         ({"max_local_workers": 8}, "--max-local-workers 8")]
+                         ({"max_local_workers": 8}, "--max-local-workers 8"),
+                         ({"max_weight": 800.0}, "--max-weight 800")]
 ])
 async def test_mismatched_hello_is_refused(
     client: Client, override: dict[str, Any], code: Code, keyword: str,

@@ -5,22 +5,25 @@ lineage it was made in and a hash of everything else). When a member closes a ph
 (whole contributions under all-to-all, averaged shards under reduce-scatter) it publishes a
 `Receipt`: the statements of the contributions it holds, its own included (so that members
 holding the same contributions publish the same list, which the rule counts once: `Listings`).
-The rule (`decide`):
+Receipts are counted by voice (neuronode.quorum: the hosts their makers call from; any number of
+ids on one host are one voice). The rule (`decide`):
 
-- A statement counts when receipts of at least `QUORUM` members other than its maker list it
-  (every other member, when fewer published one). Never on its maker's word: a member that
-  pushes its contribution to one peer only is left out by everyone alike, and one that pushes
-  it to several is in for everyone, since the members that missed it fetch it from a holder.
-- A maker with two different statements for one (round, phase, shard) equivocated: the two
-  signatures prove it to anyone, so every member leaves all its contributions of the round
-  out alike, and bans it.
+- A statement counts when the receipts of a quorum (a strict majority) of the voices that
+  published one, its sender's voice aside, list it. Never on its maker's word, nor on the word of
+  ids on its maker's host: a member that pushes its contribution to few peers is left out by
+  everyone alike, and one that pushes it to most is in for everyone, since the members that
+  missed it fetch it from a holder.
+- A maker with two different statements for one (round, phase, shard) in our lineage
+  equivocated: the two signatures prove it to anyone, so every member leaves all its
+  contributions of the round out alike, and bans it. A statement of another lineage is no
+  evidence (a member that re-runs a round after a repair makes one), and never counts.
 - Only statements of our lineage count (made from the parameters and for the members we
   averaged from).
 
 Why this keeps replicas identical with one lying member: a receipt adds a statement only in
 company (a quorum of listings), and every honest member publishes its receipt to all, so what
 counts does not depend on which version of a liar's receipt a member got. A liar's receipt can
-only matter for a contribution exactly one honest member received besides its maker
+only matter for a contribution that a bare quorum of honest members received besides its maker
 (SECURITY.md says what remains). A contribution that counts but that we could not fetch in time
 leaves our replica apart; the repair rule then reconciles it.
 """
@@ -34,8 +37,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from neuronode.codec.contribution import Contribution, Phase
-
-QUORUM = 2  # listings (by members other than the maker) that make a statement count
+from neuronode.quorum import VoiceOf, by_id, quorum
 
 
 def lineage_hash(base_digest: str, members: Iterable[str]) -> bytes:
@@ -126,63 +128,68 @@ def receipt_of(round_id: int, phase: Phase, maker: str, held: Iterable[Contribut
 class Listings:
     """Who lists which statement, over receipts of one round's phase, counted once per distinct
     list: with N makers that mostly hold the same N statements this is O(N) work, not O(N²).
-    A maker's listing of its own statement counts nowhere; a maker with several versions (it
-    equivocated) counts once per statement whichever versions list it."""
+    Makers count by voice (`voice_of`, neuronode.quorum): a voice's listing of a statement whose
+    sender has the same voice counts nowhere, and a voice whose makers published several lists
+    (ids on one host, or a maker that equivocated) counts once per statement whichever list it."""
 
-    def __init__(self, receipts: Iterable[Receipt]) -> None:
+    def __init__(self, receipts: Iterable[Receipt], voice_of: VoiceOf = by_id) -> None:
+        self.voice_of = voice_of
         groups: dict[bytes, tuple[tuple[Statement, ...], set[str]]] = {}
         for r in receipts:
             groups.setdefault(r.digest, (r.statements, set()))[1].add(r.maker)
         self.makers: set[str] = set().union(*(who for _, who in groups.values()))
+        self.voices: set[str] = {voice_of(m) for m in self.makers}
+        self._makers = [who for _, who in groups.values()]  # by group
+        voiced = [{voice_of(m) for m in who} for _, who in groups.values()]
         seen: dict[str, int] = {}
-        for _, who in groups.values():
-            for m in who:
-                seen[m] = seen.get(m, 0) + 1
-        several = {m for m, n in seen.items() if n > 1}
-        self._groups = [(statements, who - several) for statements, who in groups.values()]
+        for vs in voiced:
+            for v in vs:
+                seen[v] = seen.get(v, 0) + 1
+        several = {v for v, n in seen.items() if n > 1}
+        self._groups = [(statements, vs - several) for (statements, _), vs in zip(groups.values(), voiced, strict=True)]
         self._in: dict[Statement, list[int]] = {}  # statement -> the groups listing it
         self._count: dict[Statement, int] = {}
         for g, (statements, once) in enumerate(self._groups):
             for s in statements:
                 self._in.setdefault(s, []).append(g)
-                self._count[s] = self._count.get(s, 0) + len(once) - (s.sender in once)
+                self._count[s] = self._count.get(s, 0) + len(once) - (voice_of(s.sender) in once)
         self._several: dict[str, set[Statement]] = {}
-        for statements, who in groups.values():
-            for m in who & several:
-                self._several.setdefault(m, set()).update(statements)
-        for m, listed in self._several.items():
+        for (statements, _), vs in zip(groups.values(), voiced, strict=True):
+            for v in vs & several:
+                self._several.setdefault(v, set()).update(statements)
+        for v, listed in self._several.items():
             for s in listed:
-                if s.sender != m:
+                if voice_of(s.sender) != v:
                     self._count[s] += 1
 
     def __iter__(self) -> Iterator[Statement]:
         return iter(self._count)
 
     def count(self, s: Statement) -> int:
-        """Makers other than its sender that list `s`."""
+        """Voices other than its sender's that list `s`."""
         return self._count.get(s, 0)
+
+    def need(self, s: Statement) -> int:
+        """Listings `s` needs to count: a quorum of the voices that published a receipt, its
+        sender's aside."""
+        return quorum(len(self.voices - {self.voice_of(s.sender)}))
 
     def makers_of(self, s: Statement) -> set[str]:
         """The makers other than its sender that list `s` (O(N): ask for few statements)."""
-        who = set().union(*(self._groups[g][1] for g in self._in.get(s, ())))
-        who |= {m for m, listed in self._several.items() if s in listed}
-        return who - {s.sender}
+        return set().union(*(self._makers[g] for g in self._in.get(s, ()))) - {s.sender}
 
     def lists(self, maker: str, s: Statement) -> bool:
-        if maker in self._several:
-            return s in self._several[maker]
-        for g in self._in.get(s, ()):
-            if maker in self._groups[g][1]:
-                return True
-        return False
+        return any(maker in self._makers[g] for g in self._in.get(s, ()))
 
 
-def listed(receipts: Iterable[Receipt], lineage: bytes | None = None, *, quorum: int = QUORUM) -> set[str]:
-    """Senders whose contributions at least `quorum` members (besides the sender) say they hold
-    (made for `lineage`, when given): with QUORUM, they count, and a member that lacks one
-    fetches it."""
-    listings = Listings(receipts)
-    return {s.sender for s in listings if listings.count(s) >= quorum and lineage in (None, s.lineage)}
+def listed(receipts: Iterable[Receipt], lineage: bytes | None = None, *, voice_of: VoiceOf = by_id,
+           at_least: int | None = None) -> set[str]:
+    """Senders whose contributions the receipts (made for `lineage`, when given) list: by a
+    quorum of the voices that published one (`at_least` None: they count, and a member that
+    lacks one fetches it), or by `at_least` voices."""
+    listings = Listings(receipts, voice_of)
+    return {s.sender for s in listings if lineage in (None, s.lineage)
+            and listings.count(s) >= (listings.need(s) if at_least is None else at_least)}
 
 
 class Holders(Mapping[tuple[str, int], list[str]]):
@@ -214,27 +221,25 @@ class Decision:
     equivocators: dict[str, tuple[Statement, Statement]]
 
 
-def decide(receipts: Iterable[Receipt], held: Iterable[Statement], *, lineage: bytes) -> Decision:
+def decide(receipts: Iterable[Receipt], held: Iterable[Statement], *, lineage: bytes,
+           voice_of: VoiceOf = by_id) -> Decision:
     """The rule of the module docstring over every receipt we hold of one round's phase
     (several versions of one maker's included, ours too) and `held`: the statements of what we
-    hold (ours included), which count like any listed one; one that no member but its maker
+    hold (ours included), which count like any listed one; one that no voice but its sender's
     published a receipt for (it is alone in the round, or we only listen to its maker) needs
     no listing."""
-    listings = Listings(receipts)
-    makers = listings.makers
+    listings = Listings(receipts, voice_of)
     by_slot: dict[tuple[str, int], list[Statement]] = {}
     for s in {*held, *listings}:
-        by_slot.setdefault(s.slot, []).append(s)
+        if s.lineage == lineage:  # another lineage's statement is no evidence, and counts nowhere
+            by_slot.setdefault(s.slot, []).append(s)
     equivocators: dict[str, tuple[Statement, Statement]] = {}
     for slot, versions in sorted(by_slot.items()):
         if len(versions) > 1 and slot[0] not in equivocators:
-            a, b = sorted(versions, key=lambda s: (s.lineage, s.body))[:2]
+            a, b = sorted(versions, key=lambda s: s.body)[:2]
             equivocators[slot[0]] = (a, b)
     agreed: dict[tuple[str, int], Statement] = {}
     for slot, (s, *_) in sorted(by_slot.items()):
-        if s.sender in equivocators or s.lineage != lineage:
-            continue
-        need = min(QUORUM, len(makers) - (s.sender in makers))
-        if listings.count(s) >= need:
+        if s.sender not in equivocators and listings.count(s) >= listings.need(s):
             agreed[slot] = s
     return Decision(agreed=agreed, holders=Holders(agreed, listings), equivocators=equivocators)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
 from neuronode.events import fields
+from neuronode.quorum import VoiceOf, by_id
 
 logger = logging.getLogger(__name__)
 
@@ -316,13 +317,15 @@ def same_lineage(got: dict[str, Contribution], lineage: tuple[str, tuple[str, ..
     return kept
 
 
-def majority_lineage(got: dict[str, Contribution], base_digest: str | None) -> dict[str, Contribution]:
+def majority_lineage(got: dict[str, Contribution], base_digest: str | None,
+                     voice_of: VoiceOf = by_id) -> dict[str, Contribution]:
     """A round we listen to: contributions made from `base_digest` (the parameters we hold for
     its start; a member claiming another start counts nowhere), or with None from the start
-    most senders share; for the membership most of them name (reduce-scatter)."""
-    counts: dict[tuple[str, tuple[str, ...]], int] = {}
+    the senders of most hosts share (neuronode.quorum); for the membership most of them name
+    (reduce-scatter)."""
+    hosts: dict[tuple[str, tuple[str, ...]], set[str]] = {}
     for c in got.values():
         if base_digest is None or c.base_digest == base_digest:
-            counts[c.lineage] = counts.get(c.lineage, 0) + 1
-    best = min(counts, key=lambda k: (-counts[k], k)) if counts else (base_digest or "", ())
+            hosts.setdefault(c.lineage, set()).add(voice_of(c.sender_id))
+    best = min(hosts, key=lambda k: (-len(hosts[k]), k)) if hosts else (base_digest or "", ())
     return same_lineage(got, best)

@@ -17,6 +17,7 @@ from neuronode.averaging.state import RoundState
 from neuronode.averaging.transport import MemberView
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
+from neuronode.quorum import voice
 
 
 @dataclass
@@ -50,6 +51,7 @@ class LocalSwarm:
         # (sender, receiver) -> the contribution that receiver gets instead of what sender sent (a liar)
         self.forged: dict[tuple[str, str], Contribution] = {}
         self.undialable: set[str] = set()  # members behind NAT: never reducers (they still reach everyone)
+        self.hosts: dict[str, str] = {}  # member -> the host it calls from (neuronode.quorum); none: its own
 
     def join(self, node_id: str, *, state: RoundState | None = None) -> LocalTransport:
         state = state or RoundState()
@@ -169,11 +171,16 @@ class LocalTransport:
                 d.delivered.add(to)
                 self.swarm.deliver(self.node_id, to, outs[to])
 
-    def publish_receipt(self, receipt: Receipt) -> None:
-        self.member.receipts[(receipt.round_id, receipt.phase)] = receipt
-        self.swarm.receipts_published += 1
-        self.swarm.receipts_delivered += sum(m.alive and m is not self.member for m in self.swarm.members.values())
-        self.swarm.notify_all()
+    def publish_receipt(self, receipt: Receipt) -> Receipt:
+        standing = self.member.receipts.setdefault((receipt.round_id, receipt.phase), receipt)
+        if standing is receipt:
+            self.swarm.receipts_published += 1
+            self.swarm.receipts_delivered += sum(m.alive and m is not self.member for m in self.swarm.members.values())
+            self.swarm.notify_all()
+        return standing
+
+    def voice(self, member: str) -> str:
+        return voice(member, self.swarm.hosts.get(member, ""))
 
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         out = []

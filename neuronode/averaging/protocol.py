@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from neuronode.averaging.agreement import (
-    QUORUM,
     Decision,
     Listings,
     Receipt,
@@ -35,6 +34,7 @@ from neuronode.clock import Clock
 from neuronode.codec import Contribution, ContributionEncoder, Phase
 from neuronode.codec.contribution import Aggregate
 from neuronode.events import fields
+from neuronode.quorum import quorum, voices
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +108,16 @@ class Averaging:
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
         raise NotImplementedError
 
-    def held_elsewhere(self, round_id: int, phase: Phase, lineage: bytes, *, quorum: int = QUORUM) -> Callable[[], set[str]]:
+    def held_elsewhere(self, round_id: int, phase: Phase, lineage: bytes, *,
+                       at_least: int | None = None) -> Callable[[], set[str]]:
         """For RoundBook.collect, in a phase whose contributions go to every member: the senders
-        whose contributions at least `quorum` other members list as held. With QUORUM
-        (`fetchable`) they count toward --min-peers; with one (`reached`), their makers reached
-        other members, so after `fetch_after_s` we stop waiting for their push to us: what
-        counts of them is fetched, and the rest counts nowhere, on every member alike."""
-        return lambda: listed(self.transport.receipts(round_id, phase), lineage, quorum=quorum)
+        whose contributions other members list as held: by a quorum of the voices that published
+        a receipt (`at_least` None, `fetchable`), they count toward --min-peers; by one
+        (`reached`), their makers reached other members, so after `fetch_after_s` we stop waiting
+        for their push to us: what counts of them is fetched, and the rest counts nowhere, on
+        every member alike."""
+        return lambda: listed(self.transport.receipts(round_id, phase), lineage, voice_of=self.transport.voice,
+                              at_least=at_least)
 
     @property
     def fetch_after_s(self) -> float:
@@ -138,7 +141,7 @@ class Averaging:
         got = await self.transport.book.collect(round_id, phase=phase, timeout_s=self.cfg.sync_timeout_s,
                                                 expected=lambda: self.transport.round_peers(round_id),
                                                 min_contributors=0)
-        return majority_lineage(got, base_digest)
+        return majority_lineage(got, base_digest, self.transport.voice)
 
     async def agree(self, round_id: int, phase: Phase, held: dict[str, Contribution],
                     members: Callable[[], Iterable[str]], *, lineage: bytes, publish: bool) -> dict[str, Contribution]:
@@ -150,10 +153,15 @@ class Averaging:
         ours = receipt_of(round_id, phase, me, held.values()) if publish else None
         if ours is not None:  # what our receipt lists, a member that missed it may fetch from now on
             transport.retain(round_id, phase, held.values(), for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
-            transport.publish_receipt(ours)
+            # Our word on a round is the first receipt we published of it (a round run again after
+            # a repair keeps it: a second one would be equivocation), and we decide on that word.
+            ours = transport.publish_receipt(ours)
         await self.wait_for_receipts(round_id, phase, members)
         receipts = [*transport.receipts(round_id, phase), *([ours] if ours is not None else [])]
-        decision = decide(receipts, [statement_of(c) for c in held.values()], lineage=lineage)
+        if ours is None and not self.decided_by_quorum(round_id, receipts, members()):
+            return {}
+        decision = decide(receipts, [statement_of(c) for c in held.values()], lineage=lineage,
+                          voice_of=transport.voice)
         for member, proof in sorted(decision.equivocators.items()):
             logger.warning("round %d: %s signed two different %ss for one slot; leaving all of its out of "
                            "this round and banning it", round_id, member, phase.label,
@@ -173,6 +181,22 @@ class Averaging:
         agreed = kept | fetched
         self.retain(round_id, phase, agreed, receipts)
         return agreed
+
+    def decided_by_quorum(self, round_id: int, receipts: list[Receipt], members: Iterable[str]) -> bool:
+        """A listener (it stood aside, or adopted the swarm's state at the round's start) averages
+        only what a quorum of the round's hosts decided: the receipts it holds must come from a
+        strict majority of the voices of the round's members (neuronode.quorum). Otherwise ids
+        on one host, whose word made us listen, could decide alone what we average."""
+        voice_of = self.transport.voice
+        round_voices = voices(members, voice_of) - {voice_of(self.cfg.node_id)}
+        deciding = voices((r.maker for r in receipts), voice_of) & round_voices
+        if len(deciding) >= quorum(len(round_voices)):
+            return True
+        logger.warning("round %d: only %d of the round's %d hosts published a receipt; a listener averages "
+                       "nothing a quorum of hosts did not decide", round_id, len(deciding), len(round_voices),
+                       extra=fields("listener_without_quorum", round_id=round_id, hosts=len(round_voices),
+                                    deciding=len(deciding)))
+        return False
 
     async def wait_for_receipts(self, round_id: int, phase: Phase, members: Callable[[], Iterable[str]]) -> None:
         """Until every member still in the round published its receipt, or the deadline. A member
@@ -224,7 +248,7 @@ class Averaging:
     def retain(self, round_id: int, phase: Phase, agreed: dict[str, Contribution], receipts: list[Receipt]) -> None:
         """Keep serving what we average to members whose receipt lacks it (or who published none
         yet): they will fetch it; the rest of what we held for the round is let go."""
-        me, listings = self.cfg.node_id, Listings(receipts)
+        me, listings = self.cfg.node_id, Listings(receipts)  # by id: who lacks it, not who counts
         members = listings.makers | set(self.transport.round_peers(round_id)) | set(agreed)
 
         def missed_by_some(c: Contribution) -> bool:  # a member other than its sender and us lacks it

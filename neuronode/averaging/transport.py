@@ -62,8 +62,12 @@ class Transport(Protocol):
         per member (reduce-scatter slices), or one for the members (and the round's listeners:
         averaged shards). Peers that appear while the window is open get it too."""
 
-    def publish_receipt(self, receipt: Receipt) -> None:
-        """Sign our receipt of a round's phase and tell every member (and listener)."""
+    def publish_receipt(self, receipt: Receipt) -> Receipt:
+        """Sign our receipt of a round's phase and tell every member (and listener); returns
+        the receipt that stands for us: the first we published of that round's phase."""
+
+    def voice(self, member: str) -> str:
+        """Who `member` counts as in a vote (neuronode.quorum: its host; per id on loopback)."""
 
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         """Every receipt of others we hold of `round_id`'s `phase` (every version of a maker's)."""

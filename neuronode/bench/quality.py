@@ -50,13 +50,12 @@ from neuronode.bench.common import (
     log_tail,
     wait_all,
 )
-from neuronode.config import CODECS, NodeConfig, flag_name
+from neuronode.config import AGGREGATORS, CODECS, NodeConfig, flag_name
 from neuronode.errors import ConfigError
 
 # Swarm settings a bench may give its nodes (`neuronode start` flags of these names); the
 # daemon's defaults where not given.
 SETTINGS = ("outer_lr", "outer_momentum", "sparse_k", "sparse_bits", "sparse_block", "sparse_decay")
-AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
 # Deadline of a whole run, generous for 2 busy cores: process start (torch import, corpus, first
 # contact), per round (exchange, validation, checkpoint) and per inner step for every 2 nodes
 # (the default model takes ~0.3 s a step here with one thread).

@@ -17,7 +17,7 @@ name               options (defaults)                     bad members tolerated 
 ``mean``           none                                   none                    O(nP)     (1)
 ``trimmed-mean``   ``trim_fraction=0.2``, in [0, 0.5)     ⌊f·n⌋ (a fraction < f)  O(nP)†    (~5)
 ``median``         none                                   fewer than n/2          O(nP)†    (~5)
-``norm-clip``      ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~4)
+``norm-clip``¶     ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~5)
 ``centered-clip``  ``clip_factor=1.0`` > 0,               fewer than n/2,         O(k·nP)   (~20)
                    ``iterations=3`` (k) ≥ 1               bounded influence
 =================  =====================================  ======================  ===============
@@ -31,17 +31,21 @@ a dot-product pass (~10–15× mean). Each class's docstring says exactly what i
 § measured with n = 5, P = 10M on one thread of a busy machine (±30 %). † per coordinate a
 sort of n values: a min/max network, O(n²) cheap element-wise ops, up to 16 members;
 ``torch.sort``, O(nP log n), beyond. ‡ a member moves the result by at most ``clip_factor × median norm × w/W``; the
-median norm is honest while fewer than n/2 are bad; direction attacks are not stopped.
+median norm is honest while fewer than n/2 are bad; direction attacks are not stopped. ¶ the
+default of ``neuronode start --aggregator``: it works under all-to-all and reduce-scatter (per
+shard) and with any codec, sparse ones included.
 
-Memory: only ``mean`` streams. The robust rules need every vector at once: each
-contribution is decoded exactly once, in sorted peer-id order, and all are held, so with
+Memory: ``mean`` and ``norm-clip`` stream (``norm-clip`` decodes each contribution twice, one
+at a time: for its norm, then as it is added). The other robust rules need every vector at
+once: each contribution is decoded exactly once, in sorted peer-id order, and all are held, so with
 loaders that return whole vectors they cost ``n × P × 4`` bytes, plus the output, plus one
 more P-vector for ``centered-clip`` and for the cosine filter's median, plus about
 ``(n + 2) × 4 MiB`` of column-block scratch (see :mod:`neuronode.diloco.robust`).
 
 Weights: the robust rules other than ``norm-clip`` count members, not weights. A weight is
 the sender's own claim (its sample or step count), and a rule that let one member claim a
-huge weight would not be robust. Weights are still validated exactly as for ``mean``.
+huge weight would not be robust: a node refuses a claim above the swarm's ``--max-weight``
+before it reaches an aggregator. Weights are still validated exactly as for ``mean``.
 
 Non-finite contributions: a vector holding NaN or ±inf is certainly not honest and would
 poison norms and means, so every robust aggregator (and the cosine filter) drops it with a
@@ -97,31 +101,33 @@ class Streamed(Protocol):
 Aggregator: TypeAlias = Callable[[Mapping[str, Weighted]], Tensor]
 
 
-def average(contributions: Mapping[str, Weighted]) -> Tensor:
+def average(contributions: Mapping[str, Weighted], *, alphas: Mapping[str, float] | None = None) -> Tensor:
     """Weighted mean of flat float32 vectors, deterministic regardless of mapping order.
 
     Weights are normalised by their sum ``W`` (a Python float summed in sorted key order);
     each vector is added as ``acc.add_(t, alpha=w / W)`` (a ``Streamed`` source adds itself the
-    same way, chunk by chunk). A single contributor therefore comes back exactly (``alpha ==
-    1.0``). Raises ``ValueError`` for an empty mapping, a non-positive or non-finite weight,
-    or vectors that are not 1-D float32 of equal length.
+    same way, chunk by chunk), or with the factor ``alphas`` gives it (``NormClip``). A single
+    contributor therefore comes back exactly (``alpha == 1.0``). Raises ``ValueError`` for an
+    empty mapping, a non-positive or non-finite weight, or vectors that are not 1-D float32 of
+    equal length.
     """
     peer_ids, total_weight = _sorted_ids_and_total(contributions)
     acc: Tensor | None = None
     for peer_id in peer_ids:
         source, weight = contributions[peer_id]
+        alpha = weight / total_weight if alphas is None else alphas[peer_id]
         if isinstance(source, Streamed):
             if acc is None:
                 acc = empty_floats(source.n_elems).zero_()
             _check_size(peer_id, source.n_elems, acc)
-            source.add_into(acc, weight / total_weight)
+            source.add_into(acc, alpha)
             continue
         vector = _resolve(peer_id, source)
         if acc is None:
             acc = (empty_floats(vector.numel()).zero_() if vector.device.type == "cpu"
                    else torch.zeros_like(vector))
         _check_size(peer_id, vector.numel(), acc)
-        acc.add_(vector, alpha=weight / total_weight)
+        acc.add_(vector, alpha=alpha)
         del vector  # let a lazily decoded vector be freed before the next one is built
     assert acc is not None  # _sorted_ids_and_total rejects an empty mapping
     return acc
@@ -253,15 +259,23 @@ class CoordinateMedian:
 
 @dataclass(frozen=True, kw_only=True)
 class NormClip:
-    """``norm-clip``: shrink each vector to ``clip_factor ×`` the median L2 norm, then mean.
+    """``norm-clip`` (the default): shrink each vector to ``clip_factor ×`` the median L2 norm,
+    then take the weighted mean.
 
-    Weighted like ``mean`` (alpha ``w_i / W``, so a member's influence is at most
-    ``clip_factor × median_norm × w_i / W``: cap weights upstream where they are not trusted).
-    It bounds the magnitude of every member; the median norm it clips to stays honest while
-    fewer than ``n/2`` are bad. It does not stop direction attacks (a flipped update at full
-    clipped size still pulls against the others; pair it with ``cosine_threshold``).
-    ``clip_factor`` must be ≥ 1: clipping below the median would shrink honest updates,
-    which is the outer learning rate's job. O(nP), no column-block scratch.
+    Weighted like ``mean`` (alpha ``w_i / W``), so a member's influence is at most
+    ``clip_factor × median_norm × w_i / W``: with weights bounded (a node refuses a claim above
+    the swarm's ``--max-weight``), one member sending its pseudo-gradient × −10 moves the
+    result by no more than an honest member does. The median norm it clips to stays honest
+    while fewer than ``n/2`` are bad. It does not stop direction attacks (a flipped update at
+    full clipped size still pulls against the others: it costs the honest members one
+    member's share; pair it with ``cosine_threshold`` for more). It scales whole vectors, so a
+    sparse contribution keeps its entries (a coordinate-wise rule would erase them), and under
+    reduce-scatter each reducer applies it to the slices of its shard.
+
+    It streams like ``mean``: each contribution is decoded once for its norm (one at a time,
+    then dropped) and once more as it is added, so it holds the output and one vector, never
+    all of them. ``clip_factor`` must be ≥ 1: clipping below the median would shrink honest
+    updates, which is the outer learning rate's job.
     """
 
     clip_factor: float = 1.0
@@ -272,10 +286,42 @@ class NormClip:
             raise ValueError(f"clip_factor of norm-clip must be >= 1, got {factor}")
 
     def __call__(self, contributions: Mapping[str, Weighted]) -> Tensor:
-        _, vectors, weights = _decode_finite(contributions)
-        if len(vectors) == 1:
-            return vectors[0].clone()
-        return robust.norm_clipped_mean(vectors, weights, clip_factor=self.clip_factor)
+        peer_ids, _ = _sorted_ids_and_total(contributions)
+        kept: list[str] = []
+        norms: list[float] = []
+        dropped: list[str] = []
+        size: int | None = None
+        scratch: Tensor | None = None  # one buffer decoded into, member after member
+        for peer_id in peer_ids:  # pass 1: every norm, one decoded vector at a time
+            source = contributions[peer_id][0]
+            if isinstance(source, Streamed) and hasattr(source, "decode_into"):
+                if scratch is None or scratch.numel() != source.n_elems:
+                    scratch = empty_floats(source.n_elems)
+                source.decode_into(scratch)
+                vector = scratch
+            else:
+                vector = _resolve(peer_id, source)
+            if size is None:
+                size = vector.numel()
+            elif vector.numel() != size:
+                raise ValueError(f"contribution from {peer_id!r} has {vector.numel()} elements, expected {size}")
+            if not _all_finite(vector):
+                dropped.append(peer_id)
+                continue
+            kept.append(peer_id)
+            norms.append(math.sqrt(robust.squared_norms([vector])[0]))
+            del vector
+        if dropped:
+            logger.warning("dropped contributions with NaN or inf values from %s", dropped)
+        if not kept:
+            raise ValueError(f"every contribution holds NaN or inf values ({dropped}); nothing to aggregate")
+        radius = self.clip_factor * robust.median_of_floats(norms)
+        total_weight = 0.0
+        for peer_id in kept:
+            total_weight += float(contributions[peer_id][1])
+        alphas = {peer_id: float(contributions[peer_id][1]) / total_weight * robust.clip_scale(norm, radius)
+                  for peer_id, norm in zip(kept, norms, strict=True)}
+        return average({peer_id: contributions[peer_id] for peer_id in kept}, alphas=alphas)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """Byzantine-robust reductions of equal-length flat float32 vectors (pure torch, no I/O).
 
-These are the kernels behind the ``trimmed-mean``, ``median``, ``norm-clip`` and
-``centered-clip`` aggregators and the cosine pre-filter in :mod:`neuronode.diloco.aggregate`,
+These are the kernels behind the ``trimmed-mean``, ``median``, ``norm-clip`` (its norms and
+clip factor) and ``centered-clip`` aggregators and the cosine pre-filter in :mod:`neuronode.diloco.aggregate`,
 which decodes contributions, sorts them by peer id and validates options before calling in
 here. Every function takes the vectors in the caller's (sorted) order, never modifies them,
 and returns a fresh float32 vector.
@@ -30,12 +30,12 @@ from torch import Tensor
 __all__ = [
     "BLOCK_ELEMENTS",
     "centered_clip",
+    "clip_scale",
     "column_blocks",
     "coordinate_median",
     "cosine_similarities",
     "fixed_order_sum",
     "median_of_floats",
-    "norm_clipped_mean",
     "sorted_rows",
     "squared_norms",
     "trimmed_mean",
@@ -154,31 +154,9 @@ def median_of_floats(values: Sequence[float]) -> float:
     return 0.5 * ordered[middle - 1] + 0.5 * ordered[middle]
 
 
-def _clip_scale(norm: float, radius: float) -> float:
+def clip_scale(norm: float, radius: float) -> float:
     """Factor that shrinks a vector of ``norm`` to at most ``radius`` (1.0 when inside)."""
     return 1.0 if norm <= radius else radius / norm
-
-
-def norm_clipped_mean(
-    vectors: Sequence[Tensor],
-    weights: Sequence[float],
-    *,
-    clip_factor: float,
-    block_elements: int = BLOCK_ELEMENTS,
-) -> Tensor:
-    """Weighted mean after scaling each vector down to ``clip_factor ×`` the median L2 norm.
-
-    Element-wise after the norms, so it needs no stacking: O(nP) time, output-only memory.
-    """
-    norms = [math.sqrt(s) for s in squared_norms(vectors, block_elements=block_elements)]
-    radius = clip_factor * median_of_floats(norms)
-    total_weight = 0.0
-    for weight in weights:
-        total_weight += weight
-    out = torch.zeros_like(vectors[0])
-    for vector, weight, norm in zip(vectors, weights, norms, strict=True):
-        out.add_(vector, alpha=weight / total_weight * _clip_scale(norm, radius))
-    return out
 
 
 def _distances(vectors: Sequence[Tensor], center: Tensor, block_elements: int) -> list[float]:
@@ -217,7 +195,7 @@ def centered_clip(
     for iteration in range(iterations):
         if iteration:
             distances = _distances(vectors, out, block_elements)
-        alphas = [_clip_scale(d, radius) / n for d in distances]
+        alphas = [clip_scale(d, radius) / n for d in distances]
         for start, stop in column_blocks(out.numel(), block_elements):
             current = out[start:stop]
             step = torch.zeros_like(current)

@@ -51,7 +51,8 @@ class Daemon:
         self.state = RoundState()
         self.security = Security(node_id=node_id, swarm_id=cfg.swarm_id)  # run_daemon sets the real one
         self.pools = Pools()
-        self.settings = Settings.from_config(cfg, task=tuple(trainer.task.settings.items()))
+        self.settings = Settings.from_config(cfg, task=tuple(trainer.task.settings.items()),
+                                             samples_per_batch=trainer.task.samples_per_batch)
         self.encoder = ContributionEncoder(
             EncoderConfig(codec=self.settings.codec_spec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
                           byte_shuffle=cfg.byte_shuffle, capped=cfg.max_upload_mbps > 0,

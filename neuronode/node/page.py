@@ -82,7 +82,7 @@ def member_rows(table: PeerTable, own: dict[str, Any], *, own_digests: dict[int,
             "banned": table.banned_for(peer.node_id) > 0,
             "agreement": "unknown" if lineage is None else "agree" if lineage else "diverged",
         })
-    for node_id in sorted(i for i in table.banned if i not in table.peers and table.banned_for(i) > 0):
+    for node_id in (i for i in table.banned_ids() if i not in table.peers):
         rows.append({"node_id": node_id, "self": False, "address": "", "reachable": False, "carried_by": [],
                      "round": 0, "alive": False, "left": False, "last_seen_s": -1.0, "counted": counted(node_id),
                      "late": node_id in late, "banned": True, "agreement": "unknown"})

@@ -198,10 +198,16 @@ class Trainer:
         delta = self.engine.pseudo_gradient()
         return drill(delta) if drill is not None else delta
 
+    @property
+    def max_weight(self) -> float:
+        """The most samples a contribution may claim in this swarm (--max-weight resolved)."""
+        return self.cfg.weight_bound(self.task.samples_per_batch)
+
     def weight(self) -> float:
         """What this round's contribution weighs: the samples it trained on (every rank of a
-        member trains as many as rank 0)."""
-        return float(max(self.engine.samples_this_round, 1) * self.local_workers)
+        member trains as many as rank 0), at most the swarm's --max-weight (a member with a
+        larger batch counts as much as the bound)."""
+        return min(float(max(self.engine.samples_this_round, 1) * self.local_workers), self.max_weight)
 
     def look_ahead(self, delta: torch.Tensor) -> None:
         """--overlap: the next round starts where the global parameters will be if the average

@@ -12,6 +12,7 @@ from neuronode.config import is_loopback_host
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.tls import peer_common_name
+from neuronode.swarm.bans import host_key, node_key
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import Peer
 from neuronode.swarm.security import caller_id
@@ -49,13 +50,19 @@ class Admission:
         self.ctx = ctx
 
     def caller_key(self, context: grpc.aio.ServicerContext) -> str:
-        """Whom to blame for bad input: the node id when ids are authenticated (a closed
-        swarm), else the caller's IP; loopback callers are never banned (they are local)."""
-        proven = caller_id(context) if self.ctx.security.secret else ""
-        if proven:  # a proven id, never a claimed one: no member can get another banned
-            return f"node:{proven}"
+        """Who a call's connection proves the caller is, for strikes and bans: the node its TLS
+        certificate names, else the host it calls from. Never the id in its metadata: any holder
+        of the secret writes any id there, and could get another member banned. On this
+        machine's loopback only the owner's processes call (neuronode.quorum): there the id the
+        secret proves is used, and an open node blames nobody."""
+        name = self.certified_id(context)
+        if name:
+            return node_key(name)
         host = caller_host(context)
-        return "" if is_loopback_host(host) else f"ip:{host}"
+        if not is_loopback_host(host):
+            return host_key(host)
+        proven = caller_id(context) if self.ctx.security.secret else ""
+        return node_key(proven) if proven else ""
 
     def certified_id(self, context: grpc.aio.ServicerContext) -> str | None:
         """With mutual TLS, the node the caller's certificate names."""
@@ -76,10 +83,9 @@ class Admission:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "this node serves loopback callers only (no --secret-file, TLS or --open)")
         key = self.caller_key(context)
-        left = self.ctx.bans.banned_for(key) if key else 0.0
-        if left > 0:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"banned for {left:.0f} more seconds after repeated invalid input")
+        banned = self.ctx.bans.refusal(key) if key else ""
+        if banned:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, banned)
 
     async def admit_local_or_member(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """Status and health: open to local callers (health checks), members only from elsewhere

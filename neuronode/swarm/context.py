@@ -25,6 +25,9 @@ from neuronode.swarm.server import Channels, Counters
 logger = logging.getLogger(__name__)
 
 
+MAX_WEIGHT = 1e15  # the bound of a swarm built without a config (in-process tests, benchmarks)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What every member of a swarm must run alike besides the model (NodeInfo.settings): a
@@ -42,6 +45,7 @@ class Settings:
     # The task's own settings, (name, value) in the order compared (Task.settings: sizes,
     # tokenizer, sequence length); compared after the flags above, before the parameter manifest.
     task: tuple[tuple[str, str], ...] = ()
+    max_weight: float = MAX_WEIGHT  # the most samples one contribution may claim (--max-weight)
     # The sparse codec's: its defaults under --codec sparse (0 given), 0 under any other codec.
     sparse_k: int = 0
     sparse_bits: int = 0
@@ -50,7 +54,7 @@ class Settings:
 
     FLAGS: ClassVar[dict[str, str]] = {"codec": "--codec", "averaging": "--averaging", "aggregator": "--aggregator/--aggregator-option",
              "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap",
-             "max_local_workers": "--max-local-workers",
+             "max_local_workers": "--max-local-workers", "max_weight": "--max-weight",
              "sparse_k": "--sparse-k", "sparse_bits": "--sparse-bits", "sparse_block": "--sparse-block",
              "sparse_decay": "--sparse-decay"}
 
@@ -61,12 +65,16 @@ class Settings:
             object.__setattr__(self, name, (getattr(self, name) or default) if sparse else type(default)(0))
 
     @classmethod
-    def from_config(cls, cfg: NodeConfig, *, task: tuple[tuple[str, str], ...] = ()) -> Settings:
+    def from_config(cls, cfg: NodeConfig, *, task: tuple[tuple[str, str], ...] = (),
+                    samples_per_batch: int | None = None) -> Settings:
+        """The settings `cfg` runs; the task's `samples_per_batch` (default --batch-size) sets
+        the default --max-weight."""
         outer_lr, outer_momentum = cfg.outer()
         return cls(codec=cfg.codec, averaging=cfg.averaging,
                    aggregator=canonical_aggregator(cfg.aggregator, cfg.aggregator_option),
                    outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=cfg.overlap,
                    max_local_workers=cfg.max_local_workers, task=task,
+                   max_weight=cfg.weight_bound(cfg.batch_size if samples_per_batch is None else samples_per_batch),
                    sparse_k=cfg.sparse_k, sparse_bits=cfg.sparse_bits, sparse_block=cfg.sparse_block,
                    sparse_decay=cfg.sparse_decay)
 
@@ -195,14 +203,14 @@ class Context:
     clock: Clock = field(default_factory=Clock)
     tasks: Tasks = field(default_factory=Tasks)
     counters: Counters = field(default_factory=Counters)
-    bans: Bans = field(default_factory=Bans)
     loopback_only: bool = False  # protected mode: no authentication and no --open
 
     def __post_init__(self) -> None:
         cfg = self.cfg
+        self.bans = Bans(clock=self.clock)  # the node's one ban list (neuronode.swarm.bans)
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock,
                                max_ids_per_host=cfg.max_ids_per_host,
-                               min_fanout=MIN_FANOUT if cfg.sampled_membership else MAX_MEMBERS)
+                               min_fanout=MIN_FANOUT if cfg.sampled_membership else MAX_MEMBERS, bans=self.bans)
         self.book = RoundBook(first_round=self.state.round, clock=self.clock,
                               max_sender_bytes=sender_bytes_bound(cfg.n_elements, cfg.settings.codec_spec, window=2),
                               idle_s=max(STREAM_IDLE_MIN_S, cfg.sync_timeout_s))

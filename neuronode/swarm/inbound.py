@@ -12,6 +12,7 @@ from neuronode.averaging.agreement import Statement, body_hash, lineage_hash
 from neuronode.averaging.book import Abort
 from neuronode.codec import Assembler, Phase, receiving, shard_ranges
 from neuronode.security.auth import AuthError
+from neuronode.swarm.bans import node_key
 from neuronode.swarm.context import Context
 from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, PB_TO_CODEC, Refusal
 
@@ -60,11 +61,8 @@ class Inbound:
         if certified_id and chunk.sender_id != certified_id:
             raise Refusal("PERMISSION_DENIED", f"the caller's certificate is for node {certified_id!r}, "
                           f"not {chunk.sender_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
-        if proven_id and self.ctx.bans.banned_for(f"node:{proven_id}"):
-            raise Refusal("PERMISSION_DENIED", "sender is banned for repeated invalid input")
-        if banned := self.ctx.table.banned_for(chunk.sender_id):
-            raise Refusal("PERMISSION_DENIED", f"{chunk.sender_id[:MAX_ID_CHARS]} is banned here for {banned:.0f} more "
-                          "seconds: it signed two different versions of one contribution or receipt")
+        if banned := self.ctx.bans.refusal(node_key(chunk.sender_id)):
+            raise Refusal("PERMISSION_DENIED", banned[:1024])
         security = self.ctx.security
         if not security.secret:
             return
@@ -84,9 +82,8 @@ class Inbound:
         is a member nobody can dial, and its signature (open_stream) proves what it says."""
         table = self.ctx.table
         for who in (carrier, chunk.sender_id):
-            if banned := table.banned_for(who):
-                raise Refusal("PERMISSION_DENIED", f"{who[:MAX_ID_CHARS]} is banned here for {banned:.0f} more "
-                              "seconds: it signed two different versions of one contribution or receipt")
+            if banned := self.ctx.bans.refusal(node_key(who)):
+                raise Refusal("PERMISSION_DENIED", banned[:1024])
         maker = table.peers.get(chunk.sender_id)
         if maker is not None and maker.reachable:
             raise Refusal("INVALID_ARGUMENT", f"{carrier[:MAX_ID_CHARS]} relayed a contribution of "
@@ -137,8 +134,10 @@ class Inbound:
         if chunk.total_elements != cfg.n_elements:
             raise Refusal("INVALID_ARGUMENT", f"contribution has {chunk.total_elements} elements, the model has "
                           f"{cfg.n_elements}")
-        if not (chunk.weight > 0 and chunk.weight < 1e15):
-            raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count")
+        bound = cfg.settings.max_weight * max(1, len(chunk.contributors))  # an averaged shard: its pieces' sum
+        if not 0 < chunk.weight <= bound:
+            raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count of at most "
+                          f"{bound:g} (this swarm's --max-weight {cfg.settings.max_weight:g} per contributor)")
         spec = cfg.settings.codec_spec  # with the swarm's --sparse-* settings, agreed at Hello
         return receiving(codec=spec, n_elems=self.payload_elements(chunk, spec),
                          chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,

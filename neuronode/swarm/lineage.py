@@ -8,22 +8,28 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from neuronode.quorum import by_id, quorum
 from neuronode.swarm.membership import Peer
 
-# A member more than this many rounds ahead of the most advanced other member is not believed:
+# A member more than this many rounds ahead of the most advanced other host is not believed:
 # honest members close rounds together (at most 2 apart under --overlap), so only a liar, or a
 # member that trained alone, is further ahead of everyone else.
 MAX_LEAD = 3
 
 
 def believable(peers: list[Peer], *, max_lead: int = MAX_LEAD) -> list[Peer]:
-    """`peers` less any whose claimed round is more than `max_lead` ahead of every other peer
-    that has trained (fresh joiners at round 0 are no evidence; with no such other peer nobody
-    can tell, and the claim stands). Linear: only the two highest trained rounds matter."""
-    top = heapq.nlargest(2, ((p.round, n) for n, p in enumerate(peers) if p.round > 0))
+    """`peers` less any whose claimed round is more than `max_lead` ahead of every other host
+    that has trained (neuronode.quorum: its other ids are no evidence, nor are fresh joiners at
+    round 0; with no such other host nobody can tell, and the claim stands). Linear: only the
+    two hosts with the highest trained rounds matter."""
+    best: dict[str, int] = {}
+    for p in peers:
+        if p.round > 0:
+            best[p.voice] = max(best.get(p.voice, 0), p.round)
+    top = heapq.nlargest(2, ((r, v) for v, r in best.items()))
     out = []
-    for n, peer in enumerate(peers):
-        best_other = next((r for r, m in top if m != n), None)
+    for peer in peers:
+        best_other = next((r for r, v in top if v != peer.voice), None)
         if best_other is None or peer.round <= best_other + max_lead:
             out.append(peer)
     return out
@@ -44,6 +50,7 @@ class Lineages:
 
     groups: list[list[str]]  # each sorted; winner first
     rounds: dict[str, int]
+    voices: dict[str, str] = field(default_factory=dict, compare=False)  # node id -> voice (neuronode.quorum)
     work: int = field(default=0, compare=False)  # digest lookups and unions made (tests count them)
 
     @property
@@ -62,7 +69,7 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
     the same parameters there and neither has since left them (for histories that are windows of
     recent rounds, as nodes publish, that is agreeing at the newest common round). The relation
     is closed transitively. The winner is the group with the most members that have trained
-    (fresh joiners at round 0 vote for no lineage), then the highest round, then the smallest
+    (counted as hosts: neuronode.quorum; fresh joiners at round 0 vote for no lineage), then the highest round, then the smallest
     digest at that round (docs/fault-tolerance.md). Everyone applies the same rule to the same
     reports, so after a partition heals every node picks the same side. A peer claiming a round
     far ahead of every other peer is not believed (`believable`) and counts nowhere.
@@ -72,6 +79,7 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
     leaves one representative behind.
     """
     peers = believable(peers)
+    voice_of = {self_id: by_id(self_id)} | {p.node_id: p.voice for p in peers}
     histories = {self_id: own} | {p.node_id: p.digests for p in peers if p.digests}
     rounds = {self_id: own_round} | {p.node_id: p.round for p in peers if p.digests}
     parent = {i: i for i in histories}
@@ -108,9 +116,9 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
     def rank(group: list[str]) -> tuple[int, int, str]:
         top = max(rounds[i] for i in group)
         holder = min(i for i in group if rounds[i] == top)
-        return (-sum(rounds[i] > 0 for i in group), -top, histories[holder].get(top, ""))
+        return (-len({voice_of[i] for i in group if rounds[i] > 0}), -top, histories[holder].get(top, ""))
 
-    return Lineages(groups=sorted(grouped.values(), key=rank), rounds=rounds, work=work)
+    return Lineages(groups=sorted(grouped.values(), key=rank), rounds=rounds, voices=voice_of, work=work)
 
 
 @dataclass(frozen=True)
@@ -128,10 +136,14 @@ def plan_catch_up(self_id: str, own_round: int, own: dict[int, str], peers: list
     peers = believable(peers)
     lin = lineages(self_id, own_round, own, peers)
     winner = lin.winner
-    # Where the swarm is: the round at least two of its members (every one, if fewer) reached,
-    # so one member claiming a round more moves nobody.
-    others = sorted((lin.rounds[i] for i in winner if i != self_id), reverse=True)
-    top = others[min(2, len(others)) - 1] if others else own_round
+    # Where the swarm is: the round a quorum of its other hosts reached (each host at its
+    # furthest id), so one host claiming a round more, under any number of ids, moves nobody.
+    reached: dict[str, int] = {}
+    for i in winner:
+        if i != self_id:
+            reached[lin.voices[i]] = max(reached.get(lin.voices[i], 0), lin.rounds[i])
+    others = sorted(reached.values(), reverse=True)
+    top = others[quorum(len(others)) - 1] if others else own_round
     if self_id in winner:
         if own_round >= top:
             return None

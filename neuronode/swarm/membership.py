@@ -12,6 +12,7 @@ everyone every heartbeat.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 from collections.abc import Collection, Iterable
@@ -20,7 +21,11 @@ from dataclasses import dataclass, field
 from neuronode.averaging.state import RECENT_DIGESTS
 from neuronode.averaging.transport import MemberView
 from neuronode.clock import Clock
+from neuronode.config import is_loopback_host, parse_hostport
+from neuronode.errors import ConfigError
 from neuronode.events import fields
+from neuronode.quorum import voice
+from neuronode.swarm.bans import Bans, node_key
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,8 @@ MAX_MEMBERS = 1024  # node ids the table holds at most (peers long dead are prun
 MAX_IDS_PER_HOST = 16  # live node ids one host (the address a peer calls from) may hold
 PRUNE_AFTER_DEAD_S = 600.0  # a peer dead (or gone) this long is forgotten
 MIN_FANOUT = 16  # peers a heartbeat (and peer exchange) reaches at least: all of a swarm this small
+MAX_GOSSIPED = 16  # new addresses one message's peer list may add (a member lists a sample of 8)
+RELAYED = "relayed-by:"  # the host of a member known only through a relay, until its carrier's is known
 
 
 def fanout(n_peers: int, min_fanout: int = MIN_FANOUT) -> int:
@@ -68,7 +75,7 @@ class Peer:
 
     node_id: str
     address: str
-    host: str = ""  # the IP it last called us from, or that we reached it at
+    host: str = ""  # the IP it last called us from, or that we reached it at (its carrier's, relayed)
     public_key: bytes = b""  # the key its id is bound to (neuronode.security.identity)
     verified: bool = True  # spoke as itself: a member; False until then (see PeerTable.heard_from)
     round: int = 0
@@ -81,6 +88,12 @@ class Peer:
     reachable: bool = True  # False: it said peers cannot dial it (never dialed; reached over its session)
     carried_by: tuple[str, ...] = ()  # members whose sessions carry it (it said; neuronode.swarm.relay)
     advertised: bool = True  # it advertises an address of its own (not one still learning it)
+    said_at: int = 0  # the (signed) time of the newest message of its we took: older ones are replays
+
+    @property
+    def voice(self) -> str:
+        """Who it counts as in any vote (neuronode.quorum): its host, or its id on our loopback."""
+        return voice(self.node_id, self.host)
 
 
 class PeerTable:
@@ -88,7 +101,7 @@ class PeerTable:
 
     def __init__(self, *, self_id: str, dead_after_s: float, clock: Clock | None = None,
                  max_members: int = MAX_MEMBERS, max_ids_per_host: int = MAX_IDS_PER_HOST,
-                 min_fanout: int = MIN_FANOUT) -> None:
+                 min_fanout: int = MIN_FANOUT, bans: Bans | None = None) -> None:
         self.self_id = self_id
         self.base_dead_after_s = dead_after_s  # with everyone greeted every heartbeat
         self.min_fanout = min_fanout  # peers a heartbeat greets at least (module docstring)
@@ -96,7 +109,7 @@ class PeerTable:
         self.max_members = max_members
         self.max_ids_per_host = max_ids_per_host
         self.peers: dict[str, Peer] = {}
-        self.banned: dict[str, float] = {}  # node id -> until (the table's clock): proven liars
+        self.bans = bans or Bans(clock=self.clock)  # the node's one ban list (proven liars among them)
         self.addresses: set[str] = set()  # every address worth dialing
         self.bootstrap: set[str] = set()  # --peers: kept whatever happens
 
@@ -138,20 +151,24 @@ class PeerTable:
         digests: dict[int, str], leaving: bool, contributes_from: int = 0,
         host: str = "",
         public_key: bytes = b"", verified: bool = True, reachable: bool = True, carried_by: tuple[str, ...] = (),
-        advertised: bool = True,
+        advertised: bool = True, said_at: int = 0,
     ) -> bool:
         """Record a (verified, signed) message from a peer; True when the peer is new or came
         back. A new peer must pass `admit` (raises TableFull); its id is bound to `public_key`
         from then on, and a message for it under another key raises KeyMismatch. `verified`
         False (a Hello answer whose id a certificate did not prove) records the peer without
         making it a member (not alive: not expected, not a donor, counted nowhere) until a
-        verified message of its own arrives."""
+        verified message of its own arrives. `said_at` is the message's signed time: one older
+        than the newest taken from the peer (a replay) changes nothing."""
         if node_id == self.self_id:
             return False
         peer = self.peers.get(node_id)
         if peer is not None and peer.public_key and public_key != peer.public_key:
             raise KeyMismatch(f"node id {node_id[:128]!r} is bound to another key here; a node id belongs to "
                               "one key (give this node its own --node-id, or its old data dir back)")
+        if peer is not None and self.stale(peer, said_at, round=round, leaving=leaving):
+            return False
+        host = self.resolve_host(host)
         fresh = peer is None or not self.is_alive(peer)
         if peer is None:
             self.admit(node_id, host)
@@ -163,8 +180,10 @@ class PeerTable:
             logger.info("peer %s is back at %s (round %d)", node_id, address, round,
                         extra=fields("peer_back", peer_id=node_id, address=address, round=round))
         peer.verified = peer.verified or verified
-        if host:
+        moved = not said_at or said_at > peer.said_at or not peer.host  # a replay of this second moves nothing
+        if host and moved and (not peer.host or is_ip(host) or not is_ip(peer.host)):  # a name never hides an IP
             peer.host = host
+        peer.said_at = max(peer.said_at, said_at)
         if address and address != peer.address:
             if peer.address not in self.bootstrap:  # one address per member: a flood of them goes nowhere
                 self.addresses.discard(peer.address)
@@ -184,25 +203,61 @@ class PeerTable:
         peer.left = leaving
         return fresh and not leaving
 
+    @staticmethod
+    def stale(peer: Peer, said_at: int, *, round: int, leaving: bool) -> bool:
+        """A message older than the newest we took from `peer` (a replay within the signature's
+        freshness window), or one of the same second that would take it back (to an older round,
+        or back from having left): taking it would roll the member back or revive it."""
+        if not said_at:
+            return False
+        if said_at < peer.said_at:
+            return True
+        return said_at == peer.said_at and (round < peer.round or (peer.left and not leaving))
+
+    def resolve_host(self, host: str) -> str:
+        """A member known only through a relay counts under its carrier's host (neuronode.quorum)."""
+        if host.startswith(RELAYED):
+            carrier = self.peers.get(host[len(RELAYED):])
+            if carrier is not None and carrier.host and not carrier.host.startswith(RELAYED):
+                return carrier.host
+        return host
+
+    def voice(self, node_id: str) -> str:
+        """Who `node_id` counts as in a vote (neuronode.quorum); unknown ids (and we) per id."""
+        peer = self.peers.get(node_id)
+        return peer.voice if peer is not None else voice(node_id, "")
+
+    def add_gossiped(self, addresses: Iterable[str], *, local: bool, cap: int) -> int:
+        """Take at most MAX_GOSSIPED new addresses a peer listed, up to `cap` known in all, each
+        one worth dialing (`gossiped_address_ok`); how many were added."""
+        added = 0
+        for address in addresses:
+            if len(self.addresses) >= cap or added >= MAX_GOSSIPED:
+                break
+            if address not in self.addresses and gossiped_address_ok(address, local=local):
+                self.addresses.add(address)
+                added += 1
+        return added
+
     def ban(self, node_id: str, for_s: float) -> bool:
         """Exclude `node_id` for `for_s` (it signed two versions of one statement): not alive, its
         Hellos and contributions refused. True when the ban is new."""
-        new = self.banned_for(node_id) <= 0
-        self.banned[node_id] = max(self.banned.get(node_id, 0.0), self.clock.now() + for_s)
-        if len(self.banned) > self.max_members:  # bounded: forget the bans that end first
-            for old in sorted(self.banned, key=self.banned.__getitem__)[:len(self.banned) - self.max_members]:
-                del self.banned[old]
-        return new
+        return self.bans.ban(node_key(node_id), for_s, "it signed two different versions of one contribution or receipt")
 
     def banned_for(self, node_id: str) -> float:
         """Seconds left on `node_id`'s ban (0: not banned)."""
-        return max(0.0, self.banned.get(node_id, 0.0) - self.clock.now())
+        return self.bans.banned_for(node_key(node_id))
 
-    def mark_left(self, node_id: str) -> bool:
+    def banned_ids(self) -> list[str]:
+        """The node ids banned now."""
+        return self.bans.banned_nodes()
+
+    def mark_left(self, node_id: str, *, said_at: int = 0) -> bool:
         peer = self.peers.get(node_id)
-        if peer is None or peer.left:
+        if peer is None or peer.left or (said_at and said_at < peer.said_at):
             return False
         peer.left = True
+        peer.said_at = max(peer.said_at, said_at)
         logger.info("peer %s left the swarm", node_id, extra=fields("peer_left", peer_id=node_id))
         return True
 
@@ -215,7 +270,7 @@ class PeerTable:
         return (
             not peer.left
             and peer.verified
-            and (not self.banned or self.banned_for(peer.node_id) <= 0)
+            and self.banned_for(peer.node_id) <= 0
             and peer.last_seen > 0
             and self.clock.now() - peer.last_seen < self.dead_after_s
         )
@@ -234,6 +289,34 @@ class PeerTable:
         alive = {p.address for p in self.alive()}
         undialable = {p.address for p in self.peers.values() if not p.reachable} - self.bootstrap
         return sorted(a for a in self.addresses if (a not in left or a in alive) and a not in undialable)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def gossiped_address_ok(address: str, *, local: bool) -> bool:
+    """Whether to dial an address a peer listed: HOST:PORT with a port, and a host that is a
+    name or a unicast IP; a loopback, unspecified, multicast, link-local or reserved one only
+    when we ourselves are on loopback (`local`: a swarm on one machine). A liar's list must not
+    make us dial this machine's own services, or a network's broadcast."""
+    try:
+        host, port = parse_hostport(address, "a listed peer")
+    except ConfigError:
+        return False
+    if not port:
+        return False
+    if is_loopback_host(host):
+        return local
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return bool(host) and all(c.isalnum() or c in "-._" for c in host)
+    return local or not (ip.is_unspecified or ip.is_multicast or ip.is_link_local or ip.is_reserved)
 
 
 def round_peers(table: PeerTable, round_id: int, *, round_lag: int) -> set[str]:

@@ -12,6 +12,7 @@ from dataclasses import replace
 import grpc
 
 from neuronode.averaging.agreement import Receipt
+from neuronode.config import is_loopback_host
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import is_derived
@@ -101,9 +102,10 @@ class Peers:
             dialable = random.sample(dialable, min(len(dialable), PEX_SAMPLE))
         return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in dialable][:MAX_PEERS_LISTED]
 
-    def publish_receipt(self, receipt: Receipt) -> None:
-        self.receipts.publish(receipt)
+    def publish_receipt(self, receipt: Receipt) -> Receipt:
+        standing = self.receipts.publish(receipt)
         self.announce()
+        return standing
 
     def announce(self) -> None:
         """Tell live peers our news now, not at the next heartbeat: whom a peer waits for
@@ -175,31 +177,35 @@ class Peers:
                           "give every node its own --data-dir or --node-id")
 
     def learn(self, info: pb.NodeInfo, known: list[pb.PeerRecord], *, host: str, verified: bool = True,
-              dialed: str = "") -> None:
+              dialed: str = "", said_at: int = 0) -> None:
         """Record what a peer (calling from, or reached at, `host`; at `dialed`, when we dialed
-        it) said in a Hello whose signature was checked; raises TableFull for a new id the table
-        cannot take and KeyMismatch for a known id under another key. A peer still learning its
-        address (none advertised) is known at the address we reached it at."""
+        it) said in a Hello whose signature (over its time `said_at`) was checked; raises
+        TableFull for a new id the table cannot take and KeyMismatch for a known id under another
+        key. A peer still learning its address (none advertised) is known at the address we
+        reached it at."""
         table = self.ctx.table
         back = table.heard_from(
             info.node_id, info.advertise or dialed, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
             leaving=info.leaving, contributes_from=info.contributes_from, host=host,
             public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO,
-            carried_by=tuple(info.carried_by), advertised=bool(info.advertise))
+            carried_by=tuple(info.carried_by), advertised=bool(info.advertise), said_at=said_at)
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
             self.ctx.book.forgive(info.node_id)
             self.receipts.forget(info.node_id)  # and it holds nothing we sent before
         if verified:  # once its id is bound to its key (heard_from refuses another key)
             self.receipts.take(info)
-        for rec in known[:MAX_PEERS_LISTED]:
-            if (rec.node_id != self.ctx.cfg.node_id and rec.address and len(rec.address) <= MAX_ADDRESS_CHARS
-                    and len(table.addresses) < MAX_KNOWN_ADDRESSES):
-                table.add_address(rec.address)
+        table.add_gossiped((rec.address for rec in known[:MAX_PEERS_LISTED]
+                            if rec.node_id != self.ctx.cfg.node_id and len(rec.address) <= MAX_ADDRESS_CHARS),
+                           local=self.on_loopback(), cap=MAX_KNOWN_ADDRESSES)
         self._contact.set()
         # A new peer, or one that moved to another round or is leaving, may now be owed an open
         # round's push, or no longer be waited for: cheap to re-check on every message.
         self.on_news()
+
+    def on_loopback(self) -> bool:
+        """We are on this machine's loopback (a swarm on one machine): peers listed there are ours to dial."""
+        return is_loopback_host((self.ctx.advertise or self.ctx.cfg.listen).rpartition(":")[0].strip("[]"))
 
     # ---- heartbeats ------------------------------------------------------------------------
 
@@ -295,6 +301,7 @@ class Peers:
         if resp.info.node_id == ctx.cfg.node_id:
             ctx.table.addresses.discard(address)  # that address is ourselves
             return True
+        await ctx.security.check_ahead(resp)  # its signatures, off the event loop
         return self.take_answer(address, resp)
 
     def take_answer(self, address: str, resp: pb.HelloResponse) -> bool:
@@ -308,7 +315,7 @@ class Peers:
             # it) reached us; an answer cannot show us the server's certificate name.
             verified = not ctx.security.tls_files or is_derived(resp.info.node_id)
             self.learn(resp.info, list(resp.known_peers), host=address.rpartition(":")[0].strip("[]"),
-                       verified=verified, dialed=address)
+                       verified=verified, dialed=address, said_at=resp.timestamp_s)
         except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
@@ -333,7 +340,8 @@ class Peers:
             ctx.security.check_hello_proof(request.auth_tag, request.timestamp_s, info, request.known_peers)
             ctx.security.check_hello_signature(request)
             verified = not ctx.security.tls_files or is_derived(info.node_id)
-            self.learn(info, list(request.known_peers), host=f"relayed-by:{carrier}", verified=verified)
+            self.learn(info, list(request.known_peers), host=f"relayed-by:{carrier}", verified=verified,
+                       said_at=request.timestamp_s)
         except (Refusal, AuthError, KeyMismatch, TableFull) as exc:
             ctx.say(f"relayed:{carrier}", logging.WARNING, "not taking the Hello of %s that %s relayed: %s",
                     info.node_id[:MAX_ID_CHARS], carrier, exc,

@@ -80,7 +80,7 @@ class Reach:
 
     @property
     def observed_host(self) -> str:
-        return agreed_host(self.observed) or ""
+        return agreed_host(self.observed, self.ctx.table.voice) or ""
 
     def target(self) -> str:
         """The address to be dialed at: --advertise (or --listen's), else the learned candidate."""
@@ -174,7 +174,7 @@ class Reach:
         quorum of them (neuronode.swarm.trust.reachability)."""
         answers = await asyncio.gather(*(self.ask(p.address, target) for p in asked))
         said = [(peer, resp) for peer, resp in zip(asked, answers, strict=True) if resp is not None]
-        verdict = reachability(resp.reachable for _, resp in said)
+        verdict = reachability([(p.node_id, resp.reachable) for p, resp in said], self.ctx.table.voice)
         if verdict == "unknown" and said:
             logger.warning("reachability: peers disagree whether they can dial us back at %s (%s); not deciding",
                            target, ", ".join(f"{p.node_id}: {'yes' if r.reachable else 'no'}" for p, r in said),

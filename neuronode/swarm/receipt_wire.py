@@ -65,7 +65,8 @@ def check_sizes(info: pb.NodeInfo) -> None:
                    for r in receipts)
             or any(len(s.sender_id) > MAX_ID_CHARS or s.shard_index >= MAX_PEERS_LISTED or s.phase != r.phase
                    or len(s.lineage) != 32 or len(s.body) != 32 for r in receipts for s in r.statements)
-            or any(len(e.maker_id) > MAX_ID_CHARS or len(e.receipt_hash) != 32 for e in [*info.echoes, *info.wanted])):
+            or any(len(e.maker_id) > MAX_ID_CHARS or len(e.receipt_hash) != 32 or e.phase not in (Phase.WHOLE, Phase.AVERAGED)
+                   for e in [*info.echoes, *info.wanted])):
         raise Refusal("INVALID_ARGUMENT", f"hello carries at most {MAX_RECEIPTS} receipts of at most "
                       f"{MAX_MEMBERS} statements or {ID_BYTES}-byte ids (whole or averaged phase, 32-byte "
                       f"hashes), {MAX_ECHOES} echoes, {MAX_WANTED} wanted and {MAX_DISPUTED} disputed receipts")

@@ -26,9 +26,10 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from neuronode.averaging.agreement import QUORUM, Receipt, Statement, statements_digest
+from neuronode.averaging.agreement import Receipt, Statement, statements_digest
 from neuronode.codec.contribution import Phase
 from neuronode.events import fields
+from neuronode.quorum import quorum
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import derived_id, is_derived
 from neuronode.swarm.context import Context
@@ -85,7 +86,9 @@ class Receipts:
 
     # ---- ours ----------------------------------------------------------------------------------
 
-    def publish(self, receipt: Receipt) -> None:
+    def publish(self, receipt: Receipt) -> Receipt:
+        """Sign and announce our receipt; returns the one that stands for us (the first of its
+        round's phase), on which we decide too."""
         key = (receipt.round_id, receipt.phase)
         if key in self.own and self.own[key].digest != receipt.digest:
             # A round run again after a repair: a second, different receipt of it (it lists our
@@ -93,7 +96,7 @@ class Receipts:
             # Our word on that round stays the first.
             logger.info("round %d: keeping the receipt we published before for its %ss", receipt.round_id,
                         receipt.phase.label, extra=fields("receipt_kept", round_id=receipt.round_id))
-            return
+            return self.own[key]
         security = self.ctx.security
         signed = replace(receipt, public_key=security.key.public, listed_digest=receipt.digest)
         signed = replace(signed, signature=security.sign_receipt(signed))
@@ -106,6 +109,7 @@ class Receipts:
             for old in sorted(k for k in self.own if k[1] == phase)[:-RECEIPT_ROUNDS]:
                 del self.own[old]
                 self._own_hash.pop(old, None)
+        return signed
 
     def fill(self, info: pb.NodeInfo, *, to: str | None = None) -> int:
         """Our receipts, echoes, disputes and wants into a NodeInfo we send; to peer `to`, only
@@ -192,22 +196,26 @@ class Receipts:
 
     def vouched(self, versions: list[Receipt]) -> dict[str, bytes]:
         """For each named id we never met (it stopped greeting before we joined, or we share no
-        relay with it), the one key statements of it carry in the receipts of at least QUORUM
-        makers. Members list only what they received from a maker they met, so a quorum's key is
-        as good as the listing rule itself; one maker's word (a liar naming its own key for an
-        absent member, to fake its equivocation) is not enough. The binding itself still comes
-        only from the member's own Hello."""
+        relay with it), the one key statements of it carry in the receipts of a quorum of the
+        voices that published one (neuronode.quorum: hosts, not ids). Members list only what they
+        received from a maker they met, so a quorum's key is as good as the listing rule itself;
+        one host's word (a liar naming its own key for an absent member, to fake its equivocation,
+        under as many ids as it likes) is not enough. The binding itself still comes only from
+        the member's own Hello."""
+        voice_of = self.ctx.table.voice
         lists: dict[bytes, tuple[tuple[Statement, ...], set[str]]] = {}
         for r in versions:
-            lists.setdefault(r.digest, (r.statements, set()))[1].add(r.maker)
+            lists.setdefault(r.digest, (r.statements, set()))[1].add(voice_of(r.maker))
+        spoke = set().union(*(who for _, who in lists.values()))
         keys: dict[str, dict[bytes, set[str]]] = {}
-        for statements, makers in lists.values():
+        for statements, who in lists.values():
             for s in statements:
                 if len(s.public_key) == 32 and self.unbound(s.sender):
-                    keys.setdefault(s.sender, {}).setdefault(s.public_key, set()).update(makers - {s.sender})
+                    keys.setdefault(s.sender, {}).setdefault(s.public_key, set()).update(who - {voice_of(s.sender)})
         vouched = {}
         for sender, by_key in keys.items():
-            strong = [key for key, makers in by_key.items() if len(makers) >= QUORUM]
+            need = max(2, quorum(len(spoke - {voice_of(sender)})))  # one host's word never vouches
+            strong = [key for key, who in by_key.items() if len(who) >= need]
             if len(strong) == 1:
                 vouched[sender] = strong[0]
         return vouched

@@ -13,12 +13,15 @@ Both can be combined. The pure HMAC and certificate code lives in neuronode/secu
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import inspect
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,7 @@ class Security:
     secret: bytes = b""
     tls_files: tuple[str, str, str] | None = None  # cert, key, ca
     key: NodeKey = field(default_factory=NodeKey.generate)
+    checked: Checked = field(default_factory=lambda: Checked(), compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -139,8 +143,30 @@ class Security:
         info = msg.info
         identity.check_key(info.node_id, info.public_key)
         auth.check_fresh(msg.timestamp_s, time.time(), what="hello")
-        identity.verify(info.public_key, msg.signature, "hello", self.swarm_id, info.node_id, msg.timestamp_s,
-                        hello_body(info, msg.known_peers))
+        self.verify(info.public_key, msg.signature, "hello", self.swarm_id, info.node_id, msg.timestamp_s,
+                    hello_body(info, msg.known_peers))
+
+    def verify(self, public_key: bytes, signature: bytes, domain: str, *fields: Any) -> None:
+        """identity.verify, unless `check_ahead` (or an earlier call) verified the very same."""
+        key = Checked.key_of(public_key, signature, domain, *fields)
+        if key not in self.checked:
+            identity.verify(public_key, signature, domain, *fields)
+            self.checked.add(key)
+
+    async def check_ahead(self, msg: pb.HelloRequest | pb.HelloResponse) -> None:
+        """Verify the signatures a Hello carries (its own, its receipts', every statement they
+        list: up to thousands) on our signature thread, so that the checks made when it is
+        taken, on the event loop, find them done. Bad ones are left for those checks to refuse.
+        A Hello with a few (a heartbeat: its own and compact receipts') is checked where it is
+        taken: a thread hop would cost more than the checks."""
+        try:
+            items = hello_signatures(self.swarm_id, msg)
+        except Exception:  # noqa: BLE001 - malformed: the checks on the loop refuse it, with a reason
+            return
+        if len(items) > FEW_SIGNATURES:
+            good = await asyncio.get_running_loop().run_in_executor(verifier(), verified_keys, items)
+            for key in good:
+                self.checked.add(key)
 
     def sign_request(self, method: str, msg: Any) -> Any:
         """Sign a Leave, FetchState or CheckReachable request as our node; returns `msg`."""
@@ -159,7 +185,7 @@ class Security:
 
     def check_statement(self, statement: Statement, public_key: bytes) -> None:
         """Raise AuthError unless `statement` carries `public_key`'s signature."""
-        identity.verify(public_key, statement.signature, "contribution", *statement_fields(self.swarm_id, statement))
+        self.verify(public_key, statement.signature, "contribution", *statement_fields(self.swarm_id, statement))
 
     def sign_receipt(self, receipt: Receipt) -> bytes:
         return self.key.sign("receipt", *receipt_fields(self.swarm_id, receipt))
@@ -167,7 +193,7 @@ class Security:
     def check_receipt(self, receipt: Receipt, public_key: bytes) -> None:
         """Raise AuthError unless `receipt` carries `public_key`'s signature (its statements are
         checked one by one: each is its own sender's word)."""
-        identity.verify(public_key, receipt.signature, "receipt", *receipt_fields(self.swarm_id, receipt))
+        self.verify(public_key, receipt.signature, "receipt", *receipt_fields(self.swarm_id, receipt))
 
     def receipt_hash(self, receipt: Receipt) -> bytes:
         """What two members compare to tell whether a maker told them the same (ReceiptEcho)."""
@@ -179,6 +205,71 @@ class Security:
     def check_state(self, tag: str, **fields: Any) -> None:
         if self.secret:
             auth.check_state_tag(self.secret, tag, swarm_id=self.swarm_id, **fields)
+
+
+Signed = tuple[bytes, bytes, str, tuple[Any, ...]]  # public key, signature, domain, fields
+FEW_SIGNATURES = 8  # a Hello carrying at most this many has them checked on the loop (about 0.5 ms)
+
+
+@functools.cache
+def verifier() -> ThreadPoolExecutor:
+    """The process's one thread for check_ahead: signature checks wait for nothing else
+    (decoding, averaging), and nodes in one process (tests) share it."""
+    return ThreadPoolExecutor(1, thread_name_prefix="signatures")
+
+
+class Checked:
+    """Signatures verified already, by digest of (key, signature, signed bytes): a hit stands for
+    a check that passed. Bounded: the oldest are forgotten first."""
+
+    MAX = 1 << 16
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, None] = {}
+
+    @staticmethod
+    def key_of(public_key: bytes, signature: bytes, domain: str, *fields: Any) -> bytes:
+        return hashlib.sha256(public_key + signature + identity.signed_bytes(domain, *fields)).digest()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._seen
+
+    def add(self, key: bytes) -> None:
+        self._seen[key] = None
+        if len(self._seen) > self.MAX:
+            for old in list(self._seen)[:self.MAX // 8]:
+                del self._seen[old]
+
+
+def verified_keys(items: list[Signed]) -> list[bytes]:
+    """The Checked keys of the signatures among `items` that verify (run in a worker thread)."""
+    good = []
+    for public_key, signature, domain, fields in items:
+        try:
+            identity.verify(public_key, signature, domain, *fields)
+        except Exception:  # noqa: BLE001 - whatever a bad one raises, it is not verified
+            continue
+        good.append(Checked.key_of(public_key, signature, domain, *fields))
+    return good
+
+
+def hello_signatures(swarm_id: str, msg: pb.HelloRequest | pb.HelloResponse) -> list[Signed]:
+    """Every signature a Hello carries, with what it signs: the Hello's, its receipts' (over
+    their lists' digests) and their statements' (each under the key it names)."""
+    from neuronode.averaging.agreement import statements_digest
+    from neuronode.swarm.receipt_wire import check_sizes, statement_from_pb
+
+    info = msg.info
+    check_sizes(info)  # no more than an honest Hello carries (a Refusal otherwise: nothing checked ahead)
+    items: list[Signed] = [(info.public_key, msg.signature, "hello",
+                            (swarm_id, info.node_id, msg.timestamp_s, hello_body(info, msg.known_peers)))]
+    for m in [*info.receipts, *info.disputed]:
+        statements = tuple(statement_from_pb(s, m.round) for s in m.statements if s.phase in (0, 1, 2))
+        digest = m.listed_digest or statements_digest(statements)
+        items.append((m.public_key, m.signature, "receipt", (swarm_id, int(m.round), int(m.phase), m.maker_id,
+                                                              digest.hex())))
+        items.extend((st.public_key, st.signature, "contribution", statement_fields(swarm_id, st)) for st in statements)
+    return items
 
 
 def caller_id(context: grpc.aio.ServicerContext) -> str:
@@ -328,7 +419,8 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
               [info.settings.codec, info.settings.averaging, info.settings.aggregator, info.settings.outer_lr,
                info.settings.outer_momentum, info.settings.overlap,
                [[t.name, t.value] for t in info.settings.task], info.settings.sparse_k,
-               info.settings.sparse_bits, info.settings.sparse_block, info.settings.sparse_decay],
+               info.settings.sparse_bits, info.settings.sparse_block, info.settings.sparse_decay,
+               info.settings.max_weight, info.settings.max_local_workers],
               info.public_key.hex(), int(info.reachable), list(info.carried_by),
               [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

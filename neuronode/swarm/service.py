@@ -44,6 +44,7 @@ class NodeService(pb_grpc.NodeServicer):
         await self.admission.check_certificate(context, info.node_id)
         if ctx.faults.path and ctx.faults.cut_off(info.advertise):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
+        await ctx.security.check_ahead(request)  # its signatures, off the event loop
         try:
             self.peers.check_info(info)
             proven = caller_id(context)
@@ -65,7 +66,7 @@ class NodeService(pb_grpc.NodeServicer):
             known = (caller is not None and ctx.table.is_alive(caller)
                      and len(request.known_peers) >= min(PEX_SAMPLE, len(ctx.table.alive()) - 1))
             if info.node_id != ctx.cfg.node_id:
-                self.peers.learn(info, list(request.known_peers), host=caller_host(context))
+                self.peers.learn(info, list(request.known_peers), host=caller_host(context), said_at=request.timestamp_s)
                 if info.reachable == pb.REACHABILITY_NO:
                     self.peers.on_relayable(request)  # the other members nobody dials hear it through us
         except KeyMismatch as exc:
@@ -93,7 +94,7 @@ class NodeService(pb_grpc.NodeServicer):
         peer = ctx.table.peers.get(request.node_id)
         if peer is not None and peer.public_key:
             await self.check_signed(context, "Leave", request, peer.public_key)
-        if request.swarm_id == ctx.cfg.swarm_id and ctx.table.mark_left(request.node_id):
+        if request.swarm_id == ctx.cfg.swarm_id and ctx.table.mark_left(request.node_id, said_at=request.timestamp_s):
             ctx.book.notify()
         return pb.LeaveResponse()
 

@@ -238,8 +238,10 @@ class Sessions:
     async def take(self, peer_id: str, address: str, msg: pb.SessionMessage, streams: dict[int, asyncio.Queue[Any]]) -> None:
         """One message of a session we hold."""
         if msg.HasField("hello"):
+            await self.ctx.security.check_ahead(msg.hello)  # signatures off the loop
             self.peers.take_answer(address, msg.hello)
         elif msg.HasField("relayed"):
+            await self.ctx.security.check_ahead(msg.relayed)
             self.peers.take_relayed(peer_id, msg.relayed)
         elif msg.end:
             queue = streams.pop(msg.stream, None)

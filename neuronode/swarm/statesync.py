@@ -308,5 +308,5 @@ class StateFetch:
                            "adopting it on its word; a lineage of one has no second witness", donor_id, round_id,
                            extra=fields("unvouched_state", peer_id=donor_id, round_id=round_id))
             return None
-        return (f"its round-{round_id} parameters hash to {param_digest[:12]}, which {len(seen.agree)} of "
-                f"{seen.others} other members of its lineage published ({len(seen.disagree)} published another digest)")
+        return (f"its round-{round_id} parameters hash to {param_digest[:12]}, which {seen.agreeing} of "
+                f"{seen.others} other hosts of its lineage published ({seen.disagreeing} published another digest)")

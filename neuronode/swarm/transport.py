@@ -114,7 +114,7 @@ class Window:
 class GrpcTransport:
     """neuronode.averaging.Transport over gRPC client streams (see the module docstring)."""
 
-    def __init__(self, ctx: Context, *, receipts: Receipts, publish_receipt: Callable[[Receipt], None]) -> None:
+    def __init__(self, ctx: Context, *, receipts: Receipts, publish_receipt: Callable[[Receipt], Receipt]) -> None:
         self.ctx = ctx
         self.inbound = Inbound(ctx)
         self.ledger = receipts
@@ -151,8 +151,11 @@ class GrpcTransport:
         link, upload = self.ctx.upload_meter.rate, self.ctx.upload
         return min(link or upload.bytes_per_s, upload.bytes_per_s) if upload.enabled else link
 
-    def publish_receipt(self, receipt: Receipt) -> None:
-        self._publish(receipt)
+    def publish_receipt(self, receipt: Receipt) -> Receipt:
+        return self._publish(receipt)
+
+    def voice(self, member: str) -> str:
+        return self.ctx.table.voice(member)
 
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         return self.ledger.receipts(round_id, phase)

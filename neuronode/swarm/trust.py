@@ -1,10 +1,11 @@
 """Decisions that never rest on one member's word (SECURITY.md, "Lying members").
 
-Standing aside, catching up, choosing a donor, repairing, the majority lineage and
-reachability each rest on what the node verifies itself, or on the agreement of at least two
-members other than the one that benefits: every other member when fewer than two exist (a
-swarm of two has no second witness, and says so in its log). A round claimed far ahead of every
-other member is not believed at all. Pure functions of what the peer table holds.
+Standing aside, choosing a donor, reachability and the address peers see each rest on what the
+node verifies itself, or on a quorum of voices other than the one that benefits: a strict
+majority of the hosts that spoke (neuronode.quorum; ids are free, so any number of ids on one
+host are one voice). A swarm of two has no second witness, and says so in its log. A round
+claimed far ahead of every other host is not believed at all (neuronode.swarm.lineage). Pure
+functions of what the peer table holds.
 """
 
 from __future__ import annotations
@@ -14,75 +15,86 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from neuronode.config import is_loopback_host
+from neuronode.quorum import VoiceOf, by_id, quorum
 from neuronode.swarm.lineage import believable
 from neuronode.swarm.membership import Peer
 
 
-def quorum(others: int) -> int:
-    """Independent members that must agree: two, or every other member when fewer exist."""
-    return min(2, others)
-
-
 def closed_without_us(round_id: int, own_digest: str | None, peers: list[Peer]) -> list[str]:
     """Peers of our lineage (our digest at the start of `round_id`) that claim to have closed
-    `round_id` already, when enough of them say so to stand aside: at least a quorum of the live
-    peers (one liar claiming it alone changes nothing, even while the others have not yet
-    published where they are). [] otherwise."""
+    `round_id` already, when a quorum of the live hosts says so: any number of ids on one host
+    claiming it alone change nothing, even while the others have not yet published where they
+    are. [] otherwise."""
     if own_digest is None:
         return []
     live = believable(peers)
-    closed = sorted(p.node_id for p in live if p.digests.get(round_id) == own_digest and p.round == round_id + 1)
-    return closed if closed and len(closed) >= quorum(len(live)) else []
+    closed = [p for p in live if p.digests.get(round_id) == own_digest and p.round == round_id + 1]
+    if not closed or len({p.voice for p in closed}) < quorum(len({p.voice for p in live})):
+        return []
+    return sorted(p.node_id for p in closed)
 
 
 @dataclass(frozen=True)
 class Witnesses:
-    """Who vouches for a donated state's (round, param_digest), the donor aside."""
+    """Who vouches for a donated state's (round, param_digest), the donor's host aside."""
 
     agree: list[str]  # published that digest for that round
     disagree: list[str]  # published another digest for it
-    others: int  # live, believable members other than the donor
+    others: int  # live, believable hosts other than the donor's
+    agreeing: int = 0  # hosts among `agree`
+    disagreeing: int = 0  # hosts among `disagree`
+    published: int = 0  # hosts that published a digest for the round
 
     @property
     def accepted(self) -> bool:
-        """A quorum of the other members that published a digest for the round published the
+        """A quorum of the other hosts that published a digest for the round published the
         donor's, and more of them than published another. With nobody else to speak, nobody can
         vouch: the caller decides."""
-        published = len(self.agree) + len(self.disagree)
-        return len(self.agree) >= max(1, quorum(published)) and len(self.agree) > len(self.disagree)
+        return self.agreeing >= max(1, quorum(self.published)) and self.agreeing > self.disagreeing
 
 
 def witnesses(round_id: int, param_digest: str, donor_id: str, peers: list[Peer]) -> Witnesses:
-    """What the members other than the donor published for `round_id`."""
-    others = [p for p in believable(peers) if p.node_id != donor_id]
+    """What the hosts other than the donor's published for `round_id` (the donor's other ids
+    vouch for nothing)."""
+    live = believable(peers)
+    donor = next((p.voice for p in live if p.node_id == donor_id), by_id(donor_id))
+    others = [p for p in live if p.voice != donor]
     published = [p for p in others if round_id in p.digests]
-    return Witnesses(agree=sorted(p.node_id for p in published if p.digests[round_id] == param_digest),
-                     disagree=sorted(p.node_id for p in published if p.digests[round_id] != param_digest),
-                     others=len(others))
+    agree = [p for p in published if p.digests[round_id] == param_digest]
+    disagree = [p for p in published if p.digests[round_id] != param_digest]
+    return Witnesses(agree=sorted(p.node_id for p in agree), disagree=sorted(p.node_id for p in disagree),
+                     others=len({p.voice for p in others}), agreeing=len({p.voice for p in agree}),
+                     disagreeing=len({p.voice for p in disagree}), published=len({p.voice for p in published}))
 
 
-def reachability(answers: Iterable[bool]) -> str:
-    """"yes" or "no" when a quorum of the peers that answered our dial-back request agree, else
-    "unknown" (one peer saying we are unreachable, or reachable, is not enough when others
-    answered differently)."""
-    said = list(answers)
-    need = quorum(len(said))
-    if need and said.count(True) >= need:
+def reachability(answers: Mapping[str, bool] | Iterable[tuple[str, bool]], voice_of: VoiceOf = by_id) -> str:
+    """"yes" or "no" when a quorum of the hosts that answered our dial-back request (`answers`:
+    peer id -> its answer) agree, else "unknown" (one host saying we are unreachable, or
+    reachable, is not enough when others answered differently)."""
+    said = list(answers.items() if isinstance(answers, Mapping) else answers)
+    spoke = {voice_of(peer) for peer, _ in said}
+    yes = {voice_of(peer) for peer, answer in said if answer}
+    no = {voice_of(peer) for peer, answer in said if not answer}
+    need = quorum(len(spoke))
+    if need and len(yes) >= need and len(no) < need:
         return "yes"
-    if need and said.count(False) >= need:
+    if need and len(no) >= need and len(yes) < need:
         return "no"
     return "unknown"
 
 
-def agreed_host(observed: Mapping[str, str]) -> str | None:
+def agreed_host(observed: Mapping[str, str], voice_of: VoiceOf = by_id) -> str | None:
     """The host our peers see our connections come from (`observed`: peer id -> host): the one
-    a quorum of them agree on, the most common first. A loopback host counts only when every
-    peer sees us there (all on our machine): a peer elsewhere must never be told to dial
+    a quorum of their hosts agree on, the most common first. A loopback host counts only when
+    every peer sees us there (all on our machine): a peer elsewhere must never be told to dial
     127.0.0.1. None while they disagree, or before any peer answered."""
-    hosts = list(observed.values())
-    remote = [h for h in hosts if not is_loopback_host(h)]
-    pool = remote or hosts
+    remote = {peer: h for peer, h in observed.items() if not is_loopback_host(h)}
+    pool = remote or dict(observed)
     if not pool:
         return None
-    (best, count), *_ = sorted(Counter(pool).items(), key=lambda kv: (-kv[1], kv[0]))
-    return best if count >= quorum(len(pool)) else None
+    seen: dict[str, set[str]] = {}
+    for peer, host in pool.items():
+        seen.setdefault(host, set()).add(voice_of(peer))
+    counts = Counter({host: len(who) for host, who in seen.items()})
+    (best, count), *_ = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return best if count >= quorum(len({voice_of(peer) for peer in pool})) else None

@@ -10,6 +10,7 @@ from neuronode.v1 import node_pb2 as pb
 
 # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings);
 # 4: this release (the task's settings in NodeInfo.settings.task, SwarmSettings.max_local_workers,
+# --max-weight (SwarmSettings.max_weight),
 # the sparse codec and its settings, ...: docs/protocol.md)
 PROTOCOL_VERSION = 4
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
@@ -77,7 +78,7 @@ def settings_to_pb(s: Any) -> pb.SwarmSettings:
                             max_local_workers=s.max_local_workers,
                             task=[pb.TaskSetting(name=k, value=v) for k, v in s.task],
                             sparse_k=s.sparse_k, sparse_bits=s.sparse_bits, sparse_block=s.sparse_block,
-                            sparse_decay=s.sparse_decay)
+                            sparse_decay=s.sparse_decay, max_weight=s.max_weight)
 
 
 def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
@@ -86,7 +87,8 @@ def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
             "aggregator": m.aggregator, "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum,
             "overlap": m.overlap, "max_local_workers": m.max_local_workers,
             "task": tuple((t.name, t.value) for t in m.task), "sparse_k": m.sparse_k,
-            "sparse_bits": m.sparse_bits, "sparse_block": m.sparse_block, "sparse_decay": m.sparse_decay}
+            "sparse_bits": m.sparse_bits, "sparse_block": m.sparse_block, "sparse_decay": m.sparse_decay,
+            "max_weight": m.max_weight}
 
 
 class Refusal(Exception):
