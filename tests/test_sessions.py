@@ -17,8 +17,8 @@ from neuronode.averaging import AllToAll, AveragingConfig, Prepared
 from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.diloco import average
 from neuronode.swarm.chunks import maker_chunks
+from neuronode.swarm.links.sessions import Carried, SessionClosed
 from neuronode.swarm.security import Security
-from neuronode.swarm.sessions import Carried, SessionClosed
 from neuronode.swarm.trust import agreed_host
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -57,7 +57,7 @@ async def test_a_node_nobody_can_dial_averages_over_its_sessions_and_is_never_di
     assert all(r.contributors == ["a", "b", "home"] for r in results)  # type: ignore[attr-defined]
     assert all(torch.equal(r.vector, results[0].vector) for r in results)  # type: ignore[attr-defined]
     # Nobody dialed home: no channel to its address anywhere, yet it heard everyone.
-    assert all(home.advertise not in n.ctx.channels._channels for n in (a, b))
+    assert all(home.advertise not in n.ctx.channels.addresses() for n in (a, b))
 
 
 async def test_two_nodes_nobody_can_dial_hear_each_other_through_a_relay_that_cannot_alter(nodes: Nodes) -> None:
@@ -82,7 +82,7 @@ async def test_two_nodes_nobody_can_dial_hear_each_other_through_a_relay_that_ca
             async for data in maker_chunks(c, swarm_id=to.cfg.swarm_id, executor=to.ctx.executor,  # type: ignore[attr-defined]
                                            zstd_level=1):
                 yield data
-        return await to.transport.receive(chunks(), carrier=carrier)  # type: ignore[attr-defined]
+        return await to.inbound.receive(chunks(), carrier=carrier)  # type: ignore[attr-defined]
 
     honest = encode("h1", torch.ones(N), round_id=1)
     h1.transport.sign(honest)
@@ -142,10 +142,10 @@ async def test_a_push_over_a_session_that_ends_before_it_went_out_fails_so_it_go
         yield b"chunk"
 
     push = asyncio.ensure_future(a.sessions.push("home", chunks()))
-    await wait_until(lambda: session.queue.qsize() >= 2, what="the push to queue its chunk and its end")
+    await wait_until(lambda: len(session.data) >= 2, what="the push to queue its chunk and its end")
     await asyncio.sleep(0)  # the push had its turn after queueing its end: it waits for it to go out
     assert not push.done()
     session.end()
     with pytest.raises(SessionClosed, match="ended before this went out"):
         await push
-    assert session.queue.empty()
+    assert not session.data

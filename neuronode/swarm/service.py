@@ -1,6 +1,6 @@
 """The gRPC face of a node (service neuronode.v1.Node). Every refusal maps to a status code and
-a message a person can act on. PushContribution is served by the transport itself
-(neuronode.swarm.transport), which reads the raw chunk bytes."""
+a message a person can act on. PushContribution is served by the inbound path
+(neuronode.swarm.inbound), which reads the raw chunk bytes."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class NodeService(pb_grpc.NodeServicer):
             if info.node_id != ctx.cfg.node_id:
                 self.peers.learn(info, list(request.known_peers), host=caller_host(context))
                 if info.reachable == pb.REACHABILITY_NO:
-                    self.peers.on_relayable(request)  # the other members nobody dials hear it through us
+                    self.peers.relayable(request)  # the other members nobody dials hear it through us
         except KeyMismatch as exc:
             await self.admission.refuse(context, Refusal("PERMISSION_DENIED", str(exc)), "hello")
         except TableFull as exc:

@@ -30,6 +30,7 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
 from neuronode.swarm.context import Context
+from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.security import Security
 from neuronode.swarm.trust import witnesses
 from neuronode.swarm.wire import Refusal
@@ -223,8 +224,9 @@ class StateFetch:
     """The joiner's side: download the global state from the first donor that delivers a copy
     the swarm vouches for (neuronode.swarm.trust.witnesses) and that passes our own checks."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, *, links: Links) -> None:
         self.ctx = ctx
+        self.links = links
         self.transfers = 0
         self.unwitnessed: dict[int, str] = {}  # round -> a donor refused because nobody had published it yet
 
@@ -258,7 +260,7 @@ class StateFetch:
             if peer is None or not ctx.table.is_alive(peer):
                 continue
             try:
-                state = await self.fetch_from(donor_id, peer.address, donors)
+                state = await self.fetch_from(donor_id, donors)
                 refused = await asyncio.get_running_loop().run_in_executor(ctx.executor, verify, state)
                 if refused:
                     raise Refusal("FAILED_PRECONDITION", refused)
@@ -266,6 +268,9 @@ class StateFetch:
                 logger.warning("state transfer from %s failed (%s: %s); trying another donor",
                                donor_id, exc.code().name, exc.details(),
                                extra=fields("donor_failed", peer_id=donor_id, code=exc.code().name))
+                continue
+            except NoRoute as exc:
+                logger.info("not asking %s for the state: %s", donor_id, exc)
                 continue
             except (Refusal, AuthError) as exc:
                 logger.warning("state from %s refused: %s; trying another donor", donor_id, exc,
@@ -279,12 +284,11 @@ class StateFetch:
             return state
         return None
 
-    async def fetch_from(self, donor_id: str, address: str, lineage: list[str]) -> GlobalState:
+    async def fetch_from(self, donor_id: str, lineage: list[str]) -> GlobalState:
         ctx = self.ctx
-        ctx.faults.before_call(address)
-        call = ctx.channels.stub(address).FetchState(
-            ctx.security.sign_request("FetchState", pb.StateRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id)),
-            timeout=max(60.0, ctx.cfg.sync_timeout_s), metadata=ctx.security.metadata("FetchState"))
+        call = await self.links.fetch(donor_id, "FetchState", ctx.security.sign_request(
+            "FetchState", pb.StateRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id)),
+            timeout_s=max(60.0, ctx.cfg.sync_timeout_s))
         state = await download(call, n_elements=ctx.cfg.n_elements, manifest_hash=ctx.cfg.manifest_hash,
                                executor=ctx.executor, security=ctx.security,
                                accept=lambda header: self.vouched(header.round, header.param_digest, donor_id,
