@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
-from helpers import Nodes, encode, key_of, wait_until
+from helpers import Nodes, chunks_of, encode, key_of, wait_until
 
 from neuronode.averaging import AllToAll, AveragingConfig, Prepared
 from neuronode.codec import ContributionEncoder, EncoderConfig
@@ -149,3 +149,69 @@ async def test_a_push_over_a_session_that_ends_before_it_went_out_fails_so_it_go
     with pytest.raises(SessionClosed, match="ended before this went out"):
         await push
     assert not session.data
+
+
+BIG = 24_000  # fp32 in 4 KiB chunks: 24 chunks a contribution, more than a stream's queue holds
+
+
+async def home_and_carrier(nodes: Nodes) -> tuple[object, object]:
+    a = await nodes.start("a", n_elements=BIG)
+    home = await nodes.start("home", peers=[a.advertise], n_elements=BIG, reachable="no")
+    await wait_until(lambda: home.sessions.open == {"a"} and "home" in a.sessions.carried,
+                     what="home's session to a")
+    return a, home
+
+
+def session_stream(c: object, *, swarm_id: str, key: object = None) -> AsyncIterator[bytes]:
+    async def chunks() -> AsyncIterator[bytes]:
+        for chunk in chunks_of(c, swarm_id=swarm_id, key=key):
+            yield chunk.SerializeToString()
+    return chunks()
+
+
+async def test_a_refused_20_chunk_stream_over_a_session_is_drained_and_the_next_one_arrives(nodes: Nodes) -> None:
+    """The receiver refuses a stream at its first chunk (signed by another key); the other 23
+    chunks still come over the session and are drained, so the session carries on and the honest
+    stream after it arrives whole."""
+    a, home = await home_and_carrier(nodes)
+    forged = encode("a", torch.ones(BIG))
+    assert forged.data.count >= 20
+    await asyncio.wait_for(a.sessions.push("home", session_stream(forged, swarm_id=a.cfg.swarm_id,
+                                                                    key=key_of("not-a"))), timeout=20)
+    honest = encode("a", torch.full((BIG,), 2.0))
+    await asyncio.wait_for(a.sessions.push("home", session_stream(honest, swarm_id=a.cfg.swarm_id)), timeout=20)
+    await wait_until(lambda: home.book.contributors(0) == {"a"}, what="the honest contribution at home")
+    assert home.sessions.open == {"a"}  # the same session carried both
+
+
+async def test_a_session_whose_stream_reader_is_stuck_ends_and_is_opened_again(
+        nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver that stops taking chunks ends its session after the stall time instead of
+    holding it (and the carrier's place in carried_by) for good; a new session carries on."""
+    monkeypatch.setattr("neuronode.swarm.links.sessions.STALL_S", 1.0)
+    a, home = await home_and_carrier(nodes)
+    honest_inbox = home.contribution
+
+    async def stuck(chunks: AsyncIterator[bytes], *, carrier: str) -> None:
+        await chunks.__anext__()
+        await asyncio.Event().wait()  # takes one chunk, then never another
+
+    monkeypatch.setattr(home, "contribution", stuck)
+    pushed = asyncio.ensure_future(a.sessions.push("home", session_stream(encode("a", torch.ones(BIG)),
+                                                                          swarm_id=a.cfg.swarm_id)))
+    await wait_until(lambda: "a" not in home.sessions.open, what="the stuck session to end", timeout_s=15)
+    await wait_until(lambda: "a" not in home.peers.node_info().carried_by, what="a out of carried_by")
+    await asyncio.wait_for(asyncio.gather(pushed, return_exceptions=True), timeout=10)  # out, or SessionClosed
+    monkeypatch.setattr(home, "contribution", honest_inbox)
+    await wait_until(lambda: home.sessions.open == {"a"}, what="a new session to a", timeout_s=15)
+    await a.sessions.push("home", session_stream(encode("a", torch.full((BIG,), 2.0)), swarm_id=a.cfg.swarm_id))
+    await wait_until(lambda: home.book.contributors(0) == {"a"}, what="the next contribution at home")
+
+
+async def test_a_carrier_whose_session_ended_leaves_carried_by_within_a_heartbeat(nodes: Nodes) -> None:
+    a, home = await home_and_carrier(nodes)
+    assert list(home.peers.node_info().carried_by) == ["a"]
+    await a.server.stop(0)  # gone without a Leave: its session breaks
+    started = asyncio.get_running_loop().time()
+    await wait_until(lambda: not home.peers.node_info().carried_by, what="a out of carried_by")
+    assert asyncio.get_running_loop().time() - started < 2 * home.cfg.heartbeat_s + 1.0

@@ -8,7 +8,8 @@ import grpc
 
 from neuronode.v1 import node_pb2 as pb
 
-PROTOCOL_VERSION = 3  # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings)
+PROTOCOL_VERSION = 4  # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings);
+# 4: state transfer by verified chunks, resumable (StateHeader.chunk_digests, StateRequest.resume_from)
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
 MAX_MESSAGE_BYTES = 8 << 20
