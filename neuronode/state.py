@@ -25,7 +25,7 @@ class GlobalState:
 def chunk_digests(vector: torch.Tensor) -> list[bytes]:
     """sha256 of each STATE_CHUNK_ELEMENTS slice of a flat float32 vector's little-endian bytes."""
     flat = vector.detach().to(torch.float32).contiguous().view(-1).numpy()
-    return [hashlib.sha256(memoryview(flat[start:start + STATE_CHUNK_ELEMENTS]).cast("B")).digest()
+    return [hashlib.sha256(flat[start:start + STATE_CHUNK_ELEMENTS].data.cast("B")).digest()
             for start in range(0, flat.size, STATE_CHUNK_ELEMENTS)]
 
 

@@ -308,7 +308,7 @@ def apply(behaviour: str) -> None:
         from neuronode.swarm.node import SwarmNode
         from neuronode.swarm.wire import Refusal
 
-        async def serve_none(self: Any, caller: str, write: Any) -> None:
+        async def serve_none(self: Any, caller: str, write: Any, **resume: Any) -> None:
             raise Refusal("UNAVAILABLE", "busy")
 
         SwarmNode.start = holding(SwarmNode.start)  # type: ignore[method-assign]

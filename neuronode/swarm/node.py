@@ -36,7 +36,7 @@ from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
-from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, Verify
+from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, TransferProgress, Verify
 from neuronode.swarm.transport import GrpcTransport
 from neuronode.swarm.trust import closed_without_us
 from neuronode.swarm.wire import PROTOCOL_VERSION
@@ -55,6 +55,7 @@ class SwarmNode:
         status_provider: Callable[[], dict[str, Any]] | None = None,
         state_provider: StateProvider | None = None, security: Security | None = None,
         clock: Clock | None = None, loopback_only: bool = False,
+        on_download: Callable[[TransferProgress], None] = lambda progress: None,
     ) -> None:
         self.state = state or RoundState()
         ctx = self.ctx = Context(cfg, security=security or Security(node_id=cfg.node_id, swarm_id=cfg.swarm_id),
@@ -69,7 +70,7 @@ class SwarmNode:
         self.inbound = Inbound(ctx, relay=self.relay)
         self.transport = GrpcTransport(ctx, links=self.links, inbound=self.inbound, receipts=self.receipts,
                                        publish_receipt=self.peers.publish_receipt)
-        self.fetcher = StateFetch(ctx, links=self.links)
+        self.fetcher = StateFetch(ctx, links=self.links, on_progress=on_download)
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash, zstd_level=cfg.zstd_level,
                            executor=executor, security=ctx.security)
         admission = Admission(ctx)
@@ -242,7 +243,7 @@ class SwarmNode:
             "bytes_sent": ctx.counters.bytes_sent, "bytes_received": ctx.counters.bytes_received,
             "control_bytes_sent": ctx.counters.control_bytes_sent,
             "control_bytes_received": ctx.counters.control_bytes_received,
-            "buffered_bytes": ctx.book.buffered_bytes,
+            "buffered_bytes": ctx.book.buffered_bytes, **self.fetcher.progress.fields(),
             # Members that hold bytes here were live when their streams opened (one may have died since).
             "buffered_bytes_bound": buffered_bytes_bound(
                 ctx.cfg, len({p.node_id for p in self.table.alive()} | ctx.book.senders())),

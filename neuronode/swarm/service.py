@@ -126,7 +126,8 @@ class NodeService(pb_grpc.NodeServicer):
             await context.write(msg)
 
         try:
-            await self.donor.serve(request.node_id, write)
+            await self.donor.serve(request.node_id, write, resume_from=request.resume_from,
+                                   resume_digest=request.resume_digest)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "state request")
         logger.info("served the global state to %s", request.node_id,
