@@ -193,7 +193,9 @@ class GrpcTransport:
             ctx, sent = self.ctx, 0
             ctx.upload_meter.begin(ctx.clock.now())
             try:
-                await self.links.stream(peer_id, self.chunks(peer_id, out, box.cache(out)), timeout_s=left)
+                # A stream begun in the window may finish in the next: receivers wait for one that moves.
+                await self.links.stream(peer_id, self.chunks(peer_id, out, box.cache(out)),
+                                        timeout_s=left + ctx.cfg.sync_timeout_s)
                 sent = out.frame_bytes
             except (NoRoute, SessionClosed, TimeoutError, FaultInjected) as exc:
                 logger.debug("%s failed (%s); retrying", what, exc)

@@ -130,7 +130,8 @@ class Relay:
             try:
                 await asyncio.wait_for(self.sessions.push(
                     receiver, self.chunks(receiver, c),
-                    first=(c.sender_id, pb.SessionMessage(relayed=hello)) if hello is not None else None), timeout=left)
+                    first=(c.sender_id, pb.SessionMessage(relayed=hello)) if hello is not None else None),
+                    timeout=left + self.ctx.cfg.sync_timeout_s)  # begun in the window, it may finish in the next
             except (SessionClosed, TimeoutError) as exc:
                 logger.debug("round %d: relaying %s's %s to %s failed (%s); retrying", c.round_id, c.sender_id,
                              c.phase.label, receiver, exc)
