@@ -14,7 +14,7 @@ import torch
 from helpers import Nodes, chunks_of, encode, key_of, wait_until
 
 from neuronode.averaging import AllToAll, AveragingConfig, Prepared
-from neuronode.codec import ContributionEncoder, EncoderConfig
+from neuronode.codec import ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
 from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.links.sessions import Carried, SessionClosed
@@ -215,3 +215,26 @@ async def test_a_carrier_whose_session_ended_leaves_carried_by_within_a_heartbea
     started = asyncio.get_running_loop().time()
     await wait_until(lambda: not home.peers.node_info().carried_by, what="a out of carried_by")
     assert asyncio.get_running_loop().time() - started < 2 * home.cfg.heartbeat_s + 1.0
+
+
+async def test_a_push_whose_session_ended_waits_for_the_next_one_and_never_dials_an_empty_address(
+        nodes: Nodes) -> None:
+    """a's push to home is under way over home's session when the session ends: the retries wait
+    for home's next session instead of dialing home, whose address is "" behind NAT (grpc: "the
+    target uri is not valid: dns:///") or one it says nobody can dial; it arrives over the next
+    session."""
+    a = await nodes.start("a", n_elements=BIG)
+    home = await nodes.start("home", peers=[a.advertise], n_elements=BIG, reachable="no")
+    for task in home.ctx.tasks.named("sessions"):
+        task.cancel()  # home holds no session for now
+    await wait_until(lambda: "home" in alive_ids(a), what="a to know home")
+    session = a.sessions.carried["home"] = Carried("home")  # a session nothing writes out: the push waits on it
+    a.transport.send(0, Phase.WHOLE, encode("a", torch.ones(BIG)))
+    await asyncio.sleep(0.5)
+    del a.sessions.carried["home"]
+    session.end()  # the session ended before the push went out
+    await asyncio.sleep(1.5)  # the push retries meanwhile
+    assert not {"", home.peers.node_info().advertise, home.advertise} & set(a.ctx.channels.addresses())  # nor its own address
+    home.ctx.tasks.supervise(home.sessions.hold_all, "sessions")
+    await wait_until(lambda: home.book.contributors(0) == {"a"}, what="a's contribution over the next session",
+                     timeout_s=30)
