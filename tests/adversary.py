@@ -105,9 +105,9 @@ def _huge_momentum(s: GlobalState) -> GlobalState:
 
 
 def stalling(chunks: Callable[..., AsyncIterator[bytes]]) -> Callable[..., AsyncIterator[bytes]]:
-    async def lying(self: Any, peer_id: str, address: str, out: Any, wire: Any) -> AsyncIterator[bytes]:
-        sent = 0
-        async for data in chunks(self, peer_id, address, out, wire):
+    async def lying(self: Any, peer_id: str, *args: Any) -> AsyncIterator[bytes]:  # (address,) out, wire
+        sent, out = 0, args[-2]
+        async for data in chunks(self, peer_id, *args):
             sent += 1
             if sent == len(out.frames):
                 await asyncio.Event().wait()  # keeps the stream open, never finishes it
@@ -220,12 +220,13 @@ def equivocating(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitabl
     """Push to VICTIM another contribution than to everyone else (half the weight: within the
     swarm's --max-weight), signed all the same: two statements for one slot."""
 
-    async def lying(self: Any, peer_id: str, address: str, out: Any, box: Any) -> None:
+    async def lying(self: Any, peer_id: str, *args: Any) -> None:  # (address,) out, box
+        *where, out, box = args
         if peer_id == VICTIM and out.phase == 0:
             out = dataclasses.replace(out, weight=out.weight / 2, signature=b"")
             if hasattr(self, "sign"):  # the release under test signs statements itself
                 self.sign(out)
-        await push(self, peer_id, address, out, box)
+        await push(self, peer_id, *where, out, box)
 
     return lying
 
@@ -233,10 +234,10 @@ def equivocating(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitabl
 def half_pushing(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
     """Push our contribution to three of the four honest members only."""
 
-    async def lying(self: Any, peer_id: str, address: str, out: Any, box: Any) -> None:
-        if peer_id in SKIPPED and out.phase == 0:
+    async def lying(self: Any, peer_id: str, *args: Any) -> None:  # (address,) out, box
+        if peer_id in SKIPPED and args[-2].phase == 0:
             return
-        await push(self, peer_id, address, out, box)
+        await push(self, peer_id, *args)
 
     return lying
 
@@ -307,7 +308,7 @@ def apply(behaviour: str) -> None:
         from neuronode.swarm.node import SwarmNode
         from neuronode.swarm.wire import Refusal
 
-        async def serve_none(self: Any, caller: str, write: Any) -> None:
+        async def serve_none(self: Any, caller: str, write: Any, **resume: Any) -> None:
             raise Refusal("UNAVAILABLE", "busy")
 
         SwarmNode.start = holding(SwarmNode.start)  # type: ignore[method-assign]

@@ -255,6 +255,47 @@ async def test_a_contribution_others_hold_is_waited_for_while_its_own_push_strea
     assert set(closing.result()) == {"a"} and not book.late and clock.now() - ManualClock().now() < TIMEOUT_S
 
 
+async def test_a_contribution_still_arriving_at_the_deadline_is_waited_for_while_it_moves() -> None:
+    """x's push to us is slow (a capped home link): at the deadline its stream is still
+    sending, so the round waits for it instead of leaving it out (which every member, its maker
+    too, would then do). A stream that stops sending is aborted at the idle limit and the round
+    closes without it; one more timeout is the most a moving stream is waited for."""
+    clock = ManualClock()
+    book = RoundBook(first_round=0, clock=clock, idle_s=20.0)
+
+    def collecting(round_id: int) -> asyncio.Future[dict[str, object]]:
+        book.add_own(record("a", round_id))  # type: ignore[arg-type]
+        return asyncio.ensure_future(book.collect(round_id, expected=lambda: {"a", "x"}, timeout_s=TIMEOUT_S))
+
+    book.begin(0, "x")
+    closing = collecting(0)
+    for _ in range(int(1.5 * TIMEOUT_S / 10)):  # chunks keep coming, past the deadline
+        await until("the collector waiting", lambda: clock.waiting == 1)
+        clock.advance(10.0)
+        book.touch(0, "x")
+    assert not closing.done()
+    book.finish(record("x", 0))  # type: ignore[arg-type]
+    await until("the round to close", closing.done)
+    assert set(closing.result()) == {"a", "x"} and not book.late
+    book.begin(1, "x")
+    closing = collecting(1)
+    await until("the collector waiting", lambda: clock.waiting == 1)
+    clock.advance(TIMEOUT_S + 20.0)  # past the deadline, and the stream sent nothing for 20 s
+    assert book.expire() == 1
+    await until("the round to close", closing.done)
+    assert set(closing.result()) == {"a"} and ("x" in {s for _, s in book.late})
+    book.begin(2, "y")
+    started = clock.now()
+    closing = asyncio.ensure_future(book.collect(2, expected=lambda: {"y"}, timeout_s=TIMEOUT_S, min_contributors=0))
+    for _ in range(int(2 * TIMEOUT_S / 10) + 1):  # a stream that moves forever: one more timeout at most
+        await until("the collector waiting", lambda: clock.waiting == 1 or closing.done())
+        if closing.done():
+            break
+        clock.advance(10.0)
+        book.touch(2, "y")
+    assert closing.done() and closing.result() == {} and clock.now() - started <= 2 * TIMEOUT_S + 10
+
+
 async def test_round_closes_once_every_expected_peer_contributed_without_time_passing(pools) -> None:  # noqa: ANN001
     swarm = Swarm(pools, AllToAll)
     for name in "abc":

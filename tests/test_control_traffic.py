@@ -144,18 +144,19 @@ async def test_receipts_travel_compact_and_a_member_that_missed_a_contribution_g
     (to_b,) = a.peers.node_info("b").receipts or [None]
     if to_b is not None:  # b may have echoed it back already; the form a uses is what counts
         assert not to_b.statements and not to_b.statement_ids
-    # To b and c (same list) the digest only; to d the list whole if and only if d asked a for it
+    # To b and c (same list) the digest only; to d never the list whole unless d asked a for it
     # (else ids once d's receipt showed its list differs; once d holds a's, it asks no more).
+    # Whom d asks depends on which answer comes first (a, b and c list the same digest).
     assert used["b"] == used["c"] == {"digest"}, used
-    assert ("full" in used["d"]) == (asked["d"][0] == "a"), (used, asked)
+    assert "full" not in used["d"] or "a" in asked["d"], (used, asked)
     whole = a.peers.node_info().receipts[0]
     assert len(whole.statements) == 2
     compact = receipt_to_pb(a.receipts.own[(1, Phase.WHOLE)], "ids")
     assert compact.ByteSize() + 2 * 150 < whole.ByteSize()  # each statement whole is about 210 bytes, an id 8
     # d could not rebuild a's, b's or c's list from the digest (its own differs), nor from the
-    # ids (it lacks q's statement): it asked one maker for the ids, then for the list whole (the
+    # ids (it lacks q's statement): it asked a maker for the ids, then one for the list whole (the
     # others' name the same digest).
-    assert len(asked["d"]) == 2 and asked["d"][0] == asked["d"][1] in "abc", asked
+    assert len(asked["d"]) == 2 and set(asked["d"]) <= set("abc"), asked
     assert asked["a"] == asked["b"] == asked["c"] == ["d"], asked  # d's ids, once: they rebuilt its list from them
     decision = decide(d.transport.receipts(1, Phase.WHOLE), [statement_of(p)], lineage=statement_of(q).lineage)
     assert set(decision.agreed) == {(p.sender_id, 0), (q.sender_id, 0)}

@@ -161,7 +161,7 @@ async def test_leave_state_and_dial_back_requests_speak_only_for_their_signer(no
         assert refused.value.code() == Code.PERMISSION_DENIED and "signed by that node's key only" in (
             refused.value.details() or ""), method
     assert "b" in {p.node_id for p in a.table.alive()}  # b did not leave
-    await b.peers.leave(a.advertise)  # b itself can
+    await b.peers.leave("a")  # b itself can
     await wait_until(lambda: "b" not in {p.node_id for p in a.table.alive()}, what="b's own leave")
 
 

@@ -72,6 +72,147 @@ def test_architecture_page_states_this_table() -> None:
         assert line == f"| {package} | {', '.join(f'`{name}`' for name in forbidden)} |"
 
 
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Every module of the package under `root` and the package modules it imports, statically:
+    every import in the file counts, function-level ones included (a package's __init__
+    re-exporting its own modules aside)."""
+    files = {".".join(f.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                deps.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
+        graph[name] = {d for d in deps if d in files and d != name
+                       and not (name.startswith(d + ".") and files[d].name == "__init__.py")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    assert cycles(module_graph(PKG)) == []
+
+
+def test_the_cycle_check_sees_function_level_and_type_checking_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from pkg.sub import a\n")  # a re-export: no cycle
+    (pkg / "sub" / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n")
+    (pkg / "sub" / "c.py").write_text("from .a import f\n")
+    (pkg / "d.py").write_text("import pkg.sub.a\n")
+    assert cycles(module_graph(pkg)) == [["pkg.sub.a", "pkg.sub.b", "pkg.sub.c"]]
+
+
+def parts_and_methods(trees: list[ast.AST]) -> set[str]:
+    """Names of methods, and of attributes holding a part (`self.x = Part(...)`), in these modules."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign) and constructed(node.value):
+                names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+    return names
+
+
+def constructed(value: ast.expr) -> bool:
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id[:1].isupper()
+
+
+def wired(value: ast.expr, handed: set[str]) -> bool:
+    """A value that hands one part to another: a lambda, a part built on the spot, or a method
+    or part of ours (`self.x`, `self.x.y` naming one of `handed`)."""
+    if isinstance(value, ast.Lambda) or constructed(value):
+        return True
+    if isinstance(value, ast.Attribute) and value.attr in handed:
+        root: ast.expr = value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return isinstance(root, ast.Name) and root.id == "self"
+    return False
+
+
+def wiring_in(paths: list[Path]) -> list[str]:
+    """TYPE_CHECKING imports (each hides a cycle), and parts or callbacks handed to another
+    object's attribute after it was built (`other.x = self.method`)."""
+    trees = {path: ast.parse(path.read_text()) for path in paths}
+    handed = parts_and_methods(list(trees.values()))
+    bad = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "TYPE_CHECKING":
+                bad.append((path.name, node.lineno, "uses TYPE_CHECKING"))
+            if isinstance(node, ast.Assign) and wired(node.value, handed):
+                for target in node.targets:
+                    for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                        if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                            bad.append((path.name, node.lineno, f"sets {ast.unparse(t)}"))
+    return [f"{name}:{line} {what}" for name, line, what in sorted(bad)]
+
+
+def test_swarm_wires_nothing_after_construction() -> None:
+    """Parts of swarm/ get what they need when they are built (constructor arguments)."""
+    assert wiring_in(sorted((PKG / "swarm").rglob("*.py"))) == []
+
+
+def test_the_wiring_check_sees_handed_parts(tmp_path: Path) -> None:
+    code = tmp_path / "node.py"
+    code.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\nclass N:\n    def __init__(self):\n"
+                    "        self.peers.on_news = self.news\n        self.a = self.b.c = B()\n"
+                    "        self.peers.carried = lambda: []\n        peer.last_seen = now\n"
+                    "        self.ctx.advertise = host + port\n        out.key = self.key.public\n"
+                    "    def news(self):\n        pass\n")
+    assert wiring_in([code]) == ["node.py:2 uses TYPE_CHECKING", "node.py:6 sets self.peers.on_news",
+                               "node.py:7 sets self.b.c", "node.py:8 sets self.peers.carried"]
+
+
 def test_scan_catches_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import grpc\nfrom neuronode.swarm.node import SwarmNode\n")

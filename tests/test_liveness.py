@@ -4,6 +4,7 @@ when a gossiped address that never answers is forgotten. No sockets, no sleeping
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from helpers import swarm_config
@@ -11,6 +12,7 @@ from helpers import swarm_config
 from neuronode.averaging import RoundState
 from neuronode.clock import ManualClock
 from neuronode.swarm.context import Context
+from neuronode.swarm.links import Links
 from neuronode.swarm.membership import (
     MIN_FANOUT,
     PeerTable,
@@ -102,7 +104,17 @@ def peers() -> Peers:
     cfg = swarm_config("me", advertise="127.0.0.1:1", peers=(BOOTSTRAP,), heartbeat_s=2.0)
     ctx = Context(cfg, security=Security(node_id="me", swarm_id=cfg.swarm_id), state=RoundState(), executor=pool,
                   clock=ManualClock())
-    return Peers(ctx, receipts=Receipts(ctx, on_change=lambda: None), on_news=lambda: None)
+    return Peers(ctx, links=Links(ctx, inbox=Unused()), receipts=Receipts(ctx, on_change=lambda: None),
+                 on_news=lambda: None)
+
+
+class Unused:
+    """The inbox of a node that carries and holds no session (neuronode.swarm.links.Inbox)."""
+
+    def our_hello(self, caller: str) -> Any:
+        raise AssertionError("no session here")
+
+    carrying = hello_answer = relayed_hello = contribution = carriers_changed = our_hello
 
 
 def next_dial(peers: Peers, address: str) -> float:

@@ -1,7 +1,7 @@
 """Home members exchange through reachable ones (issue 17), on a real network: home hosts behind
 their own nftables routers (masquerade, every new inbound connection dropped; tests/netns.py),
 so two home members can never dial each other. A reachable member relays between them: their
-Hellos and contributions as their makers signed them (neuronode.swarm.relay).
+Hellos and contributions as their makers signed them (neuronode.swarm.links.relay).
 
 - 2 public + 2 home members, all-to-all and reduce-scatter (the public members reduce; the home
   members send their slices and hear the averaged shards over their sessions): every round

@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
-from helpers import Nodes, encode, key_of, wait_until
+from helpers import Nodes, chunks_of, encode, key_of, wait_until
 
 from neuronode.averaging import AllToAll, AveragingConfig, Prepared
-from neuronode.codec import ContributionEncoder, EncoderConfig
+from neuronode.codec import ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
 from neuronode.swarm.chunks import maker_chunks
+from neuronode.swarm.links.sessions import Carried, SessionClosed
 from neuronode.swarm.security import Security
-from neuronode.swarm.sessions import Carried, SessionClosed
 from neuronode.swarm.trust import agreed_host
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
@@ -57,7 +57,7 @@ async def test_a_node_nobody_can_dial_averages_over_its_sessions_and_is_never_di
     assert all(r.contributors == ["a", "b", "home"] for r in results)  # type: ignore[attr-defined]
     assert all(torch.equal(r.vector, results[0].vector) for r in results)  # type: ignore[attr-defined]
     # Nobody dialed home: no channel to its address anywhere, yet it heard everyone.
-    assert all(home.advertise not in n.ctx.channels._channels for n in (a, b))
+    assert all(home.advertise not in n.ctx.channels.addresses() for n in (a, b))
 
 
 async def test_two_nodes_nobody_can_dial_hear_each_other_through_a_relay_that_cannot_alter(nodes: Nodes) -> None:
@@ -83,7 +83,7 @@ async def test_two_nodes_nobody_can_dial_hear_each_other_through_a_relay_that_ca
             async for data in maker_chunks(c, swarm_id=to.cfg.swarm_id, executor=to.ctx.executor,  # type: ignore[attr-defined]
                                            zstd_level=1):
                 yield data
-        return await to.transport.receive(chunks(), carrier=carrier)  # type: ignore[attr-defined]
+        return await to.inbound.receive(chunks(), carrier=carrier)  # type: ignore[attr-defined]
 
     honest = encode("h1", torch.ones(N), round_id=1)
     h1.transport.sign(honest)
@@ -143,10 +143,99 @@ async def test_a_push_over_a_session_that_ends_before_it_went_out_fails_so_it_go
         yield b"chunk"
 
     push = asyncio.ensure_future(a.sessions.push("home", chunks()))
-    await wait_until(lambda: session.queue.qsize() >= 2, what="the push to queue its chunk and its end")
+    await wait_until(lambda: len(session.data) >= 2, what="the push to queue its chunk and its end")
     await asyncio.sleep(0)  # the push had its turn after queueing its end: it waits for it to go out
     assert not push.done()
     session.end()
     with pytest.raises(SessionClosed, match="ended before this went out"):
         await push
-    assert session.queue.empty()
+    assert not session.data
+
+
+BIG = 24_000  # fp32 in 4 KiB chunks: 24 chunks a contribution, more than a stream's queue holds
+
+
+async def home_and_carrier(nodes: Nodes) -> tuple[object, object]:
+    a = await nodes.start("a", n_elements=BIG)
+    home = await nodes.start("home", peers=[a.advertise], n_elements=BIG, reachable="no")
+    await wait_until(lambda: home.sessions.open == {"a"} and "home" in a.sessions.carried,
+                     what="home's session to a")
+    return a, home
+
+
+def session_stream(c: object, *, swarm_id: str, key: object = None) -> AsyncIterator[bytes]:
+    async def chunks() -> AsyncIterator[bytes]:
+        for chunk in chunks_of(c, swarm_id=swarm_id, key=key):
+            yield chunk.SerializeToString()
+    return chunks()
+
+
+async def test_a_refused_20_chunk_stream_over_a_session_is_drained_and_the_next_one_arrives(nodes: Nodes) -> None:
+    """The receiver refuses a stream at its first chunk (signed by another key); the other 23
+    chunks still come over the session and are drained, so the session carries on and the honest
+    stream after it arrives whole."""
+    a, home = await home_and_carrier(nodes)
+    forged = encode("a", torch.ones(BIG))
+    assert forged.data.count >= 20
+    await asyncio.wait_for(a.sessions.push("home", session_stream(forged, swarm_id=a.cfg.swarm_id,
+                                                                    key=key_of("not-a"))), timeout=20)
+    honest = encode("a", torch.full((BIG,), 2.0))
+    await asyncio.wait_for(a.sessions.push("home", session_stream(honest, swarm_id=a.cfg.swarm_id)), timeout=20)
+    await wait_until(lambda: home.book.contributors(0) == {"a"}, what="the honest contribution at home")
+    assert home.sessions.open == {"a"}  # the same session carried both
+
+
+async def test_a_session_whose_stream_reader_is_stuck_ends_and_is_opened_again(
+        nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver that stops taking chunks ends its session after the stall time instead of
+    holding it (and the carrier's place in carried_by) for good; a new session carries on."""
+    monkeypatch.setattr("neuronode.swarm.links.sessions.STALL_S", 1.0)
+    a, home = await home_and_carrier(nodes)
+    honest_inbox = home.contribution
+
+    async def stuck(chunks: AsyncIterator[bytes], *, carrier: str) -> None:
+        await chunks.__anext__()
+        await asyncio.Event().wait()  # takes one chunk, then never another
+
+    monkeypatch.setattr(home, "contribution", stuck)
+    pushed = asyncio.ensure_future(a.sessions.push("home", session_stream(encode("a", torch.ones(BIG)),
+                                                                          swarm_id=a.cfg.swarm_id)))
+    await wait_until(lambda: "a" not in home.sessions.open, what="the stuck session to end", timeout_s=15)
+    await wait_until(lambda: "a" not in home.peers.node_info().carried_by, what="a out of carried_by")
+    await asyncio.wait_for(asyncio.gather(pushed, return_exceptions=True), timeout=10)  # out, or SessionClosed
+    monkeypatch.setattr(home, "contribution", honest_inbox)
+    await wait_until(lambda: home.sessions.open == {"a"}, what="a new session to a", timeout_s=15)
+    await a.sessions.push("home", session_stream(encode("a", torch.full((BIG,), 2.0)), swarm_id=a.cfg.swarm_id))
+    await wait_until(lambda: home.book.contributors(0) == {"a"}, what="the next contribution at home")
+
+
+async def test_a_carrier_whose_session_ended_leaves_carried_by_within_a_heartbeat(nodes: Nodes) -> None:
+    a, home = await home_and_carrier(nodes)
+    assert list(home.peers.node_info().carried_by) == ["a"]
+    await a.server.stop(0)  # gone without a Leave: its session breaks
+    started = asyncio.get_running_loop().time()
+    await wait_until(lambda: not home.peers.node_info().carried_by, what="a out of carried_by")
+    assert asyncio.get_running_loop().time() - started < 2 * home.cfg.heartbeat_s + 1.0
+
+
+async def test_a_push_whose_session_ended_waits_for_the_next_one_and_never_dials_an_empty_address(
+        nodes: Nodes) -> None:
+    """a's push to home is under way over home's session when the session ends: the retries wait
+    for home's next session instead of dialing home, whose address is "" behind NAT (grpc: "the
+    target uri is not valid: dns:///") or one it says nobody can dial; it arrives over the next
+    session."""
+    a = await nodes.start("a", n_elements=BIG)
+    home = await nodes.start("home", peers=[a.advertise], n_elements=BIG, reachable="no")
+    for task in home.ctx.tasks.named("sessions"):
+        task.cancel()  # home holds no session for now
+    await wait_until(lambda: "home" in alive_ids(a), what="a to know home")
+    session = a.sessions.carried["home"] = Carried("home")  # a session nothing writes out: the push waits on it
+    a.transport.send(0, Phase.WHOLE, encode("a", torch.ones(BIG)))
+    await asyncio.sleep(0.5)
+    del a.sessions.carried["home"]
+    session.end()  # the session ended before the push went out
+    await asyncio.sleep(1.5)  # the push retries meanwhile
+    assert not {"", home.peers.node_info().advertise, home.advertise} & set(a.ctx.channels.addresses())  # nor its own address
+    home.ctx.tasks.supervise(home.sessions.hold_all, "sessions")
+    await wait_until(lambda: home.book.contributors(0) == {"a"}, what="a's contribution over the next session",
+                     timeout_s=30)

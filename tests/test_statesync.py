@@ -1,18 +1,23 @@
-"""State transfer between two real SwarmNodes: verified, and served with the daemon's default
-(auto) zstd level."""
+"""State transfer between real SwarmNodes: verified, served with the daemon's default (auto)
+zstd level, resumed from the chunks verified when a download is cut or stalls."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
-from helpers import swarm_config
+from helpers import Nodes, swarm_config, wait_until
 
 from neuronode.events import record_fields
 from neuronode.state import GlobalState
+from neuronode.swarm import statesync
 from neuronode.swarm.node import SwarmConfig, SwarmNode
+from neuronode.swarm.wire import Refusal
 
 
 @pytest.mark.timeout(60)
@@ -93,3 +98,81 @@ async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCa
     rejected = [record_fields(r) for r in caplog.records if getattr(r, "event", "") == "donor_rejected"]
     assert [r["peer_id"] for r in rejected] == ["a-liar"]
     assert rejected[0]["reason"].startswith("its round-7 parameters hash to"), rejected
+
+
+def big_state(n: int = 4 << 20) -> GlobalState:
+    """16 MiB of parameters and 16 of momentum: 32 chunks of 1 MiB (random: zstd keeps their size)."""
+    import hashlib
+
+    params = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    momentum = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    return GlobalState(round=7, param_digest=hashlib.sha256(params.numpy().tobytes()).hexdigest(), params=params,
+                       momentum=momentum, inner_steps_total=70)
+
+
+async def donors_and_joiner(nodes: Nodes, executor: ThreadPoolExecutor, state: GlobalState,
+                            names: list[str]) -> tuple[object, list[SwarmNode]]:
+    n = state.params.numel()
+    joiner = await nodes.start("joiner", n_elements=n)
+    donors = [SwarmNode(replace(joiner.cfg, node_id=name, peers=(joiner.advertise,)), executor=executor,
+                        state_provider=lambda: state) for name in names]
+    for donor in donors:
+        await donor.start()
+        nodes.running.append(donor)
+        donor.state.adopted(7, state.param_digest, listen=False)
+    await wait_until(lambda: {p.node_id for p in joiner.table.alive() if 7 in p.digests} == set(names),
+                     what="the joiner to hear every donor publish round 7", timeout_s=20)
+    return joiner, donors
+
+
+def serving(donor: SwarmNode, *, cut_after: int | None = None, stall_after: int | None = None) -> list[dict[str, object]]:
+    """Wrap a donor's FetchState: its first stream is cut (or stalls) after that many chunks;
+    returns, per stream served, the resume point asked for and the payload bytes written."""
+    served: list[dict[str, object]] = []
+    honest = donor.donor.serve
+
+    async def serve(caller: str, write: Callable[[Any], Awaitable[None]], **resume: Any) -> None:
+        first, record = not served, {**resume, "bytes": 0}
+        served.append(record)
+
+        async def counted(msg: Any) -> None:
+            chunk = not msg.HasField("header")
+            if first and chunk and record.get("chunks", 0) == (cut_after if stall_after is None else stall_after):
+                if stall_after is not None:
+                    await asyncio.Event().wait()
+                raise Refusal("UNAVAILABLE", "cut")
+            record["chunks"] = record.get("chunks", 0) + chunk
+            record["bytes"] += len(msg.payload)  # type: ignore[operator]
+            await write(msg)
+
+        await honest(caller, counted, **resume)
+
+    donor.donor.serve = serve  # type: ignore[method-assign]
+    return served
+
+
+@pytest.mark.timeout(120)
+async def test_a_download_cut_at_half_resumes_without_fetching_the_first_half_again(
+        nodes: Nodes, executor: ThreadPoolExecutor) -> None:
+    state = big_state()
+    joiner, (donor,) = await donors_and_joiner(nodes, executor, state, ["donor"])
+    served = serving(donor, cut_after=16)
+    got = await joiner.fetch_state(["donor"])
+    assert got is not None and torch.equal(got.params, state.params) and torch.equal(got.momentum, state.momentum)
+    total = 2 * state.params.numel() * 4
+    assert [s.get("resume_from", 0) for s in served] == [0, 16], served
+    assert served[0]["chunks"] == 16 and served[1]["chunks"] == 16, served
+    assert joiner.counters.bytes_received < 1.05 * total  # the first half came once
+
+
+@pytest.mark.timeout(120)
+async def test_a_stalled_download_goes_on_from_the_next_donor(nodes: Nodes, executor: ThreadPoolExecutor,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(statesync, "STALL_S", 2.0)
+    state = big_state()
+    joiner, (a, b) = await donors_and_joiner(nodes, executor, state, ["a", "b"])
+    from_a, from_b = serving(a, stall_after=10), serving(b)
+    got = await asyncio.wait_for(joiner.fetch_state(["a", "b"]), timeout=60)
+    assert got is not None and torch.equal(got.params, state.params)
+    assert from_a[0]["chunks"] == 10 and [s["resume_from"] for s in from_b] == [10], (from_a, from_b)
+    assert from_b[0]["chunks"] == 22

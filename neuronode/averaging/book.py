@@ -15,8 +15,11 @@ Rules (docs/protocol.md repeats them):
   holder if it counts (two listings), else every member leaves it out alike. A push lost on
   the way (a cut link, a session that ended, a relay that never had it) costs that grace, not
   the deadline, and its maker is not late.
-- A contribution still streaming when its round closes is discarded: its stream is aborted and
-  its buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
+- A contribution still arriving at the deadline is waited for while it keeps arriving (its
+  stream sends a chunk at least every `idle_s`), one more timeout at most: on a slow link a
+  contribution in flight is not left out (every member would leave it out alike, its maker
+  too). One still streaming when its round closes is discarded: its stream is aborted and its
+  buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
 - A sender whose contribution was missing when a round closed at its deadline is late: no round
   waits for it again until a contribution of its arrives complete (it still counts if it arrives
   before a round closes; one that comes after its round closed still ends the lateness), or it
@@ -245,6 +248,7 @@ class RoundBook:
         `fetch_after_s` we stop waiting for their own push (see the module docstring)."""
         deadline = self.clock.now() + timeout_s
         fetch_at = None if fetch_after_s is None else self.clock.now() + fetch_after_s
+        said = False
         while True:
             changed = self._changed
             have = self.contributors(round_id, phase)
@@ -268,6 +272,15 @@ class RoundBook:
                                 extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
             if not missing and len(counted) >= min_contributors:
                 break
+            arriving = missing & {s for ph, r, s in self._streaming if ph == phase and r == round_id}
+            if now >= deadline and arriving and now < deadline + timeout_s:
+                if not said:
+                    said = True
+                    logger.info("round %d: deadline passed while the contributions of %s are still arriving; "
+                                "waiting for them while they move", round_id, ", ".join(sorted(arriving)),
+                                extra=fields("in_flight", round_id=round_id, senders=sorted(arriving)))
+                await self.clock.wait(changed, deadline + timeout_s - now)
+                continue
             if now >= deadline:
                 # Missing at a deadline: late, whether we close now or wait on for --min-peers.
                 for sender in missing:

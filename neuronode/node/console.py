@@ -86,3 +86,10 @@ def progress_line(*, round_id: int, rounds: int, step: int, inner_steps: int, lo
     total = f"/{rounds}" if rounds else ""
     return (f"round {round_id + 1}{total} [{'#' * filled}{'.' * (20 - filled)}] step {step}/{inner_steps} "
             f"loss {loss:.3f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s peers {peers} ETA {format_eta(left_steps * step_s)}")
+
+
+def download_line(*, donor: str, done_bytes: int, total_bytes: int, bytes_per_s: float, eta_s: float) -> str:
+    """state from p1 [#######.............] 70.2/200.0 MB 2.45 MB/s ETA 0m53s"""
+    filled = round(20 * done_bytes / max(total_bytes, 1))
+    return (f"state from {donor} [{'#' * filled}{'.' * (20 - filled)}] {done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB "
+            f"{bytes_per_s / 1e6:.2f} MB/s ETA {format_eta(eta_s)}")

@@ -24,7 +24,7 @@ from neuronode.errors import CheckpointError
 from neuronode.events import fields
 from neuronode.node import checkpoint
 from neuronode.node.catchup import CatchUp
-from neuronode.node.console import Progress, attach_progress, progress_line
+from neuronode.node.console import Progress, attach_progress, download_line, progress_line
 from neuronode.node.history import History, RoundRecord
 from neuronode.node.member import MemberLost
 from neuronode.node.metrics import Metrics, Snapshot
@@ -36,6 +36,7 @@ from neuronode.node.web import on_loop
 from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.security import Security
+from neuronode.swarm.statesync import TransferProgress
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Daemon:
                         extra=fields("validated", round_id=0, val_loss=self.trainer.val_loss))
         swarm = self.swarm = SwarmNode(self.swarm_config(), executor=self.pools.codec, state=self.state,
                                        status_provider=self.status, state_provider=self.trainer.snapshot,
-                                       security=self.security,
+                                       security=self.security, on_download=self.on_download,
                                        loopback_only=not self.cfg.authenticated and not self.cfg.open)
         self.round_bytes = (int(self.restored_meta.get("bytes_sent", 0)), int(self.restored_meta.get("bytes_received", 0)))
         swarm.restore_counters(bytes_sent=self.round_bytes[0], bytes_received=self.round_bytes[1])
@@ -260,6 +261,15 @@ class Daemon:
             tokens_per_s=trainer.tokens_per_s, tokens_per_batch=trainer.task.tokens_per_batch,
             peers=self.swarm.alive_count() if self.swarm is not None else 0))
 
+    def on_download(self, progress: TransferProgress) -> None:
+        """A state download moved: live progress on a TTY."""
+        if progress.total_bytes:
+            self.progress.show(download_line(donor=progress.donor, done_bytes=progress.verified_bytes,
+                                             total_bytes=progress.total_bytes, bytes_per_s=progress.bytes_per_s,
+                                             eta_s=progress.eta_s))
+        else:
+            self.progress.clear()
+
     def swarm_config(self) -> SwarmConfig:
         return SwarmConfig(
             node_id=self.node_id, swarm_id=self.cfg.swarm_id, manifest_hash=self.engine.manifest_hash(),
@@ -279,6 +289,7 @@ class Daemon:
         rates = self.trainer.rank_tokens_per_s  # one read: the training thread updates them
         return {
             "round": self.state.round, "phase": self.state.phase.value, "param_digest": self.state.param_digest,
+            "state_digest": self.trainer.state_digest,
             "loss": finite_or(self.trainer.loss), "val_loss": finite_or(self.trainer.val_loss),
             "last_round_contributors": len(contributors), "last_round_contributor_ids": contributors,
             "inner_steps": self.engine.inner_steps_total, "tokens_per_s": sum(rates),

@@ -26,7 +26,7 @@ from neuronode.config import NodeConfig
 from neuronode.diloco import DiLoCo, InnerConfig, OuterConfig, get_aggregator
 from neuronode.errors import ConfigError
 from neuronode.node.member import Member
-from neuronode.state import GlobalState
+from neuronode.state import GlobalState, state_digest
 from neuronode.training import TaskConfig, TaskError, create_task
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,9 @@ class Trainer:
         # Guards the global parameters and momentum: the outer step and adopting a downloaded
         # state change them; a donor snapshots them from another thread while we train.
         self.global_lock = threading.Lock()
-        self.param_digest = self.engine.param_digest()
+        self.param_digest = self.state_digest = ""
+        with self.global_lock:
+            self.digests()
 
     @property
     def n_params(self) -> int:
@@ -223,10 +225,16 @@ class Trainer:
             avg = torch.zeros_like(avg)
         with self.global_lock:
             self.engine.outer_step(avg)
-            self.param_digest = self.engine.param_digest()
+            self.digests()
         self.moved = True
         self.validate()
         return self.param_digest
+
+    def digests(self) -> None:
+        """param_digest and state_digest of the global state (under global_lock): the round's
+        start, which every replica of the swarm holds alike."""
+        self.param_digest = self.engine.param_digest()
+        self.state_digest = state_digest(self.global_state())
 
     def restart_from_global(self) -> None:
         """Working weights back to the global parameters (overlap's first round)."""
@@ -243,9 +251,13 @@ class Trainer:
     def snapshot(self) -> GlobalState:
         """The global state for a joiner (called from a worker thread while we may train)."""
         with self.global_lock:
-            return GlobalState(round=self.engine.round, param_digest=self.param_digest,
-                               params=self.engine.flat_global(), momentum=self.engine.flat_momentum(),
-                               inner_steps_total=self.engine.inner_steps_total)
+            return self.global_state()
+
+    def global_state(self) -> GlobalState:
+        """The global state as at the start of this round (inner steps before it); under global_lock."""
+        eng = self.engine
+        return GlobalState(round=eng.round, param_digest=self.param_digest, params=eng.flat_global(),
+                           momentum=eng.flat_momentum(), inner_steps_total=eng.inner_steps_total - eng.steps_this_round)
 
     def adopt(self, state: GlobalState) -> str:
         """Continue from a downloaded global state: parameters, momentum, round, schedule.
@@ -256,7 +268,7 @@ class Trainer:
             eng.load_flat_momentum(state.momentum)
             eng.round, eng.inner_steps_total = state.round, state.inner_steps_total
             eng.steps_this_round = eng.samples_this_round = 0
-            self.param_digest = eng.param_digest()
+            self.digests()
         self.moved = True
         if self.param_digest != state.param_digest:
             raise ValueError("adopted parameters do not hash to the donor's digest")
@@ -295,7 +307,7 @@ class Trainer:
         """Continue from a checkpoint (`path`: where rank 0 read it, for the other ranks)."""
         with self.global_lock:
             self.engine.load_state_dict(state["engine"])
-            self.param_digest = self.engine.param_digest()
+            self.digests()
         self.loss, self.val_loss = state.get("loss", math.nan), state.get("val_loss", math.nan)
         streams = state.get("rank_batches") or [state.get("batches")]
         mine = streams[self.rank] if self.rank < len(streams) else None

@@ -1,20 +1,38 @@
-"""Checks on an incoming contribution stream's header: who sent it (its membership proof or
-certificate), and whether its round, geometry and reduce-scatter role are ones this node takes.
-They read header fields only; the chunks' payloads are checked as they are decoded
-(neuronode.codec.Assembler.take)."""
+"""Every contribution stream that comes in, pushed, fetched or carried over a session, is read
+and checked here (`Inbound.receive`): its header (who sent it, by membership proof, certificate
+or signature; whether its round, geometry and reduce-scatter role are ones this node takes),
+each chunk as it is decoded off the event loop (neuronode.codec.Assembler.take: order, sizes,
+bounded decompression, finite values), and the whole (digest). Chunks are parsed without
+protobuf copying their payload (neuronode.swarm.chunks)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
+
 from neuronode.averaging.agreement import Statement, body_hash, lineage_hash
-from neuronode.averaging.book import Abort
-from neuronode.codec import Assembler, Phase, receiving, shard_ranges
+from neuronode.averaging.book import Abort, RoundRefused
+from neuronode.codec import (
+    Assembler,
+    Contribution,
+    ContributionDigest,
+    Phase,
+    receiving,
+    shard_ranges,
+)
 from neuronode.security.auth import AuthError
+from neuronode.swarm.admission import Admission
 from neuronode.swarm.bans import node_key
+from neuronode.swarm.chunks import ChunkView, parse_chunk
 from neuronode.swarm.context import Context
+from neuronode.swarm.links.relay import Relay
+from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, PB_TO_CODEC, Refusal
+from neuronode.v1 import node_pb2 as pb
 
 STREAM_FIELDS = ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest", "weight",
                  "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest",
@@ -51,9 +69,131 @@ def header_statement(chunk: Any, *, signature: bytes | None = None) -> Statement
                      signature=chunk.signature if signature is None else signature)
 
 
+def take(assembler: Assembler, chunk: Any, digest: ContributionDigest) -> None:
+    """Decode and store one received chunk (in a worker thread: decompression, checks, hashing)."""
+    assembler.take(chunk.chunk_index, chunk.payload, compressed=chunk.compressed, digest=digest)
+
+
 class Inbound:
-    def __init__(self, ctx: Context) -> None:
+    """The inbound path (see the module docstring); a whole contribution pushed to us goes on
+    to `relay`, which forwards it to the members nobody can dial that it relays to."""
+
+    def __init__(self, ctx: Context, *, relay: Relay) -> None:
         self.ctx = ctx
+        self.relay = relay
+
+    def method(self, admission: Admission) -> grpc.RpcMethodHandler:
+        """PushContribution, reading raw chunk bytes (parsed here, without payload copies)."""
+
+        async def push(request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PushAck:
+            if self.ctx.leaving:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+            await admission.admit(context)
+            try:
+                got = await self.receive(request_iterator, proven_id=caller_id(context),
+                                         certified_id=admission.certified_id(context) or "")
+            except Refusal as exc:
+                await admission.refuse(context, exc, "contribution")
+            return pb.PushAck(chunks_received=got.data.count)
+
+        return grpc.stream_unary_rpc_method_handler(push, request_deserializer=None,
+                                                    response_serializer=pb.PushAck.SerializeToString)
+
+    async def receive(self, chunks: AsyncIterator[Any], *, proven_id: str = "", certified_id: str = "",
+                      fetched: Statement | None = None, carrier: str = "") -> Contribution:
+        """The one path every contribution stream takes in: pushed to us (`proven_id`,
+        `certified_id`: who the caller proved to be), carried over a session we hold
+        (`carrier`: the member whose session delivered it, its own or one it relays), or
+        fetched from a holder (`fetched`: the statement we asked for). Checks the header, then
+        each chunk as it is decoded off the loop, then the whole (digest); files a pushed or
+        carried one in the round book, hands a fetched one back unfiled. Raises Refusal."""
+        first: Any = None
+        first_key: tuple[Any, ...] = ()
+        assembler: Assembler | None = None
+        digest = ContributionDigest()
+        loop, book = asyncio.get_running_loop(), self.ctx.book
+        next_index = 0
+        chunk: Any = None
+        data: Any = None
+        task, aborted = asyncio.current_task(), []
+
+        def abort(reason: str) -> None:  # the book ends a stream whose round closed, or that idles
+            aborted.append(reason)
+            if task is not None:
+                task.cancel()
+
+        stream = chunks.__aiter__()
+        try:
+            while True:
+                try:  # a stream that never sends its first chunk is not yet in the book: bound it here
+                    data = await (stream.__anext__() if first is not None
+                                  else asyncio.wait_for(stream.__anext__(), timeout=book.idle_s))
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise Refusal("DEADLINE_EXCEEDED", f"PushContribution: no chunk for {book.idle_s:.0f} s; "
+                                  "send a stream's chunks without pausing") from None
+                chunk = parse_chunk(data, next_index)
+                header = chunk.header if isinstance(chunk, ChunkView) else chunk
+                if first is None:
+                    if fetched is None:
+                        if carrier and header.sender_id != carrier:
+                            self.check_relayed(header, carrier)
+                        else:
+                            self.check_sender(header, proven_id, certified_id)
+                        assembler = self.open_stream(header, abort)
+                    else:
+                        assembler = self.open_fetched(header, fetched)
+                    first, first_key = header, stream_key(header)
+                else:
+                    check_same_stream(first_key, header)
+                assert assembler is not None
+                if chunk.chunk_index != next_index:
+                    raise Refusal("INVALID_ARGUMENT", f"round {first.round_id}: {first.sender_id} sent chunk "
+                                  f"{chunk.chunk_index} where chunk {next_index} was due; chunks go in order, once each")
+                next_index += 1
+                await loop.run_in_executor(self.ctx.executor, take, assembler, chunk, digest)
+                book.touch(first.round_id, first.sender_id, Phase(first.phase))
+                if fetched is None and carrier in ("", first.sender_id):
+                    self.ctx.table.seen(first.sender_id)  # its own bytes: it is live (a Hello may queue behind them)
+                self.ctx.counters.received(chunk.sender_id, chunk.ByteSize())
+            if first is None or assembler is None:
+                raise Refusal("INVALID_ARGUMENT", "empty contribution stream")
+            if not assembler.complete:
+                raise Refusal("DATA_LOSS", f"round {first.round_id}: stream from {first.sender_id} ended "
+                              f"with {len(assembler.missing())} of {assembler.count} chunks missing; discarded")
+            if digest.hexdigest() != first.contribution_digest:
+                raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
+                              "does not match its digest; discarded")
+            peer = self.ctx.table.peers.get(first.sender_id)
+            got = Contribution(
+                round_id=first.round_id, sender_id=first.sender_id, codec=PB_TO_CODEC[first.codec],
+                weight=first.weight, data=assembler, n_elements=first.total_elements,
+                digest=first.contribution_digest, chunk_elements=first.chunk_elements, shuffled=first.shuffled,
+                base_digest=first.base_digest, phase=Phase(first.phase), shard_index=first.shard_index,
+                members=tuple(first.members), contributors=tuple(first.contributors), signature=first.signature,
+                public_key=fetched.public_key if fetched is not None else peer.public_key if peer else b"")
+            if fetched is None:
+                book.finish(got)
+                if not carrier and got.phase == Phase.WHOLE:
+                    self.relay.contribution(got)  # if its maker cannot reach the other members nobody dials
+            return got
+        except RoundRefused as exc:
+            raise Refusal(exc.code, str(exc)) from None
+        except ValueError as exc:  # CodecError and friends: malformed payloads
+            raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+        except asyncio.CancelledError:
+            if not aborted or task is None:
+                raise
+            task.uncancel()  # our own abort, not the server's: answer it
+            raise Refusal("ABORTED", f"{aborted[0]}; its buffer is freed") from None
+        finally:
+            if first is not None and fetched is None:
+                book.abort(first.round_id, first.sender_id, Phase(first.phase))
+            # A refusal's traceback keeps this frame alive until the garbage collector finds the
+            # cycle: do not let it keep a partial contribution (megabytes) alive with it.
+            assembler = chunk = data = None  # noqa: F841
+
 
     def check_sender(self, chunk: Any, proven_id: str, certified_id: str) -> None:
         """The sender is who the caller proved to be, and (in a closed swarm) the tag binds it to
@@ -78,7 +218,7 @@ class Inbound:
             raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
 
     def check_relayed(self, chunk: Any, carrier: str) -> None:
-        """A contribution `carrier` relays over its session (neuronode.swarm.relay): its maker
+        """A contribution `carrier` relays over its session (neuronode.swarm.links.relay): its maker
         is a member nobody can dial, and its signature (open_stream) proves what it says."""
         table = self.ctx.table
         for who in (carrier, chunk.sender_id):

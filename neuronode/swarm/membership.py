@@ -239,6 +239,13 @@ class PeerTable:
                 added += 1
         return added
 
+    def seen(self, node_id: str) -> None:
+        """A live peer sent us something of its own (a contribution's chunk): it is live now, as
+        if a Hello had come (one may be queued behind those bytes on its link)."""
+        peer = self.peers.get(node_id)
+        if peer is not None and self.is_alive(peer):
+            peer.last_seen = self.clock.now()
+
     def ban(self, node_id: str, for_s: float) -> bool:
         """Exclude `node_id` for `for_s` (it signed two versions of one statement): not alive, its
         Hellos and contributions refused. True when the ban is new."""

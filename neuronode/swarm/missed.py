@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -23,12 +22,12 @@ from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
 from neuronode.swarm.admission import Admission, member_request
 from neuronode.swarm.chunks import maker_chunks
+from neuronode.swarm.context import Context
+from neuronode.swarm.inbound import Inbound
+from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
-
-if TYPE_CHECKING:
-    from neuronode.swarm.transport import GrpcTransport
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +39,10 @@ MIN_RATE_BYTES_PER_S = 128 << 10  # a stream may last max(2 x STALL_S, bytes / t
 class Missed:
     """What we retain for others, what we serve them, and what we fetch ourselves."""
 
-    def __init__(self, transport: GrpcTransport) -> None:
-        self.transport = transport
-        self.ctx = transport.ctx
+    def __init__(self, ctx: Context, *, links: Links, inbound: Inbound) -> None:
+        self.ctx = ctx
+        self.links = links
+        self.inbound = inbound
         self.kept: dict[Statement, tuple[Contribution, float]] = {}  # -> until (the node's clock)
         self.serving: dict[str, int] = {}  # caller -> streams open
 
@@ -83,20 +83,18 @@ class Missed:
             remaining = deadline - ctx.clock.now()
             if remaining <= 0:
                 break
-            if peer is None or not ctx.table.is_alive(peer) or not ctx.table.dialable(peer):
+            if peer is None or not ctx.table.is_alive(peer) or not self.links.dialable(peer):
                 continue  # nobody dials a member that says it cannot be dialed
             request = ctx.security.sign_request("FetchContribution", pb.ContributionRequest(
                 node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, round_id=statement.round_id,
                 sender_id=statement.sender, phase=int(statement.phase), shard_index=statement.shard_index,  # type: ignore[arg-type]
                 body=statement.body))
             try:
-                await asyncio.sleep(ctx.faults.before_call(peer.address))
-                call = ctx.channels.fetch_call(peer.address)(
-                    request, timeout=remaining, metadata=ctx.security.metadata("FetchContribution"))
-                got = await self.transport.receive(call, fetched=statement)
-            except grpc.aio.AioRpcError as exc:
+                call = await self.links.fetch(holder, "FetchContribution", request, timeout_s=remaining)
+                got = await self.inbound.receive(call, fetched=statement)
+            except (grpc.aio.AioRpcError, NoRoute) as exc:
                 logger.debug("round %d: %s could not serve %s's %s: %s", statement.round_id, holder,
-                             statement.sender, statement.phase.label, exc.details())
+                             statement.sender, statement.phase.label, exc)
                 continue
             except Refusal as exc:
                 logger.warning("round %d: %s served a bad copy of %s's %s: %s", statement.round_id, holder,

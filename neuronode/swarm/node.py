@@ -2,17 +2,20 @@
 daemon a narrow interface and the averaging protocols their Transport. It moves encoded bytes
 and knows nothing of models.
 
-Parts: `server` (the grpc.aio server and health), `service` (the gRPC handlers, with
-`admission`), `transport` (contributions both ways, the averaging Transport), `peers` (Hello,
-heartbeats, announcements, agreement), `reach` (dial-backs), `fetcher` and `donor` (state
-transfer). They share one `Context` (settings, credentials, peer table, round book, round state).
+Parts: `links` (how a member is reached: routes, sessions, relays; every call goes through
+it), `server` (the grpc.aio server and health), `service` (the gRPC handlers, with
+`admission`), `inbound` (every contribution stream that comes in), `transport` (the outbox and
+round rules: the averaging Transport), `peers` (Hello, heartbeats, announcements, agreement),
+`reach` (dial-backs), `fetcher` and `donor` (state transfer). They share one `Context`
+(settings, credentials, peer table, round book, round state), get what they need when they are
+built, and the node is the `Inbox` its sessions hand what they deliver to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -23,20 +26,21 @@ from neuronode.state import GlobalState
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
+from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.lineage import CatchUp, plan_catch_up
+from neuronode.swarm.links import Links
 from neuronode.swarm.membership import PeerTable
 from neuronode.swarm.peers import Peers
 from neuronode.swarm.reach import Reach, host_of, join_host_port
 from neuronode.swarm.receipts import Receipts
-from neuronode.swarm.relay import Relay
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
-from neuronode.swarm.sessions import Sessions
-from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, Verify
+from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, TransferProgress, Verify
 from neuronode.swarm.transport import GrpcTransport
 from neuronode.swarm.trust import closed_without_us
 from neuronode.swarm.wire import PROTOCOL_VERSION
+from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -51,32 +55,29 @@ class SwarmNode:
         status_provider: Callable[[], dict[str, Any]] | None = None,
         state_provider: StateProvider | None = None, security: Security | None = None,
         clock: Clock | None = None, loopback_only: bool = False,
+        on_download: Callable[[TransferProgress], None] = lambda progress: None,
     ) -> None:
         self.state = state or RoundState()
         ctx = self.ctx = Context(cfg, security=security or Security(node_id=cfg.node_id, swarm_id=cfg.swarm_id),
                                  state=self.state, executor=executor, clock=clock or Clock(),
                                  loopback_only=loopback_only)
         self.status_provider = status_provider or dict
-        self.receipts = Receipts(ctx, on_change=ctx.book.notify)
-        self.peers = Peers(ctx, receipts=self.receipts, on_news=self._news)
-        self.transport = GrpcTransport(ctx, receipts=self.receipts, publish_receipt=self.peers.publish_receipt)
-        self.reach = Reach(ctx)
-        self.sessions = Sessions(ctx, peers=self.peers, transport=self.transport)
-        self.transport.sessions = self.sessions
-        self.relay = self.transport.relay = Relay(ctx, sessions=self.sessions)
-        self.peers.on_announce = self.sessions.announce
-        self.peers.on_relayable = self.relay.hello
-        self.peers.carried_by = lambda: list(self.sessions.open)
-        self.peers.on_observed = self.reach.observe
-        self.reach.on_change = self._reach_changed
-        self.fetcher = StateFetch(ctx)
+        self.receipts = Receipts(ctx, on_change=ctx.book.notify, on_want=self._want)
+        self.links = Links(ctx, inbox=self)
+        self.sessions, self.relay = self.links.sessions, self.links.relay
+        self.reach = Reach(ctx, links=self.links, on_change=self._reach_changed)
+        self.peers = Peers(ctx, links=self.links, receipts=self.receipts, on_news=self._news, observe=self.reach.observe)
+        self.inbound = Inbound(ctx, relay=self.relay)
+        self.transport = GrpcTransport(ctx, links=self.links, inbound=self.inbound, receipts=self.receipts,
+                                       publish_receipt=self.peers.publish_receipt)
+        self.fetcher = StateFetch(ctx, links=self.links, on_progress=on_download)
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash, zstd_level=cfg.zstd_level,
                            executor=executor, security=ctx.security)
         admission = Admission(ctx)
         service = NodeService(ctx, admission=admission, peers=self.peers, reach=self.reach, donor=self.donor,
                               status=self.status)
         self.server = Server(ctx.security, servicer=service,
-                             methods={"PushContribution": self.transport.push_method(admission),
+                             methods={"PushContribution": self.inbound.method(admission),
                                       "FetchContribution": self.transport.missed.method(admission),
                                       "Session": self.sessions.method(admission)},
                              admit=admission.admit_local_or_member)
@@ -121,9 +122,9 @@ class SwarmNode:
         ctx = self.ctx
         ctx.leaving = True
         await self.server.leaving()
-        peers = [p for p in ctx.table.alive() if ctx.table.dialable(p)]
+        peers = [p for p in ctx.table.alive() if self.links.dialable(p)]
         if peers:
-            await asyncio.gather(*(self.peers.leave(p.address) for p in peers), return_exceptions=True)
+            await asyncio.gather(*(self.peers.leave(p.node_id) for p in peers), return_exceptions=True)
         await ctx.tasks.stop()
         await self.server.stop(grace_s)
         await ctx.channels.close_all()
@@ -148,6 +149,29 @@ class SwarmNode:
                 return
             logger.debug("waiting up to %.0f s for %s to finish round %d", left, ", ".join(behind), self.state.round - 1)
             await ctx.clock.wait(changed, left)
+
+    # ---- what our sessions hand up (neuronode.swarm.links.Inbox) -------------------------------
+
+    def our_hello(self, caller: str) -> pb.HelloResponse:
+        return self.peers.session_hello(caller)
+
+    def carrying(self, peer_id: str) -> None:
+        self.transport.push_pending()
+
+    def hello_answer(self, address: str, resp: pb.HelloResponse) -> bool:
+        return self.peers.take_answer(address, resp)
+
+    def relayed_hello(self, carrier: str, request: pb.HelloRequest) -> None:
+        self.peers.take_relayed(carrier, request)
+
+    async def contribution(self, chunks: AsyncIterator[bytes], *, carrier: str) -> None:
+        await self.inbound.receive(chunks, proven_id=carrier if self.ctx.security.secret else "", carrier=carrier)
+
+    def carriers_changed(self) -> None:
+        self.peers.announce()
+
+    def _want(self, maker: str) -> None:
+        self.peers.ask(maker)
 
     def _news(self) -> None:
         self.transport.push_pending()
@@ -178,7 +202,7 @@ class SwarmNode:
 
     async def fetch_state(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
         table = self.table
-        dialable = [d for d in donors if d in table.peers and table.dialable(table.peers[d])]
+        dialable = [d for d in donors if d in table.peers and self.links.dialable(table.peers[d])]
         return await self.fetcher.fetch(dialable, verify=verify)
 
     def closed_without_us(self, round_id: int) -> list[str]:
@@ -219,7 +243,7 @@ class SwarmNode:
             "bytes_sent": ctx.counters.bytes_sent, "bytes_received": ctx.counters.bytes_received,
             "control_bytes_sent": ctx.counters.control_bytes_sent,
             "control_bytes_received": ctx.counters.control_bytes_received,
-            "buffered_bytes": ctx.book.buffered_bytes,
+            "buffered_bytes": ctx.book.buffered_bytes, **self.fetcher.progress.fields(),
             # Members that hold bytes here were live when their streams opened (one may have died since).
             "buffered_bytes_bound": buffered_bytes_bound(
                 ctx.cfg, len({p.node_id for p in self.table.alive()} | ctx.book.senders())),

@@ -18,11 +18,12 @@ from neuronode.security.auth import AuthError
 from neuronode.security.identity import is_derived
 from neuronode.swarm.context import Context, Settings
 from neuronode.swarm.lineage import agreement
-from neuronode.swarm.membership import MAX_MEMBERS, KeyMismatch, TableFull, heartbeat_targets
+from neuronode.swarm.links import Links, NoRoute
+from neuronode.swarm.links.links import FINAL_CODES
+from neuronode.swarm.links.relay import MAX_CARRIERS
+from neuronode.swarm.membership import MAX_MEMBERS, KeyMismatch, Peer, TableFull, heartbeat_targets
 from neuronode.swarm.receipt_wire import check_sizes as check_receipt_sizes
 from neuronode.swarm.receipts import Receipts
-from neuronode.swarm.relay import MAX_CARRIERS
-from neuronode.swarm.transport import FINAL_CODES
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
     MAX_ID_CHARS,
@@ -48,17 +49,16 @@ MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact
 
 
 class Peers:
-    """Who we greet and what we tell them; `on_news` runs after every message a peer sends."""
+    """Who we greet and what we tell them; `on_news` runs after every message a peer sends,
+    `observe(peer_id, address)` when a peer tells us where it sees our connection come from."""
 
-    def __init__(self, ctx: Context, *, receipts: Receipts, on_news: Callable[[], None]) -> None:
+    def __init__(self, ctx: Context, *, links: Links, receipts: Receipts, on_news: Callable[[], None],
+                 observe: Callable[[str, str], None] = lambda peer_id, address: None) -> None:
         self.ctx = ctx
+        self.links = links
         self.on_news = on_news
+        self.observe = observe
         self.receipts = receipts
-        receipts.on_want = self.ask
-        self.on_announce: Callable[[], None] = lambda: None  # our news to the sessions we carry
-        self.on_observed: Callable[[str, str], None] = lambda peer_id, address: None  # where a peer sees us
-        self.on_relayable: Callable[[pb.HelloRequest], None] = lambda request: None  # a Hello we may relay
-        self.carried_by: Callable[[], list[str]] = list  # members whose sessions carry us
         self.agreement = "unknown"
         self._mark = 0  # what the latest node_info(to=...) told its peer (Receipts.fill)
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
@@ -85,7 +85,7 @@ class Peers:
             recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
             leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public,
             reachable=REACHABILITY_TO_PB[ctx.reachable],
-            carried_by=sorted(self.carried_by())[:MAX_CARRIERS] if ctx.reachable == "no" else [])
+            carried_by=self.links.carried_by()[:MAX_CARRIERS] if ctx.reachable == "no" else [])
         self._mark = self.receipts.fill(info, to=to)
         return info
 
@@ -97,7 +97,7 @@ class Peers:
         PEX_SAMPLE of them (a member greets every address it learns, so news of a newcomer
         spreads from the newcomer itself; docs/protocol.md gives the cost)."""
         table = self.ctx.table
-        dialable = [p for p in table.alive() if table.dialable(p)]  # nobody can use the rest
+        dialable = [p for p in table.alive() if self.links.dialable(p)]  # nobody can use the rest
         if not full and table.min_fanout < MAX_MEMBERS:  # (the greet-everyone reference lists all)
             dialable = random.sample(dialable, min(len(dialable), PEX_SAMPLE))
         return [pb.PeerRecord(node_id=p.node_id, address=p.address) for p in dialable][:MAX_PEERS_LISTED]
@@ -110,12 +110,19 @@ class Peers:
     def announce(self) -> None:
         """Tell live peers our news now, not at the next heartbeat: whom a peer waits for
         depends on our round, and rounds can be shorter than a heartbeat period."""
-        if not self.ctx.started:
-            return
-        for peer in self.ctx.table.alive():
-            if self.ctx.table.dialable(peer):  # one that cannot be dialed hears us over its session
-                self.ctx.tasks.spawn(self.hello(peer.address, to=peer.node_id), f"announce-{peer.node_id}")
-        self.on_announce()
+        if self.ctx.started:
+            self.links.announce(self.greet, self.session_hello)
+
+    async def greet(self, peer: Peer) -> bool:
+        return await self.hello(peer.address, to=peer.node_id)
+
+    def session_hello(self, caller: str = "") -> pb.HelloResponse:
+        """Our NodeInfo as a signed Hello answer (what a Hello to us would return), for the
+        sessions we carry (`caller`: where the session's call came from)."""
+        resp = pb.HelloResponse(info=self.node_info(), known_peers=self.known_peers(),
+                                observed_address=caller.split(":", 1)[-1] if caller else "")
+        self.ctx.security.sign_hello(resp)
+        return resp
 
     def ask(self, maker: str) -> None:
         """Greet `maker` now: our Hello names the receipt of it we could not rebuild
@@ -123,7 +130,7 @@ class Peers:
         whole)."""
         table = self.ctx.table
         peer = table.peers.get(maker)
-        if self.ctx.started and peer is not None and table.is_alive(peer) and table.dialable(peer):
+        if self.ctx.started and peer is not None and table.is_alive(peer) and self.links.dialable(peer):
             self.ctx.tasks.spawn(self.hello(peer.address, to=maker), f"want-{maker}")
 
     # ---- what we hear --------------------------------------------------------------------
@@ -266,8 +273,7 @@ class Peers:
     def forget(self, address: str) -> None:
         self.ctx.table.addresses.discard(address)
         self._backoff.pop(address, None)
-        channel = self.ctx.channels.pop(address)
-        if channel is not None:
+        for channel in self.ctx.channels.pop(address):
             self.ctx.tasks.spawn(channel.close(), f"close-{address}")
 
     async def hello(self, address: str, *, to: str | None = None) -> bool:
@@ -278,9 +284,9 @@ class Peers:
         req = pb.HelloRequest(info=info, known_peers=self.known_peers(full=to is None))
         ctx.security.sign_hello(req)
         try:
-            await asyncio.sleep(ctx.faults.before_call(address))
-            resp = await ctx.channels.stub(address).Hello(req, timeout=max(1.0, ctx.cfg.heartbeat_s),
-                                                          metadata=ctx.security.metadata("Hello"))
+            resp = await self.links.dial(address, "Hello", req, timeout_s=max(1.0, ctx.cfg.heartbeat_s))
+        except NoRoute:
+            return False
         except grpc.aio.AioRpcError as exc:
             refused = exc.code() in FINAL_CODES
             self.dial_failed(address, refused=refused)
@@ -325,12 +331,12 @@ class Peers:
             ctx.say(f"table-full:{address}", logging.WARNING, "not recording the peer at %s: %s", address, exc)
             return False
         if resp.observed_address:
-            self.on_observed(resp.info.node_id, resp.observed_address)
+            self.observe(resp.info.node_id, resp.observed_address)
         return True
 
     def take_relayed(self, carrier: str, request: pb.HelloRequest) -> None:
         """A Hello of a member nobody can dial, relayed by `carrier` as its maker signed it
-        (neuronode.swarm.relay): checked as if the maker had called us. Members known only
+        (neuronode.swarm.links.relay): checked as if the maker had called us. Members known only
         through one carrier count toward that carrier's --max-ids-per-host."""
         ctx, info = self.ctx, request.info
         if info.node_id == ctx.cfg.node_id or info.reachable != pb.REACHABILITY_NO:
@@ -347,14 +353,16 @@ class Peers:
                     info.node_id[:MAX_ID_CHARS], carrier, exc,
                     extra=fields("refused", what="relayed hello", peer_id=carrier, detail=str(exc)))
 
-    async def leave(self, address: str) -> None:
+    def relayable(self, request: pb.HelloRequest) -> None:
+        """A Hello a member nobody can dial sent us: on to the members we relay to for it."""
+        self.links.relay.hello(request)
+
+    async def leave(self, peer_id: str) -> None:
         ctx = self.ctx
+        request = ctx.security.sign_request("Leave", pb.LeaveRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id))
         try:
-            ctx.faults.before_call(address)
-            await ctx.channels.stub(address).Leave(
-                ctx.security.sign_request("Leave", pb.LeaveRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id)), timeout=1.0,
-                metadata=ctx.security.metadata("Leave"))
-        except grpc.aio.AioRpcError:
+            await self.links.call(peer_id, "Leave", request, timeout_s=1.0)
+        except (grpc.aio.AioRpcError, NoRoute):
             pass
 
     async def refresh_agreement(self) -> None:

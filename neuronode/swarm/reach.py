@@ -6,7 +6,7 @@ the host a quorum of its peers agree on (`trust.agreed_host`) with its own liste
 candidate address, and asks up to three peers to dial it back there (CheckReachable): with a
 quorum of yes it advertises it; with a quorum of no it is unreachable (behind NAT) and says so
 (NodeInfo.reachable), nobody dials it, and it takes part through sessions it opens to
-reachable members (neuronode.swarm.sessions). `--reachable yes|no` skips the dial-back.
+reachable members (neuronode.swarm.links.sessions). `--reachable yes|no` skips the dial-back.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import grpc
 from neuronode.config import is_wildcard_host
 from neuronode.events import fields
 from neuronode.swarm.context import Context
+from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.membership import Peer
 from neuronode.swarm.trust import agreed_host, reachability
 from neuronode.swarm.wire import MAX_ADDRESS_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
-from neuronode.v1 import node_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,12 @@ def join_host_port(host: str, port: int | str) -> str:
 
 
 class Reach:
-    def __init__(self, ctx: Context) -> None:
+    """Our address and reachability; `on_change` runs when either changed."""
+
+    def __init__(self, ctx: Context, *, links: Links, on_change: Callable[[], None] = lambda: None) -> None:
         self.ctx = ctx
-        self.on_change: Callable[[], None] = lambda: None  # our address or reachability changed
+        self.links = links
+        self.on_change = on_change
         self.observed: dict[str, str] = {}  # peer id -> the host it sees our connections come from
         self.checked_for = ""  # the address the current verdict is about
         self.checked_at = -RECHECK_S
@@ -116,7 +119,7 @@ class Reach:
         now = ctx.clock.now()
         if target == self.checked_for and now - self.checked_at < RECHECK_S:
             return
-        asked = [p for p in ctx.table.alive() if ctx.table.dialable(p)][:3]
+        asked = [p for p in ctx.table.alive() if self.links.dialable(p)][:3]
         if not asked:
             self.settled_since = None
             return
@@ -172,7 +175,7 @@ class Reach:
     async def check(self, target: str, asked: list[Peer]) -> str:
         """Ask `asked` (up to three live peers) to dial us back at `target`; the verdict needs a
         quorum of them (neuronode.swarm.trust.reachability)."""
-        answers = await asyncio.gather(*(self.ask(p.address, target) for p in asked))
+        answers = await asyncio.gather(*(self.ask(p.node_id, target) for p in asked))
         said = [(peer, resp) for peer, resp in zip(asked, answers, strict=True) if resp is not None]
         verdict = reachability([(p.node_id, resp.reachable) for p, resp in said], self.ctx.table.voice)
         if verdict == "unknown" and said:
@@ -181,16 +184,16 @@ class Reach:
                            extra=fields("reachability", reachable=None, address=target))
         return verdict
 
-    async def ask(self, address: str, target: str) -> pb.ReachResponse | None:
+    async def ask(self, peer_id: str, target: str) -> pb.ReachResponse | None:
         ctx = self.ctx
         request = pb.ReachRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id,
                                   address=target if target != ctx.advertise else "")
         try:
-            return await ctx.channels.stub(address).CheckReachable(
-                ctx.security.sign_request("CheckReachable", request), timeout=15,
-                metadata=ctx.security.metadata("CheckReachable"))
-        except grpc.aio.AioRpcError:
+            answer: pb.ReachResponse = await self.links.call(
+                peer_id, "CheckReachable", ctx.security.sign_request("CheckReachable", request), timeout_s=15)
+        except (grpc.aio.AioRpcError, NoRoute):
             return None
+        return answer
 
     # ---- serving dial-backs ----------------------------------------------------------------------
 
@@ -215,15 +218,11 @@ class Reach:
         self._dialbacks[node_id] = now
         for old in [k for k, t in self._dialbacks.items() if now - t >= DIAL_BACK_EVERY_S]:
             del self._dialbacks[old]
-        channel = ctx.security.channel(address)
         try:
-            await pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=5,
-                                                   metadata=ctx.security.metadata("Status"))
+            await self.links.dial_once(address, "Status", pb.StatusRequest(), timeout_s=5)
             return pb.ReachResponse(reachable=True, address=address)
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, NoRoute):
             return pb.ReachResponse(reachable=False, address=address)
-        finally:
-            await channel.close()
 
     @staticmethod
     async def resolve(host: str) -> set[str]:

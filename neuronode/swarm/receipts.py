@@ -55,10 +55,11 @@ EQUIVOCATION_BAN_S = 3600.0  # a member caught signing two versions of one thing
 class Receipts:
     """Our receipts, and what members told us of theirs (see the module docstring)."""
 
-    def __init__(self, ctx: Context, *, on_change: Callable[[], None]) -> None:
+    def __init__(self, ctx: Context, *, on_change: Callable[[], None],
+                 on_want: Callable[[str], None] = lambda maker: None) -> None:
         self.ctx = ctx
         self.on_change = on_change  # a receipt arrived or a member was banned: waits re-evaluate
-        self.on_want: Callable[[str], None] = lambda maker: None  # greet `maker`: we want its list
+        self.on_want = on_want  # greet `maker`: we want its list
         self.own: dict[tuple[int, Phase], Receipt] = {}
         # Receipts as their makers signed them, every version: from the maker itself, and relayed
         # (a relayed one may come without its list: it is proof only).

@@ -69,13 +69,16 @@ class Security:
         cert, key, ca = (Path(p) for p in self.tls_files)
         return server.add_secure_port(listen, server_credentials(cert, key, ca))
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str, *, own_connection: bool = False) -> grpc.aio.Channel:
+        """A channel to `address`; `own_connection`: one not shared with the process's other
+        channels to it (grpc shares one connection among channels with equal settings)."""
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection else CHANNEL_OPTIONS
         if self.tls_files is None:
-            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            return grpc.aio.insecure_channel(address, options=options)
         from neuronode.security.tls import channel_credentials
 
         cert, key, ca = (Path(p) for p in self.tls_files)
-        return grpc.aio.secure_channel(address, channel_credentials(cert, key, ca), options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, channel_credentials(cert, key, ca), options=options)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [DecodeGuard(), *([AuthInterceptor(self)] if self.secret else [])]

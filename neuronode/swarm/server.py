@@ -59,21 +59,31 @@ class Counters:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
 
+CONTROL, BULK = "control", "bulk"  # the two lanes to a peer (neuronode.swarm.links)
+
+
 class Channels:
-    """One channel per peer address, opened on first use and kept."""
+    """Channels per peer address and lane, opened on first use and kept: the control lane (Hello,
+    Leave, dial-backs) has a connection of its own beside the bulk one (contributions, fetches,
+    state, sessions), so that control messages never queue behind bulk data."""
 
     def __init__(self, security: Security) -> None:
         self.security = security
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
+    def channel(self, address: str, lane: str = BULK) -> grpc.aio.Channel:
+        channel = self._channels.get((address, lane))
         if channel is None:
-            channel = self._channels[address] = self.security.channel(address)
+            channel = self._channels[(address, lane)] = self.security.channel(address, own_connection=lane != BULK)
         return channel
 
+    def addresses(self) -> set[str]:
+        """Addresses we hold a channel to."""
+        return {address for address, _ in self._channels}
+
     def stub(self, address: str) -> pb_grpc.NodeStub:
-        return pb_grpc.NodeStub(self.channel(address))
+        """The generated stub on the control lane (raw clients in tests and tools)."""
+        return pb_grpc.NodeStub(self.channel(address, CONTROL))
 
     def push_call(self, address: str) -> Any:
         """PushContribution taking already serialized ContributionChunk messages."""
@@ -81,21 +91,15 @@ class Channels:
             f"{NODE_SERVICE_PREFIX}PushContribution", request_serializer=None,
             response_deserializer=pb.PushAck.FromString)
 
-    def fetch_call(self, address: str) -> Any:
-        """FetchContribution answering raw ContributionChunk bytes (read without payload copies)."""
-        return self.channel(address).unary_stream(
-            f"{NODE_SERVICE_PREFIX}FetchContribution", request_serializer=pb.ContributionRequest.SerializeToString,
-            response_deserializer=None)
-
     def session_call(self, address: str) -> Any:
         """Session: a long-lived stream of what a reachable member sends a node it cannot dial."""
         return self.channel(address).unary_stream(
             f"{NODE_SERVICE_PREFIX}Session", request_serializer=pb.SessionRequest.SerializeToString,
             response_deserializer=pb.SessionMessage.FromString)
 
-    def pop(self, address: str) -> grpc.aio.Channel | None:
-        """Stop keeping the channel to `address`; the caller closes what comes back."""
-        return self._channels.pop(address, None)
+    def pop(self, address: str) -> list[grpc.aio.Channel]:
+        """Stop keeping the channels to `address`; the caller closes what comes back."""
+        return [c for lane in (CONTROL, BULK) if (c := self._channels.pop((address, lane), None)) is not None]
 
     async def close_all(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -1,6 +1,6 @@
 """The gRPC face of a node (service neuronode.v1.Node). Every refusal maps to a status code and
-a message a person can act on. PushContribution is served by the transport itself
-(neuronode.swarm.transport), which reads the raw chunk bytes."""
+a message a person can act on. PushContribution is served by the inbound path
+(neuronode.swarm.inbound), which reads the raw chunk bytes."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class NodeService(pb_grpc.NodeServicer):
             if info.node_id != ctx.cfg.node_id:
                 self.peers.learn(info, list(request.known_peers), host=caller_host(context), said_at=request.timestamp_s)
                 if info.reachable == pb.REACHABILITY_NO:
-                    self.peers.on_relayable(request)  # the other members nobody dials hear it through us
+                    self.peers.relayable(request)  # the other members nobody dials hear it through us
         except KeyMismatch as exc:
             await self.admission.refuse(context, Refusal("PERMISSION_DENIED", str(exc)), "hello")
         except TableFull as exc:
@@ -127,7 +127,8 @@ class NodeService(pb_grpc.NodeServicer):
             await context.write(msg)
 
         try:
-            await self.donor.serve(request.node_id, write)
+            await self.donor.serve(request.node_id, write, resume_from=request.resume_from,
+                                   resume_digest=request.resume_digest)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "state request")
         logger.info("served the global state to %s", request.node_id,

@@ -1,67 +1,39 @@
-"""The gRPC Transport: contributions to and from peers, as client streams of ContributionChunk.
+"""The gRPC Transport: the averaging protocols' `Transport` over the swarm (outbox and round rules).
 
-Sending round r: our contribution (already encoded into frames) is pushed to every target over
-one client stream each, and again to targets that appear while the round's push window
-(`--sync-timeout`) is open; transient failures are retried with backoff until then. Receiving:
-`PushContribution` reads raw chunk bytes, checks them chunk by chunk (order, sizes, bounded
-decompression, finite values) and as a whole (digest, membership proof), and files the complete
-contribution in the round book, where it waits until our round closes (neuronode.averaging.book).
-Chunks are framed without protobuf copying their payload (neuronode.swarm.chunks).
+Sending round r: our contribution (already encoded into frames) goes to every member of the
+round over one stream each (neuronode.swarm.links routes it: dialed, over the member's session,
+or left to its relay), and again to members that appear while the round's push window
+(`--sync-timeout`) is open; transient failures are retried until then. Receiving is the
+inbound path's (neuronode.swarm.inbound): complete contributions wait in the round book until
+our round closes (neuronode.averaging.book).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from neuronode.averaging.agreement import Receipt, Statement, statement_of
-from neuronode.averaging.book import RoundRefused
 from neuronode.averaging.transport import MemberView
-from neuronode.codec import (
-    Assembler,
-    Contribution,
-    ContributionDigest,
-    Phase,
-)
+from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
-from neuronode.swarm.admission import Admission
-from neuronode.swarm.chunks import ChunkView, header_of, parse_chunk, serialize_chunk
+from neuronode.swarm.chunks import header_of, serialize_chunk
 from neuronode.swarm.context import Context
 from neuronode.swarm.faults import FaultInjected
-from neuronode.swarm.inbound import Inbound, bound_digest, check_same_stream, stream_key
+from neuronode.swarm.inbound import Inbound, bound_digest
+from neuronode.swarm.links import Links, NoRoute, SessionClosed, retry_until
+from neuronode.swarm.links.links import EARLY_STATUS_BUG, FINAL_CODES
 from neuronode.swarm.membership import member_views, reducers, round_peers
 from neuronode.swarm.missed import Missed
 from neuronode.swarm.receipts import EQUIVOCATION_BAN_S, Receipts
-from neuronode.swarm.security import caller_id
-from neuronode.swarm.sessions import SessionClosed, Sessions
-from neuronode.swarm.wire import PB_TO_CODEC, Refusal
 from neuronode.v1 import node_pb2 as pb
 
-if TYPE_CHECKING:
-    from neuronode.swarm.relay import Relay
-
 logger = logging.getLogger(__name__)
-
-# grpcio's asyncio client reports a client stream the server ended early (a refusal before it
-# read everything) as this INTERNAL error, hiding the server's status (grpc/grpc#36066).
-EARLY_STATUS_BUG = "Internal error from Core"
-# Refusals that retrying cannot fix; anything else (UNAVAILABLE, DEADLINE_EXCEEDED) is retried.
-FINAL_CODES = {
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED,
-}
-
-
-def take(assembler: Assembler, chunk: Any, digest: ContributionDigest) -> None:
-    """Decode and store one received chunk (in a worker thread: decompression, checks, hashing)."""
-    assembler.take(chunk.chunk_index, chunk.payload, compressed=chunk.compressed, digest=digest)
 
 
 # ---- sending -----------------------------------------------------------------------------------
@@ -112,20 +84,16 @@ class Window:
 
 
 class GrpcTransport:
-    """neuronode.averaging.Transport over gRPC client streams (see the module docstring)."""
+    """neuronode.averaging.Transport over the swarm's links (see the module docstring)."""
 
-    def __init__(self, ctx: Context, *, receipts: Receipts, publish_receipt: Callable[[Receipt], Receipt]) -> None:
+    def __init__(self, ctx: Context, *, links: Links, inbound: Inbound, receipts: Receipts,
+                 publish_receipt: Callable[[Receipt], Receipt]) -> None:
         self.ctx = ctx
-        self.inbound = Inbound(ctx)
+        self.links = links
         self.ledger = receipts
         self._publish = publish_receipt
         self._outbox: dict[tuple[Phase, int], Outbox] = {}
-        self.missed = Missed(self)
-        self.sessions: Sessions | None = None  # set by the node: sessions we carry for undialable members
-        self.relay: Relay | None = None  # set by the node: what we forward between them
-
-    def carries(self, peer_id: str) -> bool:
-        return self.sessions is not None and peer_id in self.sessions.carried
+        self.missed = Missed(ctx, links=links, inbound=inbound)
 
     # ---- averaging.Transport ------------------------------------------------------------------
 
@@ -197,15 +165,14 @@ class GrpcTransport:
     def push_pending(self) -> None:
         """Start pushes owed to live peers: new ones, or ones that moved into an open round
         (and forwards we owe as a relay). Cheap to call on every message a peer sends."""
-        if self.relay is not None:
-            self.relay.pending()
+        self.links.relay.pending()
         now, lag = self.ctx.clock.now(), self.ctx.cfg.round_lag
         for (phase, round_id), box in self._outbox.items():
             if now >= box.deadline:
                 continue
             for peer in self.ctx.table.alive():
-                if peer.node_id in box.pushed or not (peer.address or self.carries(peer.node_id)):
-                    continue  # no address to dial yet (it is learning it), and no session
+                if peer.node_id in box.pushed or not self.links.deliverable(peer.node_id):
+                    continue  # no route yet: no address (it is learning it), or its session is not up
                 refused = box.refused_at.get(peer.node_id)
                 if refused is not None and (peer.round == refused or peer.round > round_id):
                     continue  # it refused the round where it still is, or it closed the round
@@ -215,63 +182,64 @@ class GrpcTransport:
                 if box.targets is not None and peer.node_id not in box.targets and not listener:
                     continue  # reduce-scatter: members, plus listeners for the averaged shards
                 out = box.for_peer(peer.node_id)
-                if out is None or (not peer.reachable and not self.carries(peer.node_id)):
-                    continue  # nobody dials it: it gets this once its session is up
+                if out is None:
+                    continue
                 box.pushed.add(peer.node_id)
-                self.ctx.tasks.spawn(self.push(peer.node_id, peer.address, out, box),
+                self.ctx.tasks.spawn(self.push(peer.node_id, out, box),
                                      f"push-r{round_id}-p{int(phase)}-{peer.node_id}")
 
-    async def push(self, peer_id: str, address: str, out: Contribution, box: Outbox) -> None:
+    async def push(self, peer_id: str, out: Contribution, box: Outbox) -> None:
         """Stream `out` to one peer, retrying transient failures until the window closes."""
-        ctx, backoff, hidden = self.ctx, 0.2, 0  # hidden: refusals grpcio reported as INTERNAL
-        what = f"round {out.round_id}: {out.phase.label} to {peer_id}"
-        while (remaining := box.deadline - ctx.clock.now()) > 0:
-            sent = 0
-            try:
-                await asyncio.sleep(ctx.faults.before_call(address))
-                ctx.upload_meter.begin(ctx.clock.now())
-                try:
-                    if self.carries(peer_id):  # it cannot be dialed: over the session it holds to us
-                        await asyncio.wait_for(self.sessions.push(peer_id, self.chunks(  # type: ignore[union-attr]
-                            peer_id, address, out, box.cache(out))), timeout=remaining)
-                    else:
-                        await ctx.channels.push_call(address)(
-                            self.chunks(peer_id, address, out, box.cache(out)), timeout=remaining,
-                            metadata=ctx.security.metadata("PushContribution"))
-                    sent = out.frame_bytes
-                finally:
-                    ctx.upload_meter.end(ctx.clock.now(), sent)
-                logger.debug("round %d: sent our %s to %s", out.round_id, out.phase.label, peer_id,
-                             extra=fields("pushed", round_id=out.round_id, peer_id=peer_id, phase=out.phase.name.lower()))
-                return
-            except (SessionClosed, TimeoutError) as exc:
-                logger.debug("%s over its session failed (%s); retrying", what, exc)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and (peer := ctx.table.peers.get(peer_id)):
-                    box.refused_at[peer_id] = peer.round  # push_pending retries once it moved
-                    box.pushed.discard(peer_id)
-                if exc.code() in FINAL_CODES:
-                    logger.warning("round %d: peer %s refused our contribution: %s", out.round_id, peer_id,
-                                   exc.details(), extra=fields("push_refused", round_id=out.round_id, peer_id=peer_id,
-                                                                code=exc.code().name))
-                    return
-                if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == EARLY_STATUS_BUG:
-                    hidden += 1
-                    if hidden >= 3:
-                        logger.warning("round %d: peer %s keeps ending our stream early (a refusal grpcio "
-                                       "reports as INTERNAL); giving up", out.round_id, peer_id)
-                        return
-                logger.debug("%s failed (%s); retrying", what, exc.code().name)
-            await asyncio.sleep(min(backoff, max(0.0, box.deadline - ctx.clock.now())) * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, 5.0)
+        what, hidden = f"round {out.round_id}: {out.phase.label} to {peer_id}", [0]  # refusals grpcio hid
 
-    async def chunks(self, peer_id: str, address: str, out: Contribution, wire: WireCache) -> AsyncIterator[bytes]:
-        faults = self.ctx.faults
+        async def attempt(left: float) -> bool:
+            ctx, sent = self.ctx, 0
+            ctx.upload_meter.begin(ctx.clock.now())
+            try:
+                # A stream begun in the window may finish in the next: receivers wait for one that moves.
+                await self.links.stream(peer_id, self.chunks(peer_id, out, box.cache(out)),
+                                        timeout_s=left + ctx.cfg.sync_timeout_s)
+                sent = out.frame_bytes
+            except (NoRoute, SessionClosed, TimeoutError, FaultInjected) as exc:
+                logger.debug("%s failed (%s); retrying", what, exc)
+                return False
+            except grpc.aio.AioRpcError as exc:
+                return self.refused(peer_id, out, box, exc, hidden)
+            finally:
+                ctx.upload_meter.end(ctx.clock.now(), sent)
+            logger.debug("round %d: sent our %s to %s", out.round_id, out.phase.label, peer_id,
+                         extra=fields("pushed", round_id=out.round_id, peer_id=peer_id, phase=out.phase.name.lower()))
+            return True
+
+        await retry_until(box.deadline, self.ctx.clock, attempt)
+
+    def refused(self, peer_id: str, out: Contribution, box: Outbox, exc: grpc.aio.AioRpcError, hidden: list[int]) -> bool:
+        """A failed push: True when retrying cannot help (a refusal), False to retry."""
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and (peer := self.ctx.table.peers.get(peer_id)):
+            box.refused_at[peer_id] = peer.round  # push_pending retries once it moved
+            box.pushed.discard(peer_id)
+        if exc.code() in FINAL_CODES:
+            logger.warning("round %d: peer %s refused our contribution: %s", out.round_id, peer_id, exc.details(),
+                           extra=fields("push_refused", round_id=out.round_id, peer_id=peer_id, code=exc.code().name))
+            return True
+        if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == EARLY_STATUS_BUG:
+            hidden[0] += 1
+            if hidden[0] >= 3:
+                logger.warning("round %d: peer %s keeps ending our stream early (a refusal grpcio reports as "
+                               "INTERNAL); giving up", out.round_id, peer_id)
+                return True
+        logger.debug("round %d: %s to %s failed (%s); retrying", out.round_id, out.phase.label, peer_id,
+                     exc.code().name)
+        return False
+
+    async def chunks(self, peer_id: str, out: Contribution, wire: WireCache) -> AsyncIterator[bytes]:
+        faults, peer = self.ctx.faults, self.ctx.table.peers.get(peer_id)
+        address = peer.address if peer is not None else ""
         for frame in out.frames:
             if not faults.chunk_allowed(frame.index, address=address, phase=int(out.phase)):
                 raise FaultInjected(f"stream to {peer_id} cut after {frame.index} chunks")
             if faults.plan.delay_s:
-                await asyncio.sleep(faults.plan.delay_s)
+                await self.ctx.clock.sleep(faults.plan.delay_s)
             data = wire.chunks.get(frame.index)
             if data is None:
                 data = wire.chunks[frame.index] = self.serialize(out, wire, frame.index, frame.compressed, frame.data)
@@ -298,112 +266,3 @@ class GrpcTransport:
             logger.info("waiting up to %.0f s for %d pushes still in flight", timeout_s, len(pushes),
                         extra=fields("draining", pushes=len(pushes)))
             await asyncio.wait(pushes, timeout=timeout_s)
-
-    # ---- receiving --------------------------------------------------------------------------
-
-    def push_method(self, admission: Admission) -> grpc.RpcMethodHandler:
-        """PushContribution, reading raw chunk bytes (parsed here, without payload copies)."""
-
-        async def push(request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PushAck:
-            if self.ctx.leaving:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
-            await admission.admit(context)
-            try:
-                got = await self.receive(request_iterator, proven_id=caller_id(context),
-                                         certified_id=admission.certified_id(context) or "")
-            except Refusal as exc:
-                await admission.refuse(context, exc, "contribution")
-            return pb.PushAck(chunks_received=got.data.count)
-
-        return grpc.stream_unary_rpc_method_handler(push, request_deserializer=None,
-                                                    response_serializer=pb.PushAck.SerializeToString)
-
-    async def receive(self, chunks: AsyncIterator[Any], *, proven_id: str = "", certified_id: str = "",
-                      fetched: Statement | None = None, carrier: str = "") -> Contribution:
-        """Validate and file one incoming contribution stream, or (`fetched`: the statement of
-        one we asked a holder for) validate it and hand it back without filing it. `carrier`:
-        the member whose session delivered it (its own, or one it relays)."""
-        first: Any = None
-        first_key: tuple[Any, ...] = ()
-        assembler: Assembler | None = None
-        digest = ContributionDigest()
-        loop, book = asyncio.get_running_loop(), self.ctx.book
-        next_index = 0
-        chunk: Any = None
-        data: Any = None
-        task, aborted = asyncio.current_task(), []
-
-        def abort(reason: str) -> None:  # the book ends a stream whose round closed, or that idles
-            aborted.append(reason)
-            if task is not None:
-                task.cancel()
-
-        stream = chunks.__aiter__()
-        try:
-            while True:
-                try:  # a stream that never sends its first chunk is not yet in the book: bound it here
-                    data = await (stream.__anext__() if first is not None
-                                  else asyncio.wait_for(stream.__anext__(), timeout=book.idle_s))
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    raise Refusal("DEADLINE_EXCEEDED", f"PushContribution: no chunk for {book.idle_s:.0f} s; "
-                                  "send a stream's chunks without pausing") from None
-                chunk = parse_chunk(data, next_index)
-                header = chunk.header if isinstance(chunk, ChunkView) else chunk
-                if first is None:
-                    if fetched is None:
-                        if carrier and header.sender_id != carrier:
-                            self.inbound.check_relayed(header, carrier)
-                        else:
-                            self.inbound.check_sender(header, proven_id, certified_id)
-                        assembler = self.inbound.open_stream(header, abort)
-                    else:
-                        assembler = self.inbound.open_fetched(header, fetched)
-                    first, first_key = header, stream_key(header)
-                else:
-                    check_same_stream(first_key, header)
-                assert assembler is not None
-                if chunk.chunk_index != next_index:
-                    raise Refusal("INVALID_ARGUMENT", f"round {first.round_id}: {first.sender_id} sent chunk "
-                                  f"{chunk.chunk_index} where chunk {next_index} was due; chunks go in order, once each")
-                next_index += 1
-                await loop.run_in_executor(self.ctx.executor, take, assembler, chunk, digest)
-                book.touch(first.round_id, first.sender_id, Phase(first.phase))
-                self.ctx.counters.received(chunk.sender_id, chunk.ByteSize())
-            if first is None or assembler is None:
-                raise Refusal("INVALID_ARGUMENT", "empty contribution stream")
-            if not assembler.complete:
-                raise Refusal("DATA_LOSS", f"round {first.round_id}: stream from {first.sender_id} ended "
-                              f"with {len(assembler.missing())} of {assembler.count} chunks missing; discarded")
-            if digest.hexdigest() != first.contribution_digest:
-                raise Refusal("DATA_LOSS", f"round {first.round_id}: contribution from {first.sender_id} "
-                              "does not match its digest; discarded")
-            peer = self.ctx.table.peers.get(first.sender_id)
-            got = Contribution(
-                round_id=first.round_id, sender_id=first.sender_id, codec=PB_TO_CODEC[first.codec],
-                weight=first.weight, data=assembler, n_elements=first.total_elements,
-                digest=first.contribution_digest, chunk_elements=first.chunk_elements, shuffled=first.shuffled,
-                base_digest=first.base_digest, phase=Phase(first.phase), shard_index=first.shard_index,
-                members=tuple(first.members), contributors=tuple(first.contributors), signature=first.signature,
-                public_key=fetched.public_key if fetched is not None else peer.public_key if peer else b"")
-            if fetched is None:
-                book.finish(got)
-                if self.relay is not None and not carrier and got.phase == Phase.WHOLE:
-                    self.relay.contribution(got)  # if its maker cannot reach the other members nobody dials
-            return got
-        except RoundRefused as exc:
-            raise Refusal(exc.code, str(exc)) from None
-        except ValueError as exc:  # CodecError and friends: malformed payloads
-            raise Refusal("INVALID_ARGUMENT", str(exc)) from None
-        except asyncio.CancelledError:
-            if not aborted or task is None:
-                raise
-            task.uncancel()  # our own abort, not the server's: answer it
-            raise Refusal("ABORTED", f"{aborted[0]}; its buffer is freed") from None
-        finally:
-            if first is not None and fetched is None:
-                book.abort(first.round_id, first.sender_id, Phase(first.phase))
-            # A refusal's traceback keeps this frame alive until the garbage collector finds the
-            # cycle: do not let it keep a partial contribution (megabytes) alive with it.
-            assembler = chunk = data = None  # noqa: F841

@@ -11,7 +11,8 @@ from neuronode.v1 import node_pb2 as pb
 # 2: reduce-scatter shard receipts; 3: swarm-wide settings in Hello (NodeInfo.settings);
 # 4: this release (the task's settings in NodeInfo.settings.task, SwarmSettings.max_local_workers,
 # --max-weight (SwarmSettings.max_weight),
-# the sparse codec and its settings, ...: docs/protocol.md)
+# the sparse codec and its settings, state transfer by verified chunks, resumable
+# (StateHeader.chunk_digests, StateRequest.resume_from), ...: docs/protocol.md)
 PROTOCOL_VERSION = 4
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.

@@ -126,30 +126,13 @@ class StatefulIterator(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def _builtin_bytelm() -> TaskFactory:
-    # Imported lazily so a plug-in user never pays for the built-in corpus code.
-    from neuronode.training import bytelm
-
-    return bytelm.factory
-
-
-def _builtin(path: str) -> Callable[[], TaskFactory]:
-    """A built-in task by module path, imported only when chosen (no import of it here: the
-    task modules import this one)."""
-
-    def load() -> TaskFactory:
-        module_name, _, attr = path.partition(":")
-        factory: TaskFactory = getattr(importlib.import_module(module_name), attr)
-        return factory
-
-    return load
-
-
-_BUILTINS: dict[str, Callable[[], TaskFactory]] = {
-    "bytelm": _builtin_bytelm,
-    "builtin": _builtin_bytelm,
+# Built-in tasks by the `package.module:factory` spec they stand for: resolved like a plug-in's
+# (so a plug-in user never pays for the built-in corpus code, and this module imports none of them).
+_BUILTINS: dict[str, str] = {
+    "bytelm": "neuronode.training.bytelm:factory",
+    "builtin": "neuronode.training.bytelm:factory",
     # Hugging Face architectures, tokenizers and local data (the hf extra).
-    "hf": _builtin("neuronode.training.hf:factory"),
+    "hf": "neuronode.training.hf:factory",
 }
 BUILTIN_TASKS: tuple[str, ...] = tuple(_BUILTINS)
 
@@ -163,8 +146,7 @@ def load_task(spec: str) -> TaskFactory:
     not importable, a missing attribute or an attribute that is not callable.
     """
     spec = spec.strip()
-    if spec in _BUILTINS:
-        return _BUILTINS[spec]()
+    spec = _BUILTINS.get(spec, spec)
     if ":" not in spec:
         raise TaskError(
             f"--task {spec}: unknown task; use a built-in one ({', '.join(BUILTIN_TASKS)}) "

@@ -1,7 +1,7 @@
 """Relays: how two members that nobody can dial (behind NAT, nothing forwarded) reach each other.
 
-Each such member holds a session to every reachable member (neuronode.swarm.sessions) and
-dials them for everything it sends. A reachable member that carries sessions forwards, over the
+Each such member holds a session to every reachable member (neuronode.swarm.links.sessions)
+and dials them for everything it sends. A reachable member that carries sessions forwards, over the
 receiver's session, what one home member sent it and another needs:
 
 - its Hellos, exactly as it signed them: the receiver checks them as if their maker had called
@@ -10,7 +10,8 @@ receiver's session, what one home member sent it and another needs:
   statement, whoever delivered it (neuronode.swarm.inbound).
 
 One relay per (maker, receiver): among the members the receiver says carry its sessions
-(`NodeInfo.carried_by`), the live one ranked first by a hash of (maker, receiver, member).
+(`NodeInfo.carried_by`), the live one ranked first by a hash of (maker, receiver, member)
+(neuronode.swarm.links.route, where the sender reckons the same).
 The load spreads over the reachable members, and when the one in charge goes, the receiver's
 list changes and the next takes over. A relay can drop or delay what it forwards, never alter it
 undetected; a contribution it drops is fetched from another member whose receipt lists it
@@ -19,45 +20,30 @@ undetected; a contribution it drops is fetched from another member whose receipt
 Bounds: forwarded chunks go at most at --max-relay-mbps (on top of --max-upload-mbps, which
 they share with everything the node sends) and only within the contribution's push window
 (--sync-timeout after it arrived) while our round is at most one past it, so a relay holds at
-most two rounds of each home member's contribution; a Hello finds a full session queue and is
-dropped (the next heartbeat carries the news). `bytes_relayed` in status counts what went out.
+most two rounds of each home member's contribution; a relayed Hello waits in the session's
+control lane, replaced by its maker's next one. `bytes_relayed` in status counts what went out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import random
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
 
 from neuronode.codec import Contribution
 from neuronode.events import fields
 from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
+from neuronode.swarm.links.backoff import retry_until
+from neuronode.swarm.links.route import live_carriers, relay_for
+from neuronode.swarm.links.sessions import SessionClosed, Sessions
 from neuronode.swarm.ratelimit import UploadLimiter
-from neuronode.swarm.sessions import SessionClosed
 from neuronode.v1 import node_pb2 as pb
-
-if TYPE_CHECKING:
-    from neuronode.swarm.sessions import Sessions
 
 logger = logging.getLogger(__name__)
 
 MAX_CARRIERS = 64  # members a NodeInfo may name in carried_by
 MAX_HELLOS_KEPT = 1024  # the peer table's size
-
-
-def rank(maker: str, receiver: str, carrier: str) -> bytes:
-    """Rendezvous hash: the carrier with the lowest rank relays `maker`'s traffic to `receiver`."""
-    return hashlib.sha256(f"{maker}\0{receiver}\0{carrier}".encode()).digest()
-
-
-def relay_for(maker: str, receiver: str, carriers: Iterable[str]) -> str | None:
-    """Which of `carriers` (live members carrying `receiver`'s sessions) relays to it for `maker`."""
-    candidates = [c for c in carriers if c not in (maker, receiver)]
-    return min(candidates, key=lambda c: rank(maker, receiver, c)) if candidates else None
 
 
 class Relay:
@@ -83,14 +69,9 @@ class Relay:
             peer = ctx.table.peers.get(receiver)
             if receiver == maker or peer is None or not ctx.table.is_alive(peer):
                 continue
-            carriers = {c for c in peer.carried_by if c == me or self.live(c)} | {me}
-            if relay_for(maker, receiver, carriers) == me:
+            if relay_for(maker, receiver, live_carriers(peer, ctx.table, me=me) | {me}) == me:
                 out.append(receiver)
         return out
-
-    def live(self, peer_id: str) -> bool:
-        peer = self.ctx.table.peers.get(peer_id)
-        return peer is not None and self.ctx.table.is_alive(peer)
 
     def hello(self, request: pb.HelloRequest) -> None:
         """A Hello a member nobody can dial sent us: on to the members we relay to for it (and
@@ -105,7 +86,7 @@ class Relay:
         if receivers:
             msg = pb.SessionMessage(relayed=request)
             for receiver in receivers:
-                self.sessions.offer(receiver, msg)
+                self.sessions.offer(receiver, maker, msg)
 
     def contribution(self, c: Contribution) -> None:
         """A whole contribution its maker pushed us: kept for its push window, forwarded to the
@@ -144,21 +125,22 @@ class Relay:
                                          f"push-relay-r{c.round_id}-{c.sender_id}-{receiver}")
 
     async def forward(self, receiver: str, c: Contribution, deadline: float) -> None:
-        ctx, backoff = self.ctx, 0.2
-        while (remaining := deadline - ctx.clock.now()) > 0:
+        async def attempt(left: float) -> bool:
+            hello = self.hellos.get(c.sender_id)
             try:
-                hello = self.hellos.get(c.sender_id)
                 await asyncio.wait_for(self.sessions.push(
                     receiver, self.chunks(receiver, c),
-                    first=pb.SessionMessage(relayed=hello) if hello is not None else None), timeout=remaining)
-                logger.debug("round %d: relayed %s's %s to %s", c.round_id, c.sender_id, c.phase.label, receiver,
-                             extra=fields("relayed", round_id=c.round_id, peer_id=receiver, sender=c.sender_id))
-                return
+                    first=(c.sender_id, pb.SessionMessage(relayed=hello)) if hello is not None else None),
+                    timeout=left + self.ctx.cfg.sync_timeout_s)  # begun in the window, it may finish in the next
             except (SessionClosed, TimeoutError) as exc:
                 logger.debug("round %d: relaying %s's %s to %s failed (%s); retrying", c.round_id, c.sender_id,
                              c.phase.label, receiver, exc)
-            await asyncio.sleep(min(backoff, max(0.0, deadline - ctx.clock.now())) * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, 5.0)
+                return False
+            logger.debug("round %d: relayed %s's %s to %s", c.round_id, c.sender_id, c.phase.label, receiver,
+                         extra=fields("relayed", round_id=c.round_id, peer_id=receiver, sender=c.sender_id))
+            return True
+
+        await retry_until(deadline, self.ctx.clock, attempt)
 
     async def chunks(self, receiver: str, c: Contribution) -> AsyncIterator[bytes]:
         """`c`'s chunks as its maker signed them, at the relay's and the node's upload caps."""
