@@ -340,7 +340,9 @@ def test_page_of_a_two_node_swarm_in_a_browser(tmp_path: Path) -> None:
 
         def waiting() -> dict[str, Any] | None:
             s = api(port, "/api/status")
-            return s if (s["round"], s["phase"]) == (ROUNDS, "syncing") and "min_peers" in s["warnings"] else None
+            settled = not any(p["alive"] for p in s["peers"])  # B's leave taken: agreement no longer moves
+            return s if (s["round"], s["phase"]) == (ROUNDS, "syncing") and "min_peers" in s["warnings"] \
+                and settled else None
 
         status = poll(f"a to wait for --min-peers at round {ROUNDS}", waiting, timeout_s=60,
                       context=lambda: a.log()[-3000:])

@@ -77,7 +77,7 @@ def test_reduce_scatter_identical_replicas_and_fewer_bytes(tmp_path: Path) -> No
     """Three nodes average by reduce-scatter: one digest, every round with all three, and each
     node sends clearly less than all-to-all would (2(N-1)/N instead of N-1 contributions)."""
     small = ("--rounds", "3", "--inner-steps", "5", "--batch-size", "8", "--codec", "fp32",
-             "--zstd-level", "0")
+             "--zstd-level", "0", "--aggregator", "mean")  # norm-clip bounds shards, not whole vectors
     rs = run_swarm(tmp_path / "rs", ["a", "b", "c"], *small, "--averaging", "reduce-scatter")
     a2a = run_swarm(tmp_path / "a2a", ["a", "b", "c"], *small)
     rs_status = [n.status() for n in rs]
@@ -139,7 +139,8 @@ def test_reduce_scatter_joiner_listens_to_its_join_round_so_members_agree(tmp_pa
     other's slices and wait out the deadline, and their replicas would part. c listens to the
     round it adopted instead, is a member from the next one, and every round agrees."""
     common = ("--rounds", "7", "--batch-size", "8", "--averaging", "reduce-scatter", "--sync-timeout", "30",
-              "--min-peers", "2")  # a waits for b before round 0, so only c joins the running swarm
+              "--min-peers", "2",  # a waits for b before round 0, so only c joins the running swarm
+              "--max-weight", "240")  # inner steps differ: one bound for all (b's 30 x 8)
     a = Node(tmp_path, "a", *common, "--inner-steps", "4", "--node-id", "a")
     b = Node(tmp_path, "b", *common, "--inner-steps", "30", "--node-id", "b", "--peers", a.address)
     c = Node(tmp_path, "c", *common, "--inner-steps", "10", "--node-id", "c", "--peers", a.address)

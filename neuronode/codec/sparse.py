@@ -266,6 +266,8 @@ class SparseCodec(Codec):
         target[positions] = values
 
     def decode(self, buf: bytes, n: int) -> torch.Tensor:
+        if n < 0:
+            raise CodecError(f"{self.name}: {n} elements: a count is 0 or more")
         out = empty_floats(n)
         self.decode_into(buf, n, out)
         return out

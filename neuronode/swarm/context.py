@@ -54,9 +54,15 @@ class Settings:
 
     FLAGS: ClassVar[dict[str, str]] = {"codec": "--codec", "averaging": "--averaging", "aggregator": "--aggregator/--aggregator-option",
              "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap",
-             "max_local_workers": "--max-local-workers", "max_weight": "--max-weight",
+             "max_local_workers": "--max-local-workers",
              "sparse_k": "--sparse-k", "sparse_bits": "--sparse-bits", "sparse_block": "--sparse-block",
              "sparse_decay": "--sparse-decay"}
+    # Compared after the task's settings: its default follows sizes the task names first.
+    DERIVED: ClassVar[dict[str, str]] = {"max_weight": "--max-weight"}
+    # What a person needs to fix a mismatch of a setting whose default is derived.
+    HINTS: ClassVar[dict[str, str]] = {
+        "--max-weight": " (by default --inner-steps x --batch-size x --grad-accum x --max-local-workers; members "
+                        "that differ in those need one --max-weight given to all)"}
 
     def __post_init__(self) -> None:
         sparse = self.codec == SPARSE
@@ -92,6 +98,9 @@ class Settings:
         for name in [*ours, *(n for n in their_task if n not in ours)]:
             if ours.get(name) != their_task.get(name):
                 return name, their_task.get(name, "(not set)"), ours.get(name, "(not set)")
+        for name, flag in self.DERIVED.items():
+            if getattr(theirs, name) != getattr(self, name):
+                return flag, str(getattr(theirs, name)), str(getattr(self, name))
         return None
 
 

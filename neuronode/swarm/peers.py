@@ -169,7 +169,8 @@ class Peers:
             flag, theirs, ours = differs
             raise Refusal("FAILED_PRECONDITION",
                           f"settings mismatch: {info.node_id[:MAX_ID_CHARS]} runs {flag} {theirs[:64]}, this node "
-                          f"({cfg.node_id}) {flag} {ours}; every member of a swarm needs the same {flag}")
+                          f"({cfg.node_id}) {flag} {ours}; every member of a swarm needs the same {flag}"
+                          f"{Settings.HINTS.get(flag, '')}")
         if info.manifest_hash != cfg.manifest_hash:
             raise Refusal("FAILED_PRECONDITION",
                           f"model manifest mismatch: {info.node_id} trains another model "
