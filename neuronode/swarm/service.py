@@ -92,13 +92,13 @@ class NodeService(pb_grpc.NodeServicer):
         if ctx.security.secret and caller_id(context) != request.node_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
         peer = ctx.table.peers.get(request.node_id)
-        if peer is None or not peer.public_key or request.swarm_id != ctx.cfg.swarm_id:
-            return pb.LeaveResponse()  # a node we hold no key for: nothing to mark (and nobody can prove it left)
+        if peer is None or not peer.public_key:
+            return pb.LeaveResponse()  # a node we hold no key for: nothing to mark (nobody can prove it left)
         try:
             signed_by(ctx, "Leave", request, peer)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "Leave")
-        if ctx.table.mark_left(request.node_id, said_at=request.timestamp_s):
+        if request.swarm_id == ctx.cfg.swarm_id and ctx.table.mark_left(request.node_id, said_at=request.timestamp_s):
             ctx.book.notify()
         return pb.LeaveResponse()
 
