@@ -9,6 +9,9 @@
 - Mutual TLS (`--tls-cert/--tls-key/--tls-ca`): the server requires a client certificate from
   the swarm CA, and channels present ours; a peer outside the CA never completes a handshake.
 Both can be combined. The pure HMAC and certificate code lives in neuronode/security/.
+- Always: every node signs what it says with its key (Hellos, contributions, receipts), and the
+  requests that speak for it (Leave, FetchState, FetchContribution, CheckReachable, Session):
+  those name the node they are for and a nonce, and that node takes each once (SpentRequests).
 """
 
 from __future__ import annotations
