@@ -132,7 +132,6 @@ async def hold_state_slots(node: Any) -> None:
 
     held: dict[str, list[Any]] = {}
     channels: dict[str, Any] = {}
-    request = pb.StateRequest(node_id=node.cfg.node_id, swarm_id=node.cfg.swarm_id)
     while True:
         for peer in node.table.alive():
             if peer.address not in channels:  # no BDP probing: the receive window stays 64 KiB, so
@@ -141,7 +140,9 @@ async def hold_state_slots(node: Any) -> None:
             calls = [c for c in held.get(peer.node_id, []) if not c.done()]
             while len(calls) < 2:
                 call = pb_grpc.NodeStub(channels[peer.address]).FetchState(
-                    node.ctx.security.sign_request("FetchState", request),
+                    node.ctx.security.sign_request(  # a new one each: a signed request is good once
+                        "FetchState", pb.StateRequest(node_id=node.cfg.node_id, swarm_id=node.cfg.swarm_id),
+                        peer.node_id),
                     metadata=node.ctx.security.metadata("FetchState"))
                 calls.append(call)
                 try:

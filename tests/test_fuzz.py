@@ -328,7 +328,7 @@ def hello_verdict(t: Target, req: pb.HelloRequest) -> set[Code]:
 
 def request_well_signed(method: str, msg: Any) -> bool:
     try:
-        Security(node_id=PACER, swarm_id=SWARM).check_request_signature(method, msg, key_of(msg.node_id).public)
+        Security(node_id=NODE_ID, swarm_id=SWARM).check_request_signature(method, msg, key_of(msg.node_id).public)
     except AuthError:
         return False
     return True
@@ -459,7 +459,7 @@ def small_requests(t: Target, method: str) -> st.SearchStrategy[Message]:
         kind = {"Leave": pb.LeaveRequest, "FetchState": pb.StateRequest, "CheckReachable": pb.ReachRequest}[method]
         requests = st.builds(kind, node_id=HELLO_IDS if method == "Leave" else ANY_IDS, swarm_id=SWARMS)
     return st.tuples(requests, st.booleans()).map(  # signed by its node's key, or not
-        lambda p: Security(node_id=p[0].node_id, swarm_id=SWARM, key=key_of(p[0].node_id)).sign_request(method, p[0])
+        lambda p: Security(node_id=p[0].node_id, swarm_id=SWARM, key=key_of(p[0].node_id)).sign_request(method, p[0], NODE_ID)
         if p[1] else p[0])
 
 

@@ -148,12 +148,12 @@ async def test_leave_state_and_dial_back_requests_speak_only_for_their_signer(no
     as_b = Security(node_id="b", swarm_id=a.cfg.swarm_id, key=liar.ctx.security.key)  # the liar's key, b's id
     stub = liar.ctx.channels.stub(a.advertise)
     calls = {
-        "Leave": lambda: stub.Leave(as_b.sign_request("Leave", pb.LeaveRequest(node_id="b", swarm_id=a.cfg.swarm_id)),
+        "Leave": lambda: stub.Leave(as_b.sign_request("Leave", pb.LeaveRequest(node_id="b", swarm_id=a.cfg.swarm_id), "a"),
                                     timeout=10),
         "FetchState": lambda: stub.FetchState(as_b.sign_request(
-            "FetchState", pb.StateRequest(node_id="b", swarm_id=a.cfg.swarm_id)), timeout=10).read(),
+            "FetchState", pb.StateRequest(node_id="b", swarm_id=a.cfg.swarm_id), "a"), timeout=10).read(),
         "CheckReachable": lambda: stub.CheckReachable(as_b.sign_request(
-            "CheckReachable", pb.ReachRequest(node_id="b", swarm_id=a.cfg.swarm_id)), timeout=10),
+            "CheckReachable", pb.ReachRequest(node_id="b", swarm_id=a.cfg.swarm_id), "a"), timeout=10),
     }
     for method, call in calls.items():
         with pytest.raises(grpc.aio.AioRpcError) as refused:

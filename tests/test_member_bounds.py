@@ -130,11 +130,14 @@ async def test_a_member_that_never_reads_its_state_download_holds_no_slot(nodes:
     # Without BDP probing the liar's receive window stays at 64 KiB: the donor's writes block at once.
     channel = grpc.aio.insecure_channel(donor.advertise, options=[("grpc.http2.bdp_probe", 0)])
     stub = pb_grpc.NodeStub(channel)
-    request = liar.ctx.security.sign_request("FetchState", pb.StateRequest(node_id="liar", swarm_id=liar.cfg.swarm_id))
-    held = [stub.FetchState(request, timeout=60)]
+    def request() -> pb.StateRequest:  # a new one for each call: a signed request is good once
+        return liar.ctx.security.sign_request("FetchState", pb.StateRequest(node_id="liar", swarm_id=liar.cfg.swarm_id),
+                                              "donor")
+
+    held = [stub.FetchState(request(), timeout=60)]
     first = await held[0].read()  # the header: the transfer runs, and the liar reads no further
     assert first.HasField("header")
-    held.append(stub.FetchState(request, timeout=60))
+    held.append(stub.FetchState(request(), timeout=60))
     with pytest.raises(grpc.aio.AioRpcError) as second:
         await held[1].read()
     assert second.value.code() == Code.RESOURCE_EXHAUSTED and "already in flight" in (second.value.details() or "")
@@ -167,13 +170,13 @@ async def test_check_reachable_dials_only_the_host_the_caller_calls_from(nodes: 
         stub = liar.ctx.channels.stub(a.advertise)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.CheckReachable(liar.ctx.security.sign_request(
-                "CheckReachable", pb.ReachRequest(node_id="liar", swarm_id=liar.cfg.swarm_id)), timeout=10)
+                "CheckReachable", pb.ReachRequest(node_id="liar", swarm_id=liar.cfg.swarm_id), "a"), timeout=10)
         assert refused.value.code() == Code.PERMISSION_DENIED and "calls from" in (refused.value.details() or "")
         # An honest member, dialed back at the host it calls from, hears yes or no and nothing more.
         honest = await nodes.start("honest", peers=[a.advertise], n_elements=N)
         await wait_until(lambda: "honest" in {p.node_id for p in a.table.alive()}, what="a to know it")
         answer = await honest.ctx.channels.stub(a.advertise).CheckReachable(honest.ctx.security.sign_request(
-            "CheckReachable", pb.ReachRequest(node_id="honest", swarm_id=honest.cfg.swarm_id)), timeout=10)
+            "CheckReachable", pb.ReachRequest(node_id="honest", swarm_id=honest.cfg.swarm_id), "a"), timeout=10)
         assert answer.reachable and answer.detail == ""
     finally:
         elsewhere.close()

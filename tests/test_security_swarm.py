@@ -241,8 +241,8 @@ class Member:
         return request
 
     def signed(self, method: str, request: Any) -> Any:
-        """`request` signed with our own key, whatever id it names."""
-        return self.security.sign_request(method, request)
+        """`request` signed with our own key, whatever id it names, for the node under test."""
+        return self.security.sign_request(method, request, "target")
 
     async def call(self, method: str, *, as_id: str = "",
                    chunks: list[pb.ContributionChunk] | None = None) -> tuple[Code, str]:

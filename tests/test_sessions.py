@@ -118,7 +118,7 @@ async def test_a_session_is_for_a_live_member_speaking_for_itself(nodes: Nodes) 
     cases = [(pb.SessionRequest(node_id="stranger", swarm_id=a.cfg.swarm_id), grpc.StatusCode.FAILED_PRECONDITION),
              (pb.SessionRequest(node_id="b", swarm_id=a.cfg.swarm_id), grpc.StatusCode.PERMISSION_DENIED),
              (Security(node_id="b", swarm_id=a.cfg.swarm_id, key=key_of("not-b")).sign_request(
-                 "Session", pb.SessionRequest(node_id="b", swarm_id=a.cfg.swarm_id)), grpc.StatusCode.PERMISSION_DENIED)]
+                 "Session", pb.SessionRequest(node_id="b", swarm_id=a.cfg.swarm_id), "a"), grpc.StatusCode.PERMISSION_DENIED)]
     async with grpc.aio.insecure_channel(a.advertise) as channel:
         call = channel.unary_stream("/neuronode.v1.Node/Session", request_serializer=pb.SessionRequest.SerializeToString,
                                     response_deserializer=pb.SessionMessage.FromString)

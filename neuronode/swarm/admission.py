@@ -28,21 +28,32 @@ def caller_host(context: grpc.aio.ServicerContext) -> str:
     return context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
-def member_request(ctx: Context, method: str, request: Any, proven_id: str, what: str) -> Peer:
-    """The live member a signed request (FetchContribution, Session) speaks for; raises Refusal
-    for a stranger, a request for another id than the caller proved, or one not signed by the
-    member's key. `what` says what is served ("contributions are served", ...)."""
+def member_request(ctx: Context, method: str, request: Any, proven_id: str, what: str) -> str:
+    """The id of the live member a signed request (FetchContribution, FetchState, Session,
+    CheckReachable) speaks for, proven by its signature: what its slots are keyed by. Raises
+    Refusal for a stranger, a request for another id than the caller proved, one not signed by
+    the member's key, or not made for this node, or used already. `what` says what is served
+    ("contributions are served", ...)."""
     peer = ctx.table.peers.get(request.node_id)
     if request.swarm_id != ctx.cfg.swarm_id or peer is None or not ctx.table.is_alive(peer):
         raise Refusal("FAILED_PRECONDITION", f"{what} to live members only: say Hello first")
     if ctx.security.secret and proven_id != request.node_id:
         raise Refusal("PERMISSION_DENIED", f"a node calls {method} as itself only")
+    return signed_by(ctx, method, request, peer)
+
+
+def signed_by(ctx: Context, method: str, request: Any, peer: Peer) -> str:
+    """`peer`'s id, once its signature on `request` is checked (made for this node, recently, by
+    its key) and the request spent (ctx.spent: a second use is refused); raises Refusal."""
     try:
-        ctx.security.check_request_signature(method, request, peer.public_key)
+        if not peer.public_key:
+            raise AuthError("its key is unknown here")
+        key = ctx.security.check_request_signature(method, request, peer.public_key)
     except AuthError as exc:
         raise Refusal("PERMISSION_DENIED", f"{exc}: a {method} request speaks for "
                       f"{request.node_id[:MAX_ID_CHARS]!r}, signed by that node's key only") from None
-    return peer
+    ctx.spent.spend(peer.node_id, key, method)
+    return peer.node_id
 
 
 class Admission:

@@ -88,7 +88,7 @@ class Missed:
             request = ctx.security.sign_request("FetchContribution", pb.ContributionRequest(
                 node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, round_id=statement.round_id,
                 sender_id=statement.sender, phase=int(statement.phase), shard_index=statement.shard_index,  # type: ignore[arg-type]
-                body=statement.body))
+                body=statement.body), holder)
             try:
                 call = await self.links.fetch(holder, "FetchContribution", request, timeout_s=remaining)
                 got = await self.inbound.receive(call, fetched=statement)
@@ -119,31 +119,32 @@ class Missed:
             await admission.admit(context)
             await admission.check_certificate(context, request.node_id)
             try:
-                c = self.admit(request, caller_id(context))
-                self.serving[request.node_id] = self.serving.get(request.node_id, 0) + 1
+                caller, c = self.admit(request, caller_id(context))
+                self.serving[caller] = self.serving.get(caller, 0) + 1
                 try:
-                    await self.stream(c, request.node_id, context)
+                    await self.stream(c, caller, context)
                 finally:
-                    self.serving[request.node_id] -= 1
-                    if not self.serving[request.node_id]:
-                        del self.serving[request.node_id]
+                    self.serving[caller] -= 1
+                    if not self.serving[caller]:
+                        del self.serving[caller]
             except Refusal as exc:
                 await admission.refuse(context, exc, "contribution request")
 
         return grpc.unary_stream_rpc_method_handler(serve, request_deserializer=pb.ContributionRequest.FromString,
                                                     response_serializer=None)
 
-    def admit(self, request: pb.ContributionRequest, proven_id: str) -> Contribution:
-        """The contribution a live member asks for; raises Refusal otherwise."""
-        member_request(self.ctx, "FetchContribution", request, proven_id, "contributions are served")
-        if self.serving.get(request.node_id, 0) >= MAX_FETCHES_PER_CALLER:
+    def admit(self, request: pb.ContributionRequest, proven_id: str) -> tuple[str, Contribution]:
+        """The member its signature proves asks (its fetch slots' key), and the contribution it
+        asks for; raises Refusal otherwise."""
+        caller = member_request(self.ctx, "FetchContribution", request, proven_id, "contributions are served")
+        if self.serving.get(caller, 0) >= MAX_FETCHES_PER_CALLER:
             raise Refusal("RESOURCE_EXHAUSTED", f"{MAX_FETCHES_PER_CALLER} contribution fetches of yours are "
                           "already streaming here; fetch the next once one finished")
         c = self.find(request)
         if c is None:
             raise Refusal("NOT_FOUND", f"round {request.round_id}: this node does not hold that contribution of "
                           f"{request.sender_id[:MAX_ID_CHARS]} (never received, or no longer kept); ask another holder")
-        return c
+        return caller, c
 
     async def stream(self, c: Contribution, caller: str, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx

@@ -360,7 +360,8 @@ class Peers:
 
     async def leave(self, peer_id: str) -> None:
         ctx = self.ctx
-        request = ctx.security.sign_request("Leave", pb.LeaveRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id))
+        request = ctx.security.sign_request("Leave", pb.LeaveRequest(node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id),
+                                           peer_id)
         try:
             await self.links.call(peer_id, "Leave", request, timeout_s=1.0)
         except (grpc.aio.AioRpcError, NoRoute):

@@ -190,7 +190,8 @@ class Reach:
                                   address=target if target != ctx.advertise else "")
         try:
             answer: pb.ReachResponse = await self.links.call(
-                peer_id, "CheckReachable", ctx.security.sign_request("CheckReachable", request), timeout_s=15)
+                peer_id, "CheckReachable", ctx.security.sign_request("CheckReachable", request, peer_id),
+                timeout_s=15)
         except (grpc.aio.AioRpcError, NoRoute):
             return None
         return answer

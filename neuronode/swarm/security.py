@@ -9,16 +9,21 @@
 - Mutual TLS (`--tls-cert/--tls-key/--tls-ca`): the server requires a client certificate from
   the swarm CA, and channels present ours; a peer outside the CA never completes a handshake.
 Both can be combined. The pure HMAC and certificate code lives in neuronode/security/.
+- Always: every node signs what it says with its key (Hellos, contributions, receipts), and the
+  requests that speak for it (Leave, FetchState, FetchContribution, CheckReachable, Session):
+  those name the node they are for and a nonce, and that node takes each once (SpentRequests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import hashlib
 import inspect
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +37,7 @@ from neuronode.averaging.agreement import Receipt, Statement
 from neuronode.security import auth, identity
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import NodeKey
-from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_PEERS_LISTED
+from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_ID_CHARS, MAX_PEERS_LISTED, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -171,16 +176,29 @@ class Security:
             for key in good:
                 self.checked.add(key)
 
-    def sign_request(self, method: str, msg: Any) -> Any:
-        """Sign a Leave, FetchState or CheckReachable request as our node; returns `msg`."""
+    def sign_request(self, method: str, msg: Any, callee: str) -> Any:
+        """Sign a Leave, FetchState, FetchContribution, CheckReachable or Session request as our
+        node, for node `callee` only and for one use (a fresh nonce); returns `msg`."""
         msg.timestamp_s = int(time.time())
-        msg.signature = self.key.sign("request/" + method, self.swarm_id, msg.node_id, msg.timestamp_s)
+        msg.callee_id = callee
+        msg.nonce = os.urandom(NONCE_BYTES)
+        msg.signature = self.key.sign("request/" + method, *request_fields(self.swarm_id, method, msg))
         return msg
 
-    def check_request_signature(self, method: str, msg: Any, public_key: bytes) -> None:
-        """Raise AuthError unless `msg` is signed, recently, by `public_key` (its node's)."""
+    def check_request_signature(self, method: str, msg: Any, public_key: bytes) -> bytes:
+        """Raise AuthError unless `msg` is made for this node, recently, and signed by
+        `public_key` (its node's); returns what its one use is remembered by (SpentRequests)."""
+        if msg.callee_id != self.node_id:
+            raise AuthError(f"this {method} request was signed for node {msg.callee_id[:MAX_ID_CHARS]!r}, not for "
+                            f"this node ({self.node_id!r}): a signed request is good only at the node it was made "
+                            "for (replayed from elsewhere, or sent to the wrong address)")
+        if not MIN_NONCE_BYTES <= len(msg.nonce) <= MAX_NONCE_BYTES:
+            raise AuthError(f"a {method} request carries a nonce of {MIN_NONCE_BYTES} to {MAX_NONCE_BYTES} bytes "
+                            "(its one use)")
         auth.check_fresh(msg.timestamp_s, time.time(), what=method)
-        identity.verify(public_key, msg.signature, "request/" + method, self.swarm_id, msg.node_id, msg.timestamp_s)
+        fields = request_fields(self.swarm_id, method, msg)
+        identity.verify(public_key, msg.signature, "request/" + method, *fields)
+        return hashlib.sha256(identity.signed_bytes("request/" + method, *fields)).digest()
 
     def sign_statement(self, statement: Statement) -> bytes:
         """Our signature over a contribution's statement (neuronode.averaging.agreement)."""
@@ -208,6 +226,70 @@ class Security:
     def check_state(self, tag: str, **fields: Any) -> None:
         if self.secret:
             auth.check_state_tag(self.secret, tag, swarm_id=self.swarm_id, **fields)
+
+
+NONCE_BYTES = 16  # a signed request's nonce: what makes each one unique, so each is good once
+MIN_NONCE_BYTES, MAX_NONCE_BYTES = 8, 64
+
+
+def request_fields(swarm_id: str, method: str, msg: Any) -> tuple[Any, ...]:
+    """What a signed request's signature covers: who asks, when, which node it is for, its
+    nonce, and everything it asks (a field added to one of these requests must be added here)."""
+    head = (swarm_id, msg.node_id, int(msg.timestamp_s), msg.callee_id, bytes(msg.nonce))
+    if method == "FetchState":
+        return (*head, int(msg.resume_from), bytes(msg.resume_digest))
+    if method == "CheckReachable":
+        return (*head, msg.address)
+    if method == "FetchContribution":
+        return (*head, int(msg.round_id), msg.sender_id, int(msg.phase), int(msg.shard_index), bytes(msg.body))
+    if method in ("Leave", "Session"):
+        return head
+    raise ValueError(f"{method} is not a signed request")
+
+
+class SpentRequests:
+    """The signed requests this node accepted within the freshness window, so that each is used
+    once: a second use (a replay, by whoever saw it) is refused. Each is remembered for twice the
+    window (a timestamp may be that far ahead of our clock and still pass) on the node's clock,
+    by the digest of what its signature covers (a fresh nonce makes every honest one unique).
+    Memory is bounded: at most PER_CALLER per caller (the id its signature proved) and, once
+    MAX are remembered, a caller holding its fair share (MAX over the callers remembered) or
+    more is refused until some expire: so at most 2 x MAX, and a caller that floods us
+    refuses itself only."""
+
+    PER_CALLER = 4096
+    MAX = 1 << 16
+
+    def __init__(self, clock: Any, *, keep_s: float = 2 * auth.DEFAULT_MAX_SKEW_S) -> None:
+        self.clock = clock
+        self.keep_s = keep_s
+        self._order: collections.deque[tuple[float, str, bytes]] = collections.deque()  # (until, caller, key)
+        self._keys: set[bytes] = set()
+        self._count: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def spend(self, caller: str, key: bytes, method: str) -> None:
+        """Remember `key` (a request `caller` signed) as used; raise Refusal when it was used
+        already (PERMISSION_DENIED) or `caller` has too many remembered (RESOURCE_EXHAUSTED)."""
+        now = self.clock.now()
+        while self._order and self._order[0][0] <= now:
+            _, old_caller, old = self._order.popleft()
+            self._keys.discard(old)
+            self._count[old_caller] -= 1
+            if not self._count[old_caller]:
+                del self._count[old_caller]
+        if key in self._keys:
+            raise Refusal("PERMISSION_DENIED", f"this {method} request was used here already: a signed request is "
+                          "good once (replayed); each call signs a new one")
+        mine = self._count.get(caller, 0)
+        if mine >= self.PER_CALLER or (len(self._keys) >= self.MAX and mine >= self.MAX // max(1, len(self._count))):
+            raise Refusal("RESOURCE_EXHAUSTED", f"{mine} signed requests of {caller[:MAX_ID_CHARS]!r} were accepted "
+                          f"here in the last {self.keep_s:.0f} s, the most one caller may have; wait a minute")
+        self._keys.add(key)
+        self._count[caller] = mine + 1
+        self._order.append((now + self.keep_s, caller, key))
 
 
 Signed = tuple[bytes, bytes, str, tuple[Any, ...]]  # public key, signature, domain, fields

@@ -12,7 +12,7 @@ import grpc
 
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission, caller_host
+from neuronode.swarm.admission import Admission, caller_host, member_request, signed_by
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import KeyMismatch, TableFull
 from neuronode.swarm.peers import PEX_SAMPLE, Peers
@@ -92,33 +92,25 @@ class NodeService(pb_grpc.NodeServicer):
         if ctx.security.secret and caller_id(context) != request.node_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
         peer = ctx.table.peers.get(request.node_id)
-        if peer is not None and peer.public_key:
-            await self.check_signed(context, "Leave", request, peer.public_key)
+        if peer is None or not peer.public_key:
+            return pb.LeaveResponse()  # a node we hold no key for: nothing to mark (nobody can prove it left)
+        try:
+            signed_by(ctx, "Leave", request, peer)
+        except Refusal as exc:
+            await self.admission.refuse(context, exc, "Leave")
         if request.swarm_id == ctx.cfg.swarm_id and ctx.table.mark_left(request.node_id, said_at=request.timestamp_s):
             ctx.book.notify()
         return pb.LeaveResponse()
-
-    async def check_signed(self, context: grpc.aio.ServicerContext, method: str, request: Any,
-                           public_key: bytes) -> None:
-        """Only the node holding `request.node_id`'s key may ask this for it."""
-        try:
-            self.ctx.security.check_request_signature(method, request, public_key)
-        except AuthError as exc:
-            await self.admission.refuse(context, Refusal("PERMISSION_DENIED", f"{exc}: a {method} request speaks "
-                                                         f"for {request.node_id[:MAX_ID_CHARS]!r}, signed by "
-                                                         "that node's key only"), method)
 
     async def FetchState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx
         await self.admission.admit(context)
         await self.admission.check_certificate(context, request.node_id)
-        peer = ctx.table.peers.get(request.node_id)
-        if request.swarm_id != ctx.cfg.swarm_id or peer is None or not ctx.table.is_alive(peer):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "state is served to members only: say Hello first")
-        if ctx.security.secret and caller_id(context) != request.node_id:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node fetches the state as itself only")
-        assert peer is not None  # abort raised otherwise
-        await self.check_signed(context, "FetchState", request, peer.public_key)
+        try:
+            caller = member_request(ctx, "FetchState", request, caller_id(context), "state is served")
+        except Refusal as exc:
+            await self.admission.refuse(context, exc, "state request")
+            raise  # unreachable: refuse raises
 
         async def write(msg: pb.StateChunk) -> None:
             size = msg.ByteSize()  # state chunks are rare; contributions avoid this
@@ -127,12 +119,11 @@ class NodeService(pb_grpc.NodeServicer):
             await context.write(msg)
 
         try:
-            await self.donor.serve(request.node_id, write, resume_from=request.resume_from,
+            await self.donor.serve(caller, write, resume_from=request.resume_from,
                                    resume_digest=request.resume_digest)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "state request")
-        logger.info("served the global state to %s", request.node_id,
-                    extra=fields("state_served", peer_id=request.node_id))
+        logger.info("served the global state to %s", caller, extra=fields("state_served", peer_id=caller))
 
     async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
         await self.admission.admit(context)
@@ -140,12 +131,9 @@ class NodeService(pb_grpc.NodeServicer):
         try:
             if request.swarm_id != self.ctx.cfg.swarm_id:
                 raise Refusal("PERMISSION_DENIED", "another swarm")
-            if self.ctx.security.secret and caller_id(context) != request.node_id:
-                raise Refusal("PERMISSION_DENIED", "a node asks to be dialed back as itself only")
-            peer = self.ctx.table.peers.get(request.node_id)
-            if peer is not None and peer.public_key:
-                await self.check_signed(context, "CheckReachable", request, peer.public_key)
-            return await self.reach.dial_back(request.node_id, caller_host(context), request.address)
+            caller = member_request(self.ctx, "CheckReachable", request, caller_id(context),
+                                    "reachability checks are answered")
+            return await self.reach.dial_back(caller, caller_host(context), request.address)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "reachability check")
             raise  # unreachable: refuse raises

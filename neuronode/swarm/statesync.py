@@ -453,7 +453,8 @@ class StateFetch:
 
     async def fetch_from(self, donor_id: str, lineage: list[str], download: Download) -> GlobalState:
         ctx = self.ctx
-        request = ctx.security.sign_request("FetchState", download.request(ctx.cfg.node_id, ctx.cfg.swarm_id))
+        request = ctx.security.sign_request("FetchState", download.request(ctx.cfg.node_id, ctx.cfg.swarm_id),
+                                           donor_id)
         call = await self.links.fetch(donor_id, "FetchState", request)
         try:
             received = download.received_bytes

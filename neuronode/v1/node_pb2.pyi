@@ -230,16 +230,20 @@ class HelloResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., known_peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., auth_tag: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., observed_address: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "callee_id", "nonce")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CALLEE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     timestamp_s: int
     signature: bytes
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    callee_id: str
+    nonce: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., callee_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
@@ -298,7 +302,7 @@ class PushAck(_message.Message):
     def __init__(self, chunks_received: _Optional[int] = ...) -> None: ...
 
 class ContributionRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "round_id", "sender_id", "phase", "shard_index", "body")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "round_id", "sender_id", "phase", "shard_index", "body", "callee_id", "nonce")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +312,8 @@ class ContributionRequest(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     BODY_FIELD_NUMBER: _ClassVar[int]
+    CALLEE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     timestamp_s: int
@@ -317,19 +323,25 @@ class ContributionRequest(_message.Message):
     phase: Phase
     shard_index: int
     body: bytes
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
+    callee_id: str
+    nonce: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., body: _Optional[bytes] = ..., callee_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "callee_id", "nonce")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CALLEE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     timestamp_s: int
     signature: bytes
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    callee_id: str
+    nonce: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., callee_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class SessionMessage(_message.Message):
     __slots__ = ("hello", "chunk", "stream", "end", "relayed")
@@ -346,20 +358,24 @@ class SessionMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[HelloResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., stream: _Optional[int] = ..., end: _Optional[bool] = ..., relayed: _Optional[_Union[HelloRequest, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "resume_from", "resume_digest")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "resume_from", "resume_digest", "callee_id", "nonce")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     RESUME_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CALLEE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     timestamp_s: int
     signature: bytes
     resume_from: int
     resume_digest: bytes
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., resume_from: _Optional[int] = ..., resume_digest: _Optional[bytes] = ...) -> None: ...
+    callee_id: str
+    nonce: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., resume_from: _Optional[int] = ..., resume_digest: _Optional[bytes] = ..., callee_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class StateHeader(_message.Message):
     __slots__ = ("round", "param_digest", "n_elements", "has_momentum", "momentum_digest", "inner_steps_total", "chunk_elements", "manifest_hash", "auth_tag", "chunk_digests", "state_digest", "first_chunk")
@@ -406,18 +422,22 @@ class StateChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., part: _Optional[_Union[StatePart, str]] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "address")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "address", "callee_id", "nonce")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CALLEE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     swarm_id: str
     timestamp_s: int
     signature: bytes
     address: str
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., address: _Optional[str] = ...) -> None: ...
+    callee_id: str
+    nonce: bytes
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., address: _Optional[str] = ..., callee_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class ReachResponse(_message.Message):
     __slots__ = ("reachable", "address", "detail")

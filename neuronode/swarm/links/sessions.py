@@ -197,19 +197,20 @@ class Sessions:
             await admission.admit(context)
             await admission.check_certificate(context, request.node_id)
             try:
-                self.admit(request, caller_id(context))
-                await self.carry(request.node_id, context)
+                await self.carry(self.admit(request, caller_id(context)), context)
             except Refusal as exc:
                 await admission.refuse(context, exc, "session")
 
         return grpc.unary_stream_rpc_method_handler(serve, request_deserializer=pb.SessionRequest.FromString,
                                                     response_serializer=pb.SessionMessage.SerializeToString)
 
-    def admit(self, request: pb.SessionRequest, proven_id: str) -> None:
-        member_request(self.ctx, "Session", request, proven_id, "sessions are carried")
-        if len(self.carried) >= MAX_SESSIONS and request.node_id not in self.carried:
+    def admit(self, request: pb.SessionRequest, proven_id: str) -> str:
+        """The member whose session this is (the id its signature proves); raises Refusal."""
+        caller = member_request(self.ctx, "Session", request, proven_id, "sessions are carried")
+        if len(self.carried) >= MAX_SESSIONS and caller not in self.carried:
             raise Refusal("RESOURCE_EXHAUSTED", f"this node carries {MAX_SESSIONS} sessions, its most; "
                           "open one to another reachable member")
+        return caller
 
     async def carry(self, peer_id: str, context: grpc.aio.ServicerContext) -> None:
         """Stream to `peer_id` until it goes, leaves, stalls, or opens another session."""
@@ -299,7 +300,7 @@ class Sessions:
         """One session to `peer_id`, until it ends (then hold_all opens another)."""
         ctx = self.ctx
         request = ctx.security.sign_request("Session", pb.SessionRequest(node_id=ctx.cfg.node_id,
-                                                                         swarm_id=ctx.cfg.swarm_id))
+                                                                         swarm_id=ctx.cfg.swarm_id), peer_id)
         flows = Inflow()
         call = None
         try:
