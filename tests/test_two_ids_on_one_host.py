@@ -1,16 +1,21 @@
-"""A volunteer with two ids on one host, against four honest members on four hosts (issue 26),
-on a real network: every member in its own network namespace (tests/netns.py), so the swarm
-sees each host's own address and the attacker's two ids come from one address, as they would
-from one machine. Every node listens on 0.0.0.0 without --advertise (as in tests/test_nat.py).
+"""A volunteer's ids on a host of their own, against four honest members on four hosts (issue
+26), on a real network: every member in its own network namespace (tests/netns.py), so the
+swarm sees each host's own address and several ids on one host come from one address, as they
+would from one machine. Every node listens on 0.0.0.0 without --advertise (as in test_nat.py).
 
-- the stand-aside lie: both ids claim round r + 1 with the honest digest for r (the adversary
-  harness's `claim-closed`: "we closed your round, stand aside and listen to us") and send their
-  pseudo-gradients x -10 (the --fault-file drill). Two ids were two of the two claims needed:
-  every honest member stood aside in every round and averaged only what the two ids sent.
-  Now two ids on one host are one voice of five: the honest members contribute every round,
-  finish at round 6 with one digest and val_loss within 5% of the same swarm without them.
+(a) the stand-aside lie: two ids claim round r + 1 with the honest digest for r (the adversary
+    harness's `claim-closed`: "we closed your round, stand aside and listen to us") and send
+    their pseudo-gradients x -10 (the --fault-file drill). Two ids were two of the two claims
+    needed: the honest members stood aside and averaged what the two ids sent. Now two ids on
+    one host are one voice of five: nobody stands aside, and the honest members finish round 6
+    with one digest. Their val_loss is not yet within 5% of the swarm without the attacker
+    (xfail: both clipped flips are averaged).
+(c) a just-in-time member: its contribution and its receipt land just before each deadline, so
+    it is never late. The honest members' median round seconds should stay within 1.5x of the
+    swarm without it (xfail: issue 26 item 5, "late is late", is not built).
 
-The reference (the four honest members alone) runs once per session, on a network of its own.
+Each comparison is with the four honest members alone, run in the same session with the same
+flags on a network of their own. Every node trains with one torch thread (helpers.NODE_DEFAULTS).
 """
 
 from __future__ import annotations
@@ -191,7 +196,7 @@ def base_dir(factory: pytest.TempPathFactory) -> Path:
     return factory.getbasetemp() / "two-ids"
 
 
-def test_two_ids_on_one_host_claiming_our_round_closed_do_not_make_us_stand_aside(
+def test_two_ids_claiming_our_round_closed_make_no_honest_host_stand_aside(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """Issue 26, "Done when" (a), as far as the lie goes: nobody stands aside on the word of two
     ids of one host, and the honest members finish round 6 with one digest. Before, three of
@@ -211,9 +216,9 @@ def test_two_ids_on_one_host_claiming_our_round_closed_do_not_make_us_stand_asid
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "norm-clip clips each of the two ids' x -10 updates to the median norm, and both are averaged: "
-    "two of six updates pull the wrong way, so the honest members gain about a third of a round "
-    "per round. Measured: val_loss 4.0833 at round 6 vs 3.5546 without them (+14.9%)."))
+    "norm-clip clips each of the two ids' x -10 updates to the median norm and averages both: two of "
+    "six updates pull the wrong way. Measured in three runs: honest val_loss 4.0833 at round 6 vs "
+    "3.5525-3.5546 without them (+14.9%); the lie alone, without the flip, 3.5444."))
 def test_two_ids_on_one_host_flipping_their_updates_cost_the_honest_members_under_5_percent(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """Issue 26, "Done when" (a): val_loss within 5% of the swarm without the attacker."""
@@ -229,9 +234,10 @@ TRAINING = 150  # inner steps: rounds of a few seconds, so a round's cost is not
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 26 item 5 (late is late) is not built: a round waits out the deadline of each phase, and "
-    "a contribution or receipt that lands before it is never late. Measured: the honest members' median "
-    "round 14.8 s with it vs 2.9 s without (5.1x; --sync-timeout 6)."))
+    "issue 26 item 5 (late is late) is not built: a contribution or receipt that lands before its "
+    "deadline is never late, so every round waits about 3 x --sync-timeout for it. Measured in two runs "
+    "(--sync-timeout 6, 2 loaded cores): the honest members' median round 17.6 s vs 3.2 s without it "
+    "(5.6x), 16.8 s vs 1.8 s (9.2x)."))
 def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Issue 26, "Done when" (c): a member whose contribution lands just before the round's
     deadline and whose receipt lands just before the receipts' deadline, every round (it is
@@ -240,7 +246,5 @@ def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_fac
     base = base_dir(tmp_path_factory)
     ref = reference(base, TRAINING)
     nodes, got = attacked(base, JUST_IN_TIME, TRAINING)
-    h1 = nodes[HONEST[0]]
-    # It played the game: every round waited for it, no deadline passed without it.
-    assert all("a-jit" in e["contributors"] for e in h1.events("round_done")), h1.log()[-3000:]
+    assert all(any(e["peer_id"] == "a-jit" for e in nodes[n].events("peer_joined")) for n in HONEST)
     assert got.round_s <= 1.5 * ref.round_s, (got, ref)
