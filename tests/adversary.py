@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -336,8 +337,48 @@ def apply(behaviour: str) -> None:
         Trainer.pseudo_gradient = flipping(Trainer.pseudo_gradient)  # type: ignore[method-assign]
         if behaviour == "heavy-flip":
             Trainer.weight = lambda self: HEAVY  # type: ignore[method-assign]
+    elif behaviour == "just-in-time":  # its contribution and its receipt land just before each deadline
+        from neuronode.averaging.protocol import Averaging
+        from neuronode.swarm.transport import GrpcTransport
+
+        GrpcTransport.push = pushing_late(GrpcTransport.push)  # type: ignore[method-assign]
+        Averaging.agree = agreeing_late(Averaging.agree)  # type: ignore[method-assign]
     elif behaviour not in ("codec", "outer-lr"):  # those two only run with other flags
         raise ValueError(f"unknown behaviour {behaviour}")
+
+
+JUST_IN_TIME_S = 1.5  # how long before a deadline a just-in-time member's contribution and receipt land
+_began: dict[int, float] = {}  # round -> when a just-in-time member began sending its contribution
+
+
+def pushing_late(push: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """Hold each contribution until JUST_IN_TIME_S before the round's deadline (--sync-timeout
+    after the member sent it: everyone starts a round together, waiting for the last round)."""
+
+    async def lying(self: Any, peer_id: str, *args: Any) -> None:  # (address,) out, box
+        out = args[-2]
+        if out.phase == 0:
+            began = _began.setdefault(out.round_id, time.monotonic())
+            await asyncio.sleep(max(0.0, began + self.ctx.cfg.sync_timeout_s - JUST_IN_TIME_S - time.monotonic()))
+        await push(self, peer_id, *args)
+
+    return lying
+
+
+def agreeing_late(agree: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Publish our receipt of a round only JUST_IN_TIME_S before the others stop waiting for
+    it: they begin waiting once our contribution landed, and wait RECEIPT_WAIT_TIMEOUTS x
+    --sync-timeout."""
+    from neuronode.averaging.protocol import RECEIPT_WAIT_TIMEOUTS
+
+    async def lying(self: Any, round_id: int, phase: Any, *args: Any, publish: bool, **kwargs: Any) -> Any:
+        if publish and phase == 0 and round_id in _began:
+            landed = _began[round_id] + self.cfg.sync_timeout_s - JUST_IN_TIME_S
+            at = landed + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s - JUST_IN_TIME_S
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+        return await agree(self, round_id, phase, *args, publish=publish, **kwargs)
+
+    return lying
 
 
 HEAVY = 1e14  # the weight a heavy-flip liar claims (the old bound was 1e15)
@@ -358,7 +399,7 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
               "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
-              "equivocate-receipts", "heavy-flip", "flip")
+              "equivocate-receipts", "heavy-flip", "flip", "just-in-time")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

@@ -1,0 +1,250 @@
+"""A volunteer's ids on a host of their own, against four honest members on four hosts (issue
+26), on a real network: every member in its own network namespace (tests/netns.py), so the
+swarm sees each host's own address and several ids on one host come from one address, as they
+would from one machine. Every node listens on 0.0.0.0 without --advertise (as in test_nat.py).
+
+(a) the stand-aside lie: two ids claim round r + 1 with the honest digest for r (the adversary
+    harness's `claim-closed`: "we closed your round, stand aside and listen to us") and send
+    their pseudo-gradients x -10 (the --fault-file drill). Two ids were two of the two claims
+    needed: the honest members stood aside and averaged what the two ids sent. Now two ids on
+    one host are one voice of five: nobody stands aside, and the honest members finish round 6
+    with one digest. Their val_loss is not yet within 5% of the swarm without the attacker
+    (xfail: both clipped flips are averaged).
+(c) a just-in-time member: its contribution and its receipt land just before each deadline, so
+    it is never late. The honest members' median round seconds should stay within 1.5x of the
+    swarm without it (xfail: issue 26 item 5, "late is late", is not built).
+
+Each comparison is with the four honest members alone, run in the same session with the same
+flags on a network of their own. Every node trains with one torch thread (helpers.NODE_DEFAULTS).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from functools import cache
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+from adversary import apply
+from helpers import FORKS, NODE_DEFAULTS, Forked, Node, poll, run_cli
+from netns import Host, Net, enter_namespace, open_net
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+PORT = 7420  # every host has its own port space; the attacker's second id listens on PORT + 1
+ROUNDS = 6
+SYNC_TIMEOUT_S = 6
+ARGS = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
+        "--rounds", str(ROUNDS), "--sync-timeout", str(SYNC_TIMEOUT_S), "--swarm-id", "twoids",
+        "--device", "cpu", "--open")
+HONEST = ("h1", "h2", "h3", "h4")
+FLIP = -10.0  # the stand-aside liars' pseudo-gradients, times this (--fault-file "byzantine_scale")
+FINISH_S = 150  # each honest member's exit (a run takes well under a minute here)
+
+
+@dataclass(frozen=True)
+class Attacker:
+    """What runs on the fifth host: `ids` (sorted first: the first anyone asks or tries), each
+    lying as `behaviour` says (tests/adversary.py), with `fault` as its --fault-file."""
+
+    behaviour: str
+    ids: tuple[str, ...]
+    fault: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Figures:
+    val_loss: float  # h1's at round 6 (every honest member holds the same parameters)
+    round_s: float  # the honest members' median seconds from one round done to the next
+
+
+def run_in(ns: str, argv: list[str], log_path: str, behaviour: str) -> None:
+    """A forked node's body: into its host's namespace, lie as `behaviour` says (adversary.apply;
+    "" for an honest member), then `neuronode ARGV`."""
+    enter_namespace(ns)
+    if behaviour:
+        apply(behaviour)
+    run_cli(argv, log_path)
+
+
+class HostNode(Node):
+    """A `neuronode start` inside a host of the test network, listening on 0.0.0.0:`port`,
+    lying as `behaviour` says (tests/adversary.py) when one is given."""
+
+    def __init__(self, tmp: Path, host: Host, name: str, *extra: str, port: int = PORT, behaviour: str = "") -> None:
+        super().__init__(tmp, name, *extra, "--node-id", name, port=port)
+        self.host = host
+        self.behaviour = behaviour
+        self.address = f"{host.ip}:{port}"  # where peers on the network dial it
+
+    def start(self, *more: str) -> HostNode:
+        args = ["start", "--data-dir", str(self.data_dir), "--listen", f"0.0.0.0:{self.port}", *NODE_DEFAULTS,
+                *self.extra, *more]
+        process = FORKS.Process(target=run_in, args=(self.host.ns, args, str(self.log_path), self.behaviour),
+                                name=f"neuronode-{self.name}")
+        process.start()
+        self.proc = Forked(process)
+        return self
+
+    def status(self, *, live: bool = False) -> dict[str, Any]:
+        assert not live, "the test runs outside the network: read the checkpoint"
+        return super().status()
+
+
+def honest_members(net: Net, tmp: Path, args: tuple[str, ...]) -> dict[str, HostNode]:
+    hosts = [net.public_host(name) for name in HONEST]
+    bootstrap = ("--peers", f"{hosts[0].ip}:{PORT}")
+    return {h.name: HostNode(tmp, h, h.name, *args, *(bootstrap if h.name != HONEST[0] else ())) for h in hosts}
+
+
+def formed(nodes: dict[str, HostNode]) -> None:
+    """Wait until every honest member has met the three others (a claim should meet a formed
+    swarm: a fresh node whose only peer yet is a liar has nobody else to ask)."""
+    def met() -> bool:
+        return all({e["peer_id"] for e in nodes[n].events("peer_joined")} >= set(HONEST) - {n} for n in HONEST)
+
+    poll("the honest members to know each other", met, timeout_s=90,
+         context=lambda: "\n".join(nodes[n].log()[-1500:] for n in HONEST))
+
+
+def finish_honest(nodes: dict[str, HostNode]) -> None:
+    """Every honest member exits 0 (the attacker's ids may still run: they are killed after)."""
+    for name in HONEST:
+        assert nodes[name].wait(FINISH_S) == 0, f"{name}:\n{nodes[name].log()[-4000:]}"
+
+
+def check_honest(nodes: dict[str, HostNode]) -> Figures:
+    """The honest members finished round 6 with one digest; their val_loss and round seconds.
+    (Not every round identical everywhere: members that start together may still close round 0
+    apart and repair, with or without an attacker.)"""
+    statuses = {name: nodes[name].status() for name in HONEST}
+    assert all(s["round"] == ROUNDS for s in statuses.values()), {n: s["round"] for n, s in statuses.items()}
+    assert len({s["param_digest"] for s in statuses.values()}) == 1, json.dumps(statuses)[:2000]
+    return Figures(val_loss=float(statuses[HONEST[0]]["val_loss"]), round_s=median_round_s(nodes))
+
+
+def median_round_s(nodes: dict[str, HostNode]) -> float:
+    """The honest members' median seconds between consecutive rounds done (from round 1 on:
+    round 1 includes the start)."""
+    gaps = []
+    for name in HONEST:
+        done = sorted((e["round"], e["ts"]) for e in nodes[name].events("round_done"))
+        gaps += [b[1] - a[1] for a, b in pairwise(done)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dict[str, HostNode]:
+    """Four honest members on four hosts; with `attacker`, its ids on a fifth host, started once
+    the honest members know each other."""
+    while tmp.exists():  # a run again (an earlier one failed): logs of its own
+        tmp = tmp.with_name(tmp.name + "+")
+    tmp.mkdir(parents=True)
+    # Every round waits for every member that starts (the attacker's ids too), so nobody trains
+    # ahead while the others start.
+    min_peers = len(HONEST) + (len(attacker.ids) if attacker else 0)
+    args = (*ARGS, "--inner-steps", str(inner_steps), "--min-peers", str(min_peers))
+    nodes = honest_members(net, tmp, args)
+    bootstrap = nodes[HONEST[0]].address
+    try:
+        for node in nodes.values():
+            node.start()
+        if attacker is not None:
+            formed(nodes)
+            host = net.public_host("x")
+            fault = tmp / "attacker-fault.json"
+            fault.write_text(json.dumps(dict(attacker.fault)))
+            for port, name in enumerate(attacker.ids, start=PORT):
+                nodes[name] = HostNode(tmp, host, name, *args, "--peers", bootstrap, "--fault-file", str(fault),
+                                       port=port, behaviour=attacker.behaviour).start()
+        finish_honest(nodes)
+    finally:
+        for node in nodes.values():
+            node.kill()
+    return nodes
+
+
+@cache
+def reference(base: Path, inner_steps: int) -> Figures:
+    """The four honest members alone, on a network of their own."""
+    with open_net("ref") as net:
+        nodes = run(net, base / f"reference-{inner_steps}", inner_steps, None)
+    figures = check_honest(nodes)
+    print(f"reference ({inner_steps} inner steps): {figures}")
+    return figures
+
+
+@cache
+def attacked(base: Path, attacker: Attacker, inner_steps: int) -> tuple[dict[str, HostNode], Figures]:
+    """The same swarm with `attacker` (once per session: tests share its run)."""
+    with open_net("atk") as net:
+        nodes = run(net, base / attacker.behaviour, inner_steps, attacker)
+    figures = check_honest(nodes)
+    print(f"{attacker}: {figures} (without it {reference(base, inner_steps)})")
+    return nodes, figures
+
+
+# (a): "we closed your round: stand aside and listen to us", from two ids, with poisoned updates.
+STAND_ASIDE_LIE = Attacker("claim-closed", ("a-x1", "a-x2"), fault=(("byzantine_scale", FLIP),))
+QUICK = 4  # inner steps: rounds of a fraction of a second, nothing waits for a deadline
+
+
+def base_dir(factory: pytest.TempPathFactory) -> Path:
+    return factory.getbasetemp() / "two-ids"
+
+
+def test_two_ids_claiming_our_round_closed_make_no_honest_host_stand_aside(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 26, "Done when" (a), as far as the lie goes: nobody stands aside on the word of two
+    ids of one host, and the honest members finish round 6 with one digest. Before, three of
+    four stood aside in round 2 on a-x1's and a-x2's word, that round averaged a-x1, a-x2 and h4
+    only (val_loss 4.73 -> 5.60), and the swarm never reached round 6 (the honest members at
+    rounds 2 and 1, waiting for peers)."""
+    base = base_dir(tmp_path_factory)
+    reference(base, QUICK)
+    nodes, _ = attacked(base, STAND_ASIDE_LIE, QUICK)
+    honest = [nodes[name] for name in HONEST]
+    # Two ids on one host are one voice: never a quorum that closed our round without us.
+    stood_aside = {n.name: [(e["round_id"], e["closed_by"]) for e in n.events("stand_aside")] for n in honest}
+    assert not any(set(closed) & set(STAND_ASIDE_LIE.ids) for v in stood_aside.values() for _, closed in v), stood_aside
+    # The lie was told to members that heard it: every honest member met both of the attacker's ids.
+    assert all({e["peer_id"] for e in n.events("peer_joined")} >= set(STAND_ASIDE_LIE.ids) for n in honest), \
+        {n.name: sorted({e["peer_id"] for e in n.events("peer_joined")}) for n in honest}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "norm-clip clips each of the two ids' x -10 updates to the median norm and averages both: two of "
+    "six updates pull the wrong way. Measured in three runs: honest val_loss 4.0833 at round 6 vs "
+    "3.5525-3.5546 without them (+14.9%); the lie alone, without the flip, 3.5444."))
+def test_two_ids_on_one_host_flipping_their_updates_cost_the_honest_members_under_5_percent(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 26, "Done when" (a): val_loss within 5% of the swarm without the attacker."""
+    base = base_dir(tmp_path_factory)
+    ref = reference(base, QUICK)
+    _, got = attacked(base, STAND_ASIDE_LIE, QUICK)
+    assert abs(got.val_loss - ref.val_loss) <= 0.05 * ref.val_loss, (got, ref)
+
+
+# (c): one id whose contribution, then receipt, land JUST_IN_TIME_S before each deadline.
+JUST_IN_TIME = Attacker("just-in-time", ("a-jit",))
+TRAINING = 150  # inner steps: rounds of a few seconds, so a round's cost is not lost in noise
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 26 item 5 (late is late) is not built: a contribution or receipt that lands before its "
+    "deadline is never late, so every round waits about 3 x --sync-timeout for it. Measured in three "
+    "runs (--sync-timeout 6, 2 loaded cores): the honest members' median round 17.6 s vs 3.2 s without "
+    "it (5.6x), 16.8 s vs 1.8 s (9.2x), 16.5 s vs 1.2 s (13x)."))
+def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 26, "Done when" (c): a member whose contribution lands just before the round's
+    deadline and whose receipt lands just before the receipts' deadline, every round (it is
+    never late). The honest members' median round seconds stay within 1.5x of the swarm
+    without it."""
+    base = base_dir(tmp_path_factory)
+    ref = reference(base, TRAINING)
+    nodes, got = attacked(base, JUST_IN_TIME, TRAINING)
+    assert all(any(e["peer_id"] == "a-jit" for e in nodes[n].events("peer_joined")) for n in HONEST)
+    assert got.round_s <= 1.5 * ref.round_s, (got, ref)
