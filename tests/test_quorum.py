@@ -191,3 +191,28 @@ def test_a_relayed_member_counts_under_its_carriers_host(host: str) -> None:
     assert table.peers["home"].host == host
     assert (table.voice("home") == table.voice("carrier")) == (host != "127.0.0.1")
     assert table.voice("me") == by_id("me")
+
+
+def test_a_member_we_know_directly_keeps_its_own_host_when_a_carrier_relays_it_too() -> None:
+    # A home member calls us over its own session (we see its NAT's address) and a carrier
+    # relays its Hellos to us as well: it is not known only through a relay, so it keeps its own
+    # voice. Before, each relayed Hello moved it under the relaying carrier's host, merging it
+    # with the carrier's voice until its next direct call, so members counted receipts under
+    # different voices at different moments and, starting together, closed round 0 apart (a
+    # member left its own contribution out while the others averaged it; tests/test_relay.py).
+    table = PeerTable(self_id="me", dead_after_s=5.0)
+    table.heard_from("carrier", "203.0.113.7:1", round=0, param_digest="", digests={}, leaving=False,
+                     host="203.0.113.7", said_at=1)
+    table.heard_from("home", "", round=0, param_digest="", digests={}, leaving=False, host="198.51.100.4",
+                     reachable=False, said_at=1)
+    table.heard_from("home", "", round=0, param_digest="", digests={}, leaving=False, host="relayed-by:carrier",
+                     reachable=False, said_at=2)
+    assert table.peers["home"].host == "198.51.100.4"
+    assert table.voice("home") != table.voice("carrier")
+    # known first only through the relay, it counts under the carrier until it calls us itself
+    table.heard_from("other", "", round=0, param_digest="", digests={}, leaving=False, host="relayed-by:carrier",
+                     reachable=False, said_at=1)
+    assert table.voice("other") == table.voice("carrier")
+    table.heard_from("other", "", round=0, param_digest="", digests={}, leaving=False, host="198.51.100.9",
+                     reachable=False, said_at=2)
+    assert table.voice("other") == voice("other", "198.51.100.9") != table.voice("carrier")

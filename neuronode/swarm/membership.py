@@ -76,6 +76,10 @@ class Peer:
     node_id: str
     address: str
     host: str = ""  # the IP it last called us from, or that we reached it at (its carrier's, relayed)
+    # `host` is one we saw it at ourselves (it called us, over a session too, or we reached it):
+    # a relayed Hello never moves it to a carrier's host (a member known only through a relay
+    # counts under its carrier's; one we know directly under its own, whoever relays it too).
+    seen_directly: bool = False
     public_key: bytes = b""  # the key its id is bound to (neuronode.security.identity)
     verified: bool = True  # spoke as itself: a member; False until then (see PeerTable.heard_from)
     round: int = 0
@@ -168,6 +172,7 @@ class PeerTable:
                               "one key (give this node its own --node-id, or its old data dir back)")
         if peer is not None and self.stale(peer, said_at, round=round, leaving=leaving):
             return False
+        relayed = host.startswith(RELAYED)
         host = self.resolve_host(host)
         fresh = peer is None or not self.is_alive(peer)
         if peer is None:
@@ -181,8 +186,10 @@ class PeerTable:
                         extra=fields("peer_back", peer_id=node_id, address=address, round=round))
         peer.verified = peer.verified or verified
         moved = not said_at or said_at > peer.said_at or not peer.host  # a replay of this second moves nothing
-        if host and moved and (not peer.host or is_ip(host) or not is_ip(peer.host)):  # a name never hides an IP
+        if (host and moved and (not peer.host or is_ip(host) or not is_ip(peer.host))  # a name never hides an IP
+                and not (relayed and peer.seen_directly)):
             peer.host = host
+            peer.seen_directly = not relayed
         peer.said_at = max(peer.said_at, said_at)
         if address and address != peer.address:
             if peer.address not in self.bootstrap:  # one address per member: a flood of them goes nowhere
