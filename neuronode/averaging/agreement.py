@@ -5,14 +5,20 @@ lineage it was made in and a hash of everything else). When a member closes a ph
 (whole contributions under all-to-all, averaged shards under reduce-scatter) it publishes a
 `Receipt`: the statements of the contributions it holds, its own included (so that members
 holding the same contributions publish the same list, which the rule counts once: `Listings`).
-Receipts are counted by voice (neuronode.quorum: the hosts their makers call from; any number of
-ids on one host are one voice). The rule (`decide`):
+Receipts are counted by the ids that made them, not by host (neuronode.quorum counts hosts
+for every vote a node takes alone): what a round averages must come out the same at every
+member, and the host a member is seen at is not the same everywhere (a member behind NAT is
+seen at its router by its carriers, under its carrier's host by the members it reaches only
+through a relay), so counting hosts here would let members holding the same receipts decide
+differently. The rule (`decide`):
 
-- A statement counts when the receipts of a quorum (a strict majority) of the voices that
-  published one, its sender's voice aside, list it. Never on its maker's word, nor on the word of
-  ids on its maker's host: a member that pushes its contribution to few peers is left out by
-  everyone alike, and one that pushes it to most is in for everyone, since the members that
-  missed it fetch it from a holder.
+- A statement counts when receipts of at least `LISTINGS` makers other than its sender list it
+  (every other maker, when fewer published one). Never on its maker's word: a member that
+  pushes its contribution to one peer only is left out by everyone alike, and one that pushes
+  it to several is in for everyone, since the members that missed it fetch it from a holder.
+  A fixed count, not a majority: receipts say a contribution can be fetched, not that it is
+  good, and many ids on one host can then neither keep an honest contribution out (by listing
+  nothing) nor get more than their own in (which --max-weight and the aggregator bound).
 - A maker with two different statements for one (round, phase, shard) in our lineage
   equivocated: the two signatures prove it to anyone, so every member leaves all its
   contributions of the round out alike, and bans it. A statement of another lineage is no
@@ -21,7 +27,7 @@ ids on one host are one voice). The rule (`decide`):
   averaged from).
 
 Why this keeps replicas identical with one lying member: a receipt adds a statement only in
-company (a quorum of listings), and every honest member publishes its receipt to all, so what
+company (two listings), and every honest member publishes its receipt to all, so what
 counts does not depend on which version of a liar's receipt a member got. A liar's receipt can
 only matter for a contribution that a bare quorum of honest members received besides its maker
 (SECURITY.md says what remains). A contribution that counts but that we could not fetch in time
@@ -37,7 +43,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from neuronode.codec.contribution import Contribution, Phase
-from neuronode.quorum import VoiceOf, by_id, quorum
+from neuronode.quorum import by_id
+
+LISTINGS = 2  # listings, by makers other than the sender, that make a statement count
 
 
 def lineage_hash(base_digest: str, members: Iterable[str]) -> bytes:
@@ -128,12 +136,12 @@ def receipt_of(round_id: int, phase: Phase, maker: str, held: Iterable[Contribut
 class Listings:
     """Who lists which statement, over receipts of one round's phase, counted once per distinct
     list: with N makers that mostly hold the same N statements this is O(N) work, not O(N²).
-    Makers count by voice (`voice_of`, neuronode.quorum): a voice's listing of a statement whose
-    sender has the same voice counts nowhere, and a voice whose makers published several lists
-    (ids on one host, or a maker that equivocated) counts once per statement whichever list it."""
+    Makers count by id (the module docstring says why): a maker's listing of its own statement
+    counts nowhere, and a maker that published several lists (it equivocated) counts once per
+    statement whichever list it."""
 
-    def __init__(self, receipts: Iterable[Receipt], voice_of: VoiceOf = by_id) -> None:
-        self.voice_of = voice_of
+    def __init__(self, receipts: Iterable[Receipt]) -> None:
+        self.voice_of = voice_of = by_id
         groups: dict[bytes, tuple[tuple[Statement, ...], set[str]]] = {}
         for r in receipts:
             groups.setdefault(r.digest, (r.statements, set()))[1].add(r.maker)
@@ -170,9 +178,9 @@ class Listings:
         return self._count.get(s, 0)
 
     def need(self, s: Statement) -> int:
-        """Listings `s` needs to count: a quorum of the voices that published a receipt, its
-        sender's aside."""
-        return quorum(len(self.voices - {self.voice_of(s.sender)}))
+        """Listings `s` needs to count: LISTINGS, or every maker but its sender when fewer
+        published a receipt."""
+        return min(LISTINGS, len(self.voices - {self.voice_of(s.sender)}))
 
     def makers_of(self, s: Statement) -> set[str]:
         """The makers other than its sender that list `s` (O(N): ask for few statements)."""
@@ -182,12 +190,11 @@ class Listings:
         return any(maker in self._makers[g] for g in self._in.get(s, ()))
 
 
-def listed(receipts: Iterable[Receipt], lineage: bytes | None = None, *, voice_of: VoiceOf = by_id,
-           at_least: int | None = None) -> set[str]:
-    """Senders whose contributions the receipts (made for `lineage`, when given) list: by a
-    quorum of the voices that published one (`at_least` None: they count, and a member that
-    lacks one fetches it), or by `at_least` voices."""
-    listings = Listings(receipts, voice_of)
+def listed(receipts: Iterable[Receipt], lineage: bytes | None = None, *, at_least: int | None = None) -> set[str]:
+    """Senders whose contributions the receipts (made for `lineage`, when given) list: by
+    `Listings.need` makers (`at_least` None: they count, and a member that
+    lacks one fetches it), or by `at_least` makers."""
+    listings = Listings(receipts)
     return {s.sender for s in listings if lineage in (None, s.lineage)
             and listings.count(s) >= (listings.need(s) if at_least is None else at_least)}
 
@@ -221,14 +228,13 @@ class Decision:
     equivocators: dict[str, tuple[Statement, Statement]]
 
 
-def decide(receipts: Iterable[Receipt], held: Iterable[Statement], *, lineage: bytes,
-           voice_of: VoiceOf = by_id) -> Decision:
+def decide(receipts: Iterable[Receipt], held: Iterable[Statement], *, lineage: bytes) -> Decision:
     """The rule of the module docstring over every receipt we hold of one round's phase
     (several versions of one maker's included, ours too) and `held`: the statements of what we
-    hold (ours included), which count like any listed one; one that no voice but its sender's
+    hold (ours included), which count like any listed one; one that no maker but its sender
     published a receipt for (it is alone in the round, or we only listen to its maker) needs
     no listing."""
-    listings = Listings(receipts, voice_of)
+    listings = Listings(receipts)
     by_slot: dict[tuple[str, int], list[Statement]] = {}
     for s in {*held, *listings}:
         if s.lineage == lineage:  # another lineage's statement is no evidence, and counts nowhere

@@ -111,13 +111,12 @@ class Averaging:
     def held_elsewhere(self, round_id: int, phase: Phase, lineage: bytes, *,
                        at_least: int | None = None) -> Callable[[], set[str]]:
         """For RoundBook.collect, in a phase whose contributions go to every member: the senders
-        whose contributions other members list as held: by a quorum of the voices that published
-        a receipt (`at_least` None, `fetchable`), they count toward --min-peers; by one
+        whose contributions other members list as held: by as many makers as `decide` needs
+        (`at_least` None, `fetchable`), they count toward --min-peers; by one
         (`reached`), their makers reached other members, so after `fetch_after_s` we stop waiting
         for their push to us: what counts of them is fetched, and the rest counts nowhere, on
         every member alike."""
-        return lambda: listed(self.transport.receipts(round_id, phase), lineage, voice_of=self.transport.voice,
-                              at_least=at_least)
+        return lambda: listed(self.transport.receipts(round_id, phase), lineage, at_least=at_least)
 
     @property
     def fetch_after_s(self) -> float:
@@ -160,8 +159,7 @@ class Averaging:
         receipts = [*transport.receipts(round_id, phase), *([ours] if ours is not None else [])]
         if ours is None and not self.decided_by_quorum(round_id, receipts, members()):
             return {}
-        decision = decide(receipts, [statement_of(c) for c in held.values()], lineage=lineage,
-                          voice_of=transport.voice)
+        decision = decide(receipts, [statement_of(c) for c in held.values()], lineage=lineage)
         for member, proof in sorted(decision.equivocators.items()):
             logger.warning("round %d: %s signed two different %ss for one slot; leaving all of its out of "
                            "this round and banning it", round_id, member, phase.label,
