@@ -78,8 +78,12 @@ def test_reduce_scatter_with_home_members_reduces_on_the_public_ones(tmp_path: P
 
 def test_killing_a_home_members_relay_mid_round_costs_at_most_one_deadline(tmp_path: Path, net: Net) -> None:
     publics, homes = ["p1", "p2"], ["h1", "h2"]
-    # --min-peers 3: the swarm goes on without the one killed
-    nodes = swarm(tmp_path, net, publics, homes, "--inner-steps", "40", rounds=6, min_peers=3)
+    # --min-peers 3: the swarm goes on without the one killed. Rounds of ~5 s (1000 steps of the
+    # toy model): longer than a home member takes to hear of every member (its reachability
+    # check and sessions, ~3 s), so no member closes round 0 with three before it heard of the
+    # fourth. That start-up race (a member deciding round 0 on the receipts of the members it
+    # knows yet, then repairing) is not what this test is about; see the note of issue 26.
+    nodes = swarm(tmp_path, net, publics, homes, "--inner-steps", "1000", rounds=6, min_peers=3)
     victim = nodes["p2"]
     try:
         for node in nodes.values():
