@@ -3,6 +3,7 @@ budget, and a decoder that refuses every payload its encoder could not have made
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 
@@ -139,6 +140,69 @@ def test_rice_parameter_and_spec() -> None:
                       ("sparse:k=-1", "options"), ("sparse:x=1", "options")]:
         with pytest.raises(CodecError, match=flag):
             get_codec(bad)
+
+
+# ---- the bytes stay those of the first encoder -------------------------------------------------
+
+
+def seeded(n: int, seed: int) -> torch.Tensor:
+    """Heavy-tailed float32 values from numpy's seeded generator (no ties among magnitudes)."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal(n, dtype=np.float32)
+    chi = (rng.standard_normal((n, 3), dtype=np.float32) ** 2).sum(axis=1, dtype=np.float32)
+    return torch.from_numpy(z / np.sqrt(chi / np.float32(3)))
+
+
+# SHA-256 of the payloads the first encoder (torch.topk over every block, then a sort) made of
+# these vectors, computed with it before the encoder moved to numpy's partition: the wire bytes
+# did not change. Several slabs of blocks (neuronode.codec.sparse.SLAB_ELEMENTS) in the last two.
+FIRST_ENCODER = [
+    ("sparse", 13288, 1, "2c48bc569ca68870240a3382678a9637d66382e00d10fe5733e78645add7383c"),
+    ("sparse", 200000, 2, "c31b581fb2c9f8b971a0949f9a12823befb4f468a9add766d7d02a5725cad242"),
+    ("sparse:k=16,bits=2,block=4096", 50000, 3, "8900fc6dd5f91285eb786e35c228780787fcc39b2be674921fc70d6360f9991d"),
+    ("sparse:k=128,bits=4,block=4096", 50000, 4, "b80df0eefcd53863ec48cf263cd79f20314b656dae49569a6f8481a85ed8d1a1"),
+    ("sparse:k=8,bits=8,block=64", 10037, 5, "3417418378e00a68ccf6287fb43a0ab5cb0bc17f2fb8c659b44e63c054e1eb02"),
+    ("sparse:k=5,bits=2,block=64", 3, 6, "7fa84763ab20c5565f69a96609a21df242592a3cc167c8a1d93e736d2fdce0f7"),
+    ("sparse", 300000, 7, "77e4b47e8741a9b78dc01f587448c893feb1f440a0f714486ab1e3b30d253bdf"),
+    ("sparse:k=1,bits=2,block=64", 5000003, 8, "cd663b6ca9952bccee2af9f10aa568fc35a24f86a8a71fc888768b52b37caa8c"),
+]
+
+
+@pytest.mark.parametrize(("spec", "n", "seed", "digest"), FIRST_ENCODER, ids=lambda v: str(v)[:32])
+def test_the_bytes_are_the_first_encoders(spec: str, n: int, seed: int, digest: str) -> None:
+    assert hashlib.sha256(get_codec(spec).encode(seeded(n, seed))).hexdigest() == digest
+
+
+def topk_positions(codec: SparseCodec, x: torch.Tensor) -> np.ndarray:
+    """The first encoder's choice: torch.topk of each block's magnitudes, ascending."""
+    out = []
+    for start in range(0, x.numel(), codec.block_elems):
+        block = x[start:start + codec.block_elems].abs()
+        keep = min(codec.k, block.numel())
+        out.append(block.topk(keep, sorted=False).indices.sort().values.numpy() + start)
+    return np.concatenate(out)
+
+
+def tied(n: int, seed: int) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    sparse_ones = np.zeros(n, dtype=np.float32)
+    sparse_ones[::97] = rng.standard_normal(sparse_ones[::97].size)
+    mixed = rng.standard_normal(n).astype(np.float32)
+    mixed[n // 2:n // 2 + 3000] = 0.5
+    mixed[n - 5000:] = -0.0
+    return [torch.zeros(n), torch.from_numpy(sparse_ones),
+            torch.from_numpy(np.round(rng.standard_normal(n) * 3).astype(np.float32)),  # few values, signed
+            torch.from_numpy(rng.choice([-2.0, -1.0, 1.0, 2.0], n).astype(np.float32)), torch.from_numpy(mixed)]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
+def test_tied_magnitudes_keep_torch_topks_choice(codec: SparseCodec) -> None:
+    """Where magnitudes tie at the k-th largest, the encoder keeps the entries torch.topk kept
+    (as the first encoder did), in blocks of every slab."""
+    n = 70 * 4096 + 1234  # two slabs of 4096-blocks
+    for x in tied(n, seed=codec.k):
+        positions, _ = codec.parse(codec.encode(x), n)
+        assert np.array_equal(positions, topk_positions(codec, x))
 
 
 # ---- hostile payloads --------------------------------------------------------------------------

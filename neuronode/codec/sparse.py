@@ -49,6 +49,7 @@ DEFAULT_K, DEFAULT_BITS, DEFAULT_BLOCK, DEFAULT_DECAY = 64, 2, 4096, 0.95
 # Bounds that keep one block's payload within the smallest --chunk-bytes (4096): at most
 # about 2.1 kB (k = 1024, 8 bits, block 65536).
 MIN_BLOCK, MAX_BLOCK, MAX_K = 64, 65536, 1024
+SLAB_ELEMENTS = 1 << 18  # the encoder selects in slabs of blocks of about 1 MB, kept in the cache
 
 
 def sparse_spec(k: int = DEFAULT_K, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK) -> str:
@@ -161,32 +162,60 @@ class SparseCodec(Codec):
 
     # ---- encoding ------------------------------------------------------------------------------
 
-    def _select(self, blocks: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row of `blocks` (m, length): the `keep` largest magnitudes' indices, ascending
-        (m, keep) int64, and their values (m, keep)."""
-        magnitudes = torch.abs(blocks, out=empty_floats(blocks.numel()).view(blocks.shape))  # a reused buffer
-        index = magnitudes.topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
-        return index, blocks.gather(1, index)
+    def _select(self, x: np.ndarray, length: int, keep: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per block of `length` elements of `x` (whole blocks): the flat positions of the
+        `keep` largest magnitudes, ascending (m, keep) int64, and their values (m, keep).
+
+        A block's keep-th largest magnitude comes from numpy's partition (introselect), then a
+        comparison marks the entries at or above it: exactly `keep` of them unless magnitudes tie
+        there, and those blocks take torch.topk's choice among the tied, as this codec always
+        did. Done in slabs of blocks that stay in the cache."""
+        m = x.size // length
+        rows = max(1, SLAB_ELEMENTS // length)
+        magnitudes = np.empty((min(rows, m), length), dtype=np.float32)
+        marked = np.empty((min(rows, m), length), dtype=bool)
+        blocks = x.reshape(m, length)
+        found = []
+        for r0 in range(0, m, rows):
+            xs = blocks[r0:r0 + rows]
+            mag, mark = magnitudes[:xs.shape[0]], marked[:xs.shape[0]]
+            np.abs(xs, out=mag)
+            mag.partition(length - keep, axis=1)
+            kth = mag[:, length - keep].copy()
+            np.abs(xs, out=mag)
+            np.greater_equal(mag, kth[:, None], out=mark)
+            at = np.flatnonzero(mark)
+            if at.size != mark.shape[0] * keep:  # a tie at the keep-th magnitude: more are marked
+                counts = np.bincount(at // length, minlength=mark.shape[0])
+                tied = np.flatnonzero(counts != keep)
+                chosen = torch.from_numpy(mag[tied]).topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
+                mark[tied] = False
+                mark[tied[:, None], chosen.numpy()] = True
+                at = np.flatnonzero(mark)
+            found.append(at + r0 * length)
+        positions = np.concatenate(found).reshape(m, keep)
+        return positions, x[positions]
 
     def encode(self, x: torch.Tensor) -> bytes:
         x = _check_input(x, finite=False)
         n = x.numel()
         if n and not all_finite(x.numpy()):
             raise CodecError(NOT_FINITE)
+        if not n:
+            return b""
+        flat = x.numpy()
         full, tail = self._blocks(n)
         parts = []
         if full:
-            parts.append(self._select(x[:full * self.block_elems].view(full, self.block_elems), self.k))
+            parts.append(self._select(flat[:full * self.block_elems], self.block_elems, self.k))
         if tail:
-            parts.append(self._select(x[full * self.block_elems:].view(1, tail), min(self.k, tail)))
+            parts.append(self._select(flat[full * self.block_elems:], tail, min(self.k, tail)))
         scales, fields, q = [], [], []
-        for index, values in parts:
-            s, f, g = self._quantize(index, values)
+        for positions, values in parts:
+            s, f, g = self._quantize(positions, values)
             scales.append(s)
             fields.append(f)
             q.append(g)
-        if not parts:
-            return b""
         q_all = np.concatenate(q)
         unary = np.zeros(-(-(q_all.size + int(q_all.sum())) // 8) * 8, dtype=np.uint8)
         unary[np.cumsum(q_all + 1) - 1] = 1  # each entry: q zero bits, then a one
@@ -194,17 +223,17 @@ class SparseCodec(Codec):
                          pack_fields(np.concatenate(fields), self.bits + self.rice),
                          np.packbits(unary, bitorder="little").tobytes()))
 
-    def _quantize(self, index: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _quantize(self, positions: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(scales (m,) float32, fields (m*keep,) int64, unary lengths q (m*keep,) int64) of the
-        kept entries of m blocks."""
-        absmax = values.abs().amax(dim=1)  # the block's max |x|: the largest is always kept
-        scales = absmax / (2 * self.levels)  # exact: a power of two (bar subnormals)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.floor(values.abs() / (2 * safe[:, None])).clamp_(max=self.levels - 1).to(torch.int64)
-        codes |= (values < 0).to(torch.int64) << (self.bits - 1)
-        gaps = torch.diff(index, dim=1, prepend=torch.full_like(index[:, :1], -1)) - 1
+        kept entries of m blocks: flat positions (m, keep), ascending, and values (m, keep)."""
+        magnitudes = np.abs(values)
+        scales = magnitudes.max(axis=1) / np.float32(2 * self.levels)  # exact: a power of two (bar subnormals)
+        safe = np.where(scales > 0, scales, np.float32(1))
+        codes = np.minimum(np.floor(magnitudes / (2 * safe[:, None])), self.levels - 1).astype(np.int64)
+        codes |= (values < 0).astype(np.int64) << (self.bits - 1)
+        gaps = np.diff(positions, axis=1, prepend=positions[:, :1] - positions[:, :1] % self.block_elems - 1) - 1
         fields = (gaps & ((1 << self.rice) - 1)) << self.bits | codes
-        return scales.numpy(), fields.reshape(-1).numpy(), (gaps >> self.rice).reshape(-1).numpy()
+        return scales, fields.reshape(-1), (gaps >> self.rice).reshape(-1)
 
     # ---- decoding ------------------------------------------------------------------------------
 
