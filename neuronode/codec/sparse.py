@@ -50,6 +50,7 @@ DEFAULT_K, DEFAULT_BITS, DEFAULT_BLOCK, DEFAULT_DECAY = 64, 2, 4096, 0.95
 # about 2.1 kB (k = 1024, 8 bits, block 65536).
 MIN_BLOCK, MAX_BLOCK, MAX_K = 64, 65536, 1024
 SLAB_ELEMENTS = 1 << 18  # the encoder selects in slabs of blocks of about 1 MB, kept in the cache
+GROUPS = 16  # elements per group of the encoder's prefilter: element i of a block is in group i % (block // 16)
 
 
 def sparse_spec(k: int = DEFAULT_K, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK) -> str:
@@ -89,11 +90,18 @@ def rice_parameter(block: int, k: int) -> int:
     return max(0, ((block - k) // k).bit_length() - 1)
 
 
+def _field_bytes(width: int) -> int:
+    """Bytes of the smallest unsigned integer holding `width` bits (1, 2 or 4)."""
+    return 1 if width <= 8 else 2 if width <= 16 else 4
+
+
 def pack_fields(values: np.ndarray, width: int) -> bytes:
     """`values` (non-negative, below 2^width) as `width`-bit fields, little-endian bit order,
     zero-padded to whole bytes."""
-    bits = (values[:, None] >> np.arange(width, dtype=values.dtype)) & 1  # (K, width)
-    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+    size = _field_bytes(width)
+    octets = values.astype(f"<u{size}").view(np.uint8).reshape(-1, size)
+    bits = np.unpackbits(octets, axis=1, bitorder="little")  # (K, 8 * size): each value's bits, lowest first
+    return np.packbits(bits[:, :width], bitorder="little").tobytes()
 
 
 def unpack_fields(buf: bytes | memoryview, count: int, width: int) -> np.ndarray:
@@ -101,8 +109,10 @@ def unpack_fields(buf: bytes | memoryview, count: int, width: int) -> np.ndarray
     bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little")
     if bits[count * width:].any():
         raise CodecError("sparse payload: trailing bits set after the value fields")
-    fields = bits[:count * width].reshape(count, width).astype(np.int64)
-    return fields @ (np.int64(1) << np.arange(width, dtype=np.int64))
+    size = _field_bytes(width)
+    padded = np.zeros((count, 8 * size), dtype=np.uint8)
+    padded[:, :width] = bits[:count * width].reshape(count, width)
+    return np.packbits(padded.reshape(-1), bitorder="little").view(f"<u{size}").astype(np.int64)
 
 
 class SparseCodec(Codec):
@@ -117,6 +127,9 @@ class SparseCodec(Codec):
         self.k, self.bits, self.block_elems = k, bits, block
         self.rice = rice_parameter(block, k)
         self.levels = 1 << (bits - 1)  # magnitude codes per sign
+        codes = np.arange(1 << bits)
+        self._units = np.where(codes >> (bits - 1), np.float32(-1), np.float32(1)) * (
+            2 * (codes & (self.levels - 1)) + 1).astype(np.float32)  # code -> +-(2c + 1), float32
 
     @property
     def spec(self) -> str:
@@ -166,41 +179,69 @@ class SparseCodec(Codec):
         """Per block of `length` elements of `x` (whole blocks): the flat positions of the
         `keep` largest magnitudes, ascending (m, keep) int64, and their values (m, keep).
 
-        A block's keep-th largest magnitude comes from numpy's partition (introselect), then a
-        comparison marks the entries at or above it: exactly `keep` of them unless magnitudes tie
-        there, and those blocks take torch.topk's choice among the tied, as this codec always
-        did. Done in slabs of blocks that stay in the cache."""
+        Done in slabs of blocks that stay in the cache (`_select_slab`); the choice is
+        torch.topk's, the first encoder's, so the bytes are its bytes."""
         m = x.size // length
         rows = max(1, SLAB_ELEMENTS // length)
         magnitudes = np.empty((min(rows, m), length), dtype=np.float32)
         marked = np.empty((min(rows, m), length), dtype=bool)
         blocks = x.reshape(m, length)
-        found = []
-        for r0 in range(0, m, rows):
-            xs = blocks[r0:r0 + rows]
-            mag, mark = magnitudes[:xs.shape[0]], marked[:xs.shape[0]]
-            np.abs(xs, out=mag)
-            mag.partition(length - keep, axis=1)
-            kth = mag[:, length - keep].copy()
-            np.abs(xs, out=mag)
-            np.greater_equal(mag, kth[:, None], out=mark)
-            at = np.flatnonzero(mark)
-            if at.size != mark.shape[0] * keep:  # a tie at the keep-th magnitude: more are marked
-                counts = np.bincount(at // length, minlength=mark.shape[0])
-                tied = np.flatnonzero(counts != keep)
-                chosen = torch.from_numpy(mag[tied]).topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
-                mark[tied] = False
-                mark[tied[:, None], chosen.numpy()] = True
-                at = np.flatnonzero(mark)
-            found.append(at + r0 * length)
+        found = [self._select_slab(blocks[r0:r0 + rows], keep, magnitudes, marked) + r0 * length
+                 for r0 in range(0, m, rows)]
         positions = np.concatenate(found).reshape(m, keep)
         return positions, x[positions]
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        x = _check_input(x, finite=False)
-        n = x.numel()
-        if n and not all_finite(x.numpy()):
+    @staticmethod
+    def _select_slab(xs: np.ndarray, keep: int, magnitudes: np.ndarray, marked: np.ndarray) -> np.ndarray:
+        """The positions in `xs` (h, length), ascending, of each row's `keep` largest magnitudes.
+
+        The keep-th largest magnitude of a row comes from numpy's partition (introselect), then a
+        comparison marks the entries at or above it: exactly `keep` of them unless magnitudes tie
+        there, and such rows take torch.topk's choice among the tied. Where the row is long
+        enough, partition first runs on the maxima of its groups of GROUPS: at least `keep`
+        entries reach the keep-th largest group maximum t, so the row's `keep` largest are among
+        the entries >= t (typically 73 of 4096 for 64), and partition then runs on those only.
+        A row where that does not mark exactly `keep` entries is done the plain way."""
+        h, length = xs.shape
+        mag, mark = magnitudes[:h], marked[:h]
+        np.abs(xs, out=mag)
+        if length % GROUPS == 0 and length // GROUPS >= 2 * keep:
+            width = length // GROUPS
+            group_max = mag.reshape(h, GROUPS, width).max(axis=1)  # (h, width): group j holds j, j + width, ...
+            if not all_finite(group_max):  # NaN and Inf reach their group's maximum
+                raise CodecError(NOT_FINITE)
+            group_max.partition(width - keep, axis=1)
+            np.greater_equal(mag, group_max[:, width - keep, None], out=mark)
+            at = np.flatnonzero(mark)
+            row = at // length
+            counts = np.bincount(row, minlength=h)
+            most = int(counts.max())
+            candidates = np.full((h, most), -1.0, dtype=np.float32)
+            values = mag.reshape(-1)[at]
+            candidates.reshape(-1)[row * most + np.arange(at.size) - (np.cumsum(counts) - counts)[row]] = values
+            candidates.partition(most - keep, axis=1)
+            chosen = at[values >= candidates[:, most - keep][row]]
+            if chosen.size == h * keep:  # each row marks keep or more: so exactly keep, no tie
+                return chosen
+        elif not all_finite(mag):
             raise CodecError(NOT_FINITE)
+        mag.partition(length - keep, axis=1)
+        kth = mag[:, length - keep].copy()
+        np.abs(xs, out=mag)
+        np.greater_equal(mag, kth[:, None], out=mark)
+        at = np.flatnonzero(mark)
+        if at.size != h * keep:  # a tie at the keep-th magnitude: more are marked
+            counts = np.bincount(at // length, minlength=h)
+            tied = np.flatnonzero(counts != keep)
+            chosen = torch.from_numpy(mag[tied]).topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
+            mark[tied] = False
+            mark[tied[:, None], chosen.numpy()] = True
+            at = np.flatnonzero(mark)
+        return at
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        x = _check_input(x, finite=False)  # _select_slab refuses NaN and Inf in the pass it makes
+        n = x.numel()
         if not n:
             return b""
         flat = x.numpy()
@@ -263,11 +304,12 @@ class SparseCodec(Codec):
             raise CodecError(f"{self.name}: trailing bytes after the index bit stream")
         gaps = (np.diff(ends, prepend=-1) - 1) << self.rice | fields >> self.bits
         positions = self._positions(gaps, n)
-        codes = fields & ((1 << self.bits) - 1)
-        magnitudes = (2 * (codes & (self.levels - 1)) + 1).astype(np.float32)
-        signs = np.where(codes >> (self.bits - 1), np.float32(-1), np.float32(1))
-        block_of = positions // self.block_elems
-        return positions, magnitudes * scales[block_of] * signs
+        # A code's value in units of its block's scale, +-(2c + 1): the product with the scale
+        # rounds as (2c + 1) * s with the sign after, IEEE multiplication being symmetric.
+        full, tail = self._blocks(n)
+        per_block = np.full(full + (tail > 0), self.k)
+        per_block[full:] = min(self.k, tail)
+        return positions, self._units[fields & ((1 << self.bits) - 1)] * np.repeat(scales, per_block)
 
     def _positions(self, gaps: np.ndarray, n: int) -> np.ndarray:
         """Flat positions of the entries whose in-block gaps are `gaps`; CodecError when an
