@@ -29,7 +29,7 @@ from neuronode.codec import (
     receiving,
     roundtrip,
 )
-from neuronode.codec.sparse import SparseCodec, rice_parameter
+from neuronode.codec.sparse import SparseCodec, group_size, rice_parameter
 
 torch.set_num_threads(1)
 
@@ -217,11 +217,11 @@ def test_tied_magnitudes_keep_torch_topks_choice(codec: SparseCodec) -> None:
         assert np.array_equal(positions, topk_positions(codec, x))
 
 
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
+@pytest.mark.parametrize("codec", [*CODECS, SparseCodec(64, 8, 64), SparseCodec(300, 2, 1024)], ids=lambda c: c.spec)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_encode_refuses_non_finite_input_in_any_block_of_any_slab(codec: SparseCodec, bad: float) -> None:
     """The encoder checks finiteness in its selection pass (group maxima, or the magnitudes
-    where a block has no groups), whole blocks and the tail, with and without ties."""
+    where a block has no groups: the last two), whole blocks and the tail, with and without ties."""
     n = 70 * 4096 + 1234
     for x in (seeded(n, 9), torch.zeros(n)):
         for where in (0, codec.block_elems - 1, 69 * 4096 + 5, n - 1):
@@ -229,6 +229,12 @@ def test_encode_refuses_non_finite_input_in_any_block_of_any_slab(codec: SparseC
             y[where] = bad
             with pytest.raises(CodecError, match="NaN or Inf"):
                 codec.encode(y)
+
+
+def test_the_prefilters_groups() -> None:
+    assert [group_size(4096, k) for k in (16, 64, 128, 256, 512, 1024, 2048)] == [16, 16, 8, 4, 2, 0, 0]
+    assert (group_size(64, 8), group_size(64, 5), group_size(64, 64), group_size(1024, 300)) == (2, 2, 0, 0)
+    assert group_size(4100, 16) == 4 and group_size(4097, 1) == 0  # a divisor of the block, or none
 
 
 # ---- hostile payloads --------------------------------------------------------------------------

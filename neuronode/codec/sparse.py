@@ -50,7 +50,7 @@ DEFAULT_K, DEFAULT_BITS, DEFAULT_BLOCK, DEFAULT_DECAY = 64, 2, 4096, 0.95
 # about 2.1 kB (k = 1024, 8 bits, block 65536).
 MIN_BLOCK, MAX_BLOCK, MAX_K = 64, 65536, 1024
 SLAB_ELEMENTS = 1 << 18  # the encoder selects in slabs of blocks of about 1 MB, kept in the cache
-GROUPS = 16  # elements per group of the encoder's prefilter: element i of a block is in group i % (block // 16)
+MOST_GROUPED = 16  # elements per group of the encoder's prefilter, at most
 
 
 def sparse_spec(k: int = DEFAULT_K, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK) -> str:
@@ -88,6 +88,16 @@ def rice_parameter(block: int, k: int) -> int:
     """r = floor(log2(mean gap)), the mean gap being (block - k) // k; integers only, so every
     node computes the same r."""
     return max(0, ((block - k) // k).bit_length() - 1)
+
+
+def group_size(length: int, keep: int) -> int:
+    """Elements per group when the encoder prefilters a block of `length` for its `keep`
+    largest: a power of two from 2 to MOST_GROUPED that leaves at least 4 * keep groups and
+    divides the block; 0 for none (the block is selected without the prefilter)."""
+    size = MOST_GROUPED
+    while size >= 2 and (length // size < 4 * keep or length % size):
+        size //= 2
+    return size if size >= 2 else 0
 
 
 def _field_bytes(width: int) -> int:
@@ -198,16 +208,17 @@ class SparseCodec(Codec):
         The keep-th largest magnitude of a row comes from numpy's partition (introselect), then a
         comparison marks the entries at or above it: exactly `keep` of them unless magnitudes tie
         there, and such rows take torch.topk's choice among the tied. Where the row is long
-        enough, partition first runs on the maxima of its groups of GROUPS: at least `keep`
+        enough, partition first runs on the maxima of its groups (`group_size`): at least `keep`
         entries reach the keep-th largest group maximum t, so the row's `keep` largest are among
         the entries >= t (typically 73 of 4096 for 64), and partition then runs on those only.
         A row where that does not mark exactly `keep` entries is done the plain way."""
         h, length = xs.shape
         mag, mark = magnitudes[:h], marked[:h]
         np.abs(xs, out=mag)
-        if length % GROUPS == 0 and length // GROUPS >= 2 * keep:
-            width = length // GROUPS
-            group_max = mag.reshape(h, GROUPS, width).max(axis=1)  # (h, width): group j holds j, j + width, ...
+        size = group_size(length, keep)
+        if size:
+            width = length // size
+            group_max = mag.reshape(h, size, width).max(axis=1)  # (h, width): group j holds j, j + width, ...
             if not all_finite(group_max):  # NaN and Inf reach their group's maximum
                 raise CodecError(NOT_FINITE)
             group_max.partition(width - keep, axis=1)
