@@ -3,6 +3,7 @@ budget, and a decoder that refuses every payload its encoder could not have made
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 
@@ -28,7 +29,7 @@ from neuronode.codec import (
     receiving,
     roundtrip,
 )
-from neuronode.codec.sparse import SparseCodec, rice_parameter
+from neuronode.codec.sparse import SparseCodec, group_size, rice_parameter
 
 torch.set_num_threads(1)
 
@@ -139,6 +140,101 @@ def test_rice_parameter_and_spec() -> None:
                       ("sparse:k=-1", "options"), ("sparse:x=1", "options")]:
         with pytest.raises(CodecError, match=flag):
             get_codec(bad)
+
+
+# ---- the bytes stay those of the first encoder -------------------------------------------------
+
+
+def seeded(n: int, seed: int) -> torch.Tensor:
+    """Heavy-tailed float32 values from numpy's seeded generator (no ties among magnitudes)."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal(n, dtype=np.float32)
+    chi = (rng.standard_normal((n, 3), dtype=np.float32) ** 2).sum(axis=1, dtype=np.float32)
+    return torch.from_numpy(z / np.sqrt(chi / np.float32(3)))
+
+
+# SHA-256 of the payloads the first encoder (torch.topk over every block, then a sort) made of
+# these vectors, and of the float32 values the first decoder made of them, computed with that
+# code before the encoder moved to numpy's partition: the wire bytes and the decoded values did
+# not change. Several slabs of blocks (neuronode.codec.sparse.SLAB_ELEMENTS) in the last two.
+FIRST_ENCODER = [
+    ("sparse", 13288, 1, "2c48bc569ca68870240a3382678a9637d66382e00d10fe5733e78645add7383c",
+     "ce40ea150744d42230363d3c6acac54fe4278b81c2254ca1a345066cbb4c655b"),
+    ("sparse", 200000, 2, "c31b581fb2c9f8b971a0949f9a12823befb4f468a9add766d7d02a5725cad242",
+     "4d89e71103c0e6dcc03803efaf115c000fbd2a49f2e49d33e41e08db27b8650d"),
+    ("sparse:k=16,bits=2,block=4096", 50000, 3, "8900fc6dd5f91285eb786e35c228780787fcc39b2be674921fc70d6360f9991d",
+     "7ead1c0174ebab92b3f0dd6b0876d488f4e4d8d1a15c4ebad43ce36a18e61f26"),
+    ("sparse:k=128,bits=4,block=4096", 50000, 4, "b80df0eefcd53863ec48cf263cd79f20314b656dae49569a6f8481a85ed8d1a1",
+     "ec34543c975914168dbf1d9b94d4a04e8a51cd7d9f844ba632110818f6f9ca55"),
+    ("sparse:k=8,bits=8,block=64", 10037, 5, "3417418378e00a68ccf6287fb43a0ab5cb0bc17f2fb8c659b44e63c054e1eb02",
+     "4e7dd8ff8bda47b6b3c112e3f26558c2cf9cea39d5db89055da4d7dbeff92962"),
+    ("sparse:k=5,bits=2,block=64", 3, 6, "7fa84763ab20c5565f69a96609a21df242592a3cc167c8a1d93e736d2fdce0f7",
+     "0a7b7c02434c5b17104f881f5f0e1f04f40b9e4a2aa985e8e9cf532fb8606f5e"),
+    ("sparse", 300000, 7, "77e4b47e8741a9b78dc01f587448c893feb1f440a0f714486ab1e3b30d253bdf",
+     "2cf9ed4fae680dc0da9244298b74e77040a635e26b9ae28c8d182c7f0b6219e5"),
+    ("sparse:k=1,bits=2,block=64", 5000003, 8, "cd663b6ca9952bccee2af9f10aa568fc35a24f86a8a71fc888768b52b37caa8c",
+     "837dccc27bf6736fe8670d2690ceed25525c0ebb875f4ba59e04a6b8184722f2"),
+]
+
+
+@pytest.mark.parametrize(("spec", "n", "seed", "digest", "decoded"), FIRST_ENCODER, ids=lambda v: str(v)[:32])
+def test_the_bytes_and_values_are_the_first_codecs(spec: str, n: int, seed: int, digest: str, decoded: str) -> None:
+    codec = get_codec(spec)
+    buf = codec.encode(seeded(n, seed))
+    assert hashlib.sha256(buf).hexdigest() == digest
+    assert hashlib.sha256(codec.decode(buf, n).numpy().tobytes()).hexdigest() == decoded
+
+
+def topk_positions(codec: SparseCodec, x: torch.Tensor) -> np.ndarray:
+    """The first encoder's choice: torch.topk of each block's magnitudes, ascending."""
+    out = []
+    for start in range(0, x.numel(), codec.block_elems):
+        block = x[start:start + codec.block_elems].abs()
+        keep = min(codec.k, block.numel())
+        out.append(block.topk(keep, sorted=False).indices.sort().values.numpy() + start)
+    return np.concatenate(out)
+
+
+def tied(n: int, seed: int) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    sparse_ones = np.zeros(n, dtype=np.float32)
+    sparse_ones[::97] = rng.standard_normal(sparse_ones[::97].size)
+    mixed = rng.standard_normal(n).astype(np.float32)
+    mixed[n // 2:n // 2 + 3000] = 0.5
+    mixed[n - 5000:] = -0.0
+    return [torch.zeros(n), torch.from_numpy(sparse_ones),
+            torch.from_numpy(np.round(rng.standard_normal(n) * 3).astype(np.float32)),  # few values, signed
+            torch.from_numpy(rng.choice([-2.0, -1.0, 1.0, 2.0], n).astype(np.float32)), torch.from_numpy(mixed)]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
+def test_tied_magnitudes_keep_torch_topks_choice(codec: SparseCodec) -> None:
+    """Where magnitudes tie at the k-th largest, the encoder keeps the entries torch.topk kept
+    (as the first encoder did), in blocks of every slab."""
+    n = 70 * 4096 + 1234  # two slabs of 4096-blocks
+    for x in tied(n, seed=codec.k):
+        positions, _ = codec.parse(codec.encode(x), n)
+        assert np.array_equal(positions, topk_positions(codec, x))
+
+
+@pytest.mark.parametrize("codec", [*CODECS, SparseCodec(64, 8, 64), SparseCodec(300, 2, 1024)], ids=lambda c: c.spec)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_encode_refuses_non_finite_input_in_any_block_of_any_slab(codec: SparseCodec, bad: float) -> None:
+    """The encoder checks finiteness in its selection pass (group maxima, or the magnitudes
+    where a block has no groups: the last two), whole blocks and the tail, with and without ties."""
+    n = 70 * 4096 + 1234
+    for x in (seeded(n, 9), torch.zeros(n)):
+        for where in (0, codec.block_elems - 1, 69 * 4096 + 5, n - 1):
+            y = x.clone()
+            y[where] = bad
+            with pytest.raises(CodecError, match="NaN or Inf"):
+                codec.encode(y)
+
+
+def test_the_prefilters_groups() -> None:
+    assert [group_size(4096, k) for k in (16, 64, 128, 256, 512, 1024, 2048)] == [16, 16, 8, 4, 2, 0, 0]
+    assert (group_size(64, 8), group_size(64, 5), group_size(64, 64), group_size(1024, 300)) == (2, 2, 0, 0)
+    assert group_size(4100, 16) == 4 and group_size(4097, 1) == 0  # a divisor of the block, or none
 
 
 # ---- hostile payloads --------------------------------------------------------------------------

@@ -49,6 +49,8 @@ DEFAULT_K, DEFAULT_BITS, DEFAULT_BLOCK, DEFAULT_DECAY = 64, 2, 4096, 0.95
 # Bounds that keep one block's payload within the smallest --chunk-bytes (4096): at most
 # about 2.1 kB (k = 1024, 8 bits, block 65536).
 MIN_BLOCK, MAX_BLOCK, MAX_K = 64, 65536, 1024
+SLAB_ELEMENTS = 1 << 18  # the encoder selects in slabs of blocks of about 1 MB, kept in the cache
+MOST_GROUPED = 16  # elements per group of the encoder's prefilter, at most
 
 
 def sparse_spec(k: int = DEFAULT_K, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK) -> str:
@@ -88,11 +90,28 @@ def rice_parameter(block: int, k: int) -> int:
     return max(0, ((block - k) // k).bit_length() - 1)
 
 
+def group_size(length: int, keep: int) -> int:
+    """Elements per group when the encoder prefilters a block of `length` for its `keep`
+    largest: a power of two from 2 to MOST_GROUPED that leaves at least 4 * keep groups and
+    divides the block; 0 for none (the block is selected without the prefilter)."""
+    size = MOST_GROUPED
+    while size >= 2 and (length // size < 4 * keep or length % size):
+        size //= 2
+    return size if size >= 2 else 0
+
+
+def _field_bytes(width: int) -> int:
+    """Bytes of the smallest unsigned integer holding `width` bits (1, 2 or 4)."""
+    return 1 if width <= 8 else 2 if width <= 16 else 4
+
+
 def pack_fields(values: np.ndarray, width: int) -> bytes:
     """`values` (non-negative, below 2^width) as `width`-bit fields, little-endian bit order,
     zero-padded to whole bytes."""
-    bits = (values[:, None] >> np.arange(width, dtype=values.dtype)) & 1  # (K, width)
-    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+    size = _field_bytes(width)
+    octets = values.astype(f"<u{size}").view(np.uint8).reshape(-1, size)
+    bits = np.unpackbits(octets, axis=1, bitorder="little")  # (K, 8 * size): each value's bits, lowest first
+    return np.packbits(bits[:, :width], bitorder="little").tobytes()
 
 
 def unpack_fields(buf: bytes | memoryview, count: int, width: int) -> np.ndarray:
@@ -100,8 +119,10 @@ def unpack_fields(buf: bytes | memoryview, count: int, width: int) -> np.ndarray
     bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little")
     if bits[count * width:].any():
         raise CodecError("sparse payload: trailing bits set after the value fields")
-    fields = bits[:count * width].reshape(count, width).astype(np.int64)
-    return fields @ (np.int64(1) << np.arange(width, dtype=np.int64))
+    size = _field_bytes(width)
+    padded = np.zeros((count, 8 * size), dtype=np.uint8)
+    padded[:, :width] = bits[:count * width].reshape(count, width)
+    return np.packbits(padded.reshape(-1), bitorder="little").view(f"<u{size}").astype(np.int64)
 
 
 class SparseCodec(Codec):
@@ -116,6 +137,9 @@ class SparseCodec(Codec):
         self.k, self.bits, self.block_elems = k, bits, block
         self.rice = rice_parameter(block, k)
         self.levels = 1 << (bits - 1)  # magnitude codes per sign
+        codes = np.arange(1 << bits)
+        self._units = np.where(codes >> (bits - 1), np.float32(-1), np.float32(1)) * (
+            2 * (codes & (self.levels - 1)) + 1).astype(np.float32)  # code -> +-(2c + 1), float32
 
     @property
     def spec(self) -> str:
@@ -161,32 +185,89 @@ class SparseCodec(Codec):
 
     # ---- encoding ------------------------------------------------------------------------------
 
-    def _select(self, blocks: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row of `blocks` (m, length): the `keep` largest magnitudes' indices, ascending
-        (m, keep) int64, and their values (m, keep)."""
-        magnitudes = torch.abs(blocks, out=empty_floats(blocks.numel()).view(blocks.shape))  # a reused buffer
-        index = magnitudes.topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
-        return index, blocks.gather(1, index)
+    def _select(self, x: np.ndarray, length: int, keep: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per block of `length` elements of `x` (whole blocks): the flat positions of the
+        `keep` largest magnitudes, ascending (m, keep) int64, and their values (m, keep).
+
+        Done in slabs of blocks that stay in the cache (`_select_slab`); the choice is
+        torch.topk's, the first encoder's, so the bytes are its bytes."""
+        m = x.size // length
+        rows = max(1, SLAB_ELEMENTS // length)
+        magnitudes = np.empty((min(rows, m), length), dtype=np.float32)
+        marked = np.empty((min(rows, m), length), dtype=bool)
+        blocks = x.reshape(m, length)
+        found = [self._select_slab(blocks[r0:r0 + rows], keep, magnitudes, marked) + r0 * length
+                 for r0 in range(0, m, rows)]
+        positions = np.concatenate(found).reshape(m, keep)
+        return positions, x[positions]
+
+    @staticmethod
+    def _select_slab(xs: np.ndarray, keep: int, magnitudes: np.ndarray, marked: np.ndarray) -> np.ndarray:
+        """The positions in `xs` (h, length), ascending, of each row's `keep` largest magnitudes.
+
+        The keep-th largest magnitude of a row comes from numpy's partition (introselect), then a
+        comparison marks the entries at or above it: exactly `keep` of them unless magnitudes tie
+        there, and such rows take torch.topk's choice among the tied. Where the row is long
+        enough, partition first runs on the maxima of its groups (`group_size`): at least `keep`
+        entries reach the keep-th largest group maximum t, so the row's `keep` largest are among
+        the entries >= t (typically 73 of 4096 for 64), and partition then runs on those only.
+        A row where that does not mark exactly `keep` entries is done the plain way."""
+        h, length = xs.shape
+        mag, mark = magnitudes[:h], marked[:h]
+        np.abs(xs, out=mag)
+        size = group_size(length, keep)
+        if size:
+            width = length // size
+            group_max = mag.reshape(h, size, width).max(axis=1)  # (h, width): group j holds j, j + width, ...
+            if not all_finite(group_max):  # NaN and Inf reach their group's maximum
+                raise CodecError(NOT_FINITE)
+            group_max.partition(width - keep, axis=1)
+            np.greater_equal(mag, group_max[:, width - keep, None], out=mark)
+            at = np.flatnonzero(mark)
+            row = at // length
+            counts = np.bincount(row, minlength=h)
+            most = int(counts.max())
+            candidates = np.full((h, most), -1.0, dtype=np.float32)
+            values = mag.reshape(-1)[at]
+            candidates.reshape(-1)[row * most + np.arange(at.size) - (np.cumsum(counts) - counts)[row]] = values
+            candidates.partition(most - keep, axis=1)
+            chosen = at[values >= candidates[:, most - keep][row]]
+            if chosen.size == h * keep:  # each row marks keep or more: so exactly keep, no tie
+                return chosen
+        elif not all_finite(mag):
+            raise CodecError(NOT_FINITE)
+        mag.partition(length - keep, axis=1)
+        kth = mag[:, length - keep].copy()
+        np.abs(xs, out=mag)
+        np.greater_equal(mag, kth[:, None], out=mark)
+        at = np.flatnonzero(mark)
+        if at.size != h * keep:  # a tie at the keep-th magnitude: more are marked
+            counts = np.bincount(at // length, minlength=h)
+            tied = np.flatnonzero(counts != keep)
+            chosen = torch.from_numpy(mag[tied]).topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
+            mark[tied] = False
+            mark[tied[:, None], chosen.numpy()] = True
+            at = np.flatnonzero(mark)
+        return at
 
     def encode(self, x: torch.Tensor) -> bytes:
-        x = _check_input(x, finite=False)
+        x = _check_input(x, finite=False)  # _select_slab refuses NaN and Inf in the pass it makes
         n = x.numel()
-        if n and not all_finite(x.numpy()):
-            raise CodecError(NOT_FINITE)
+        if not n:
+            return b""
+        flat = x.numpy()
         full, tail = self._blocks(n)
         parts = []
         if full:
-            parts.append(self._select(x[:full * self.block_elems].view(full, self.block_elems), self.k))
+            parts.append(self._select(flat[:full * self.block_elems], self.block_elems, self.k))
         if tail:
-            parts.append(self._select(x[full * self.block_elems:].view(1, tail), min(self.k, tail)))
+            parts.append(self._select(flat[full * self.block_elems:], tail, min(self.k, tail)))
         scales, fields, q = [], [], []
-        for index, values in parts:
-            s, f, g = self._quantize(index, values)
+        for positions, values in parts:
+            s, f, g = self._quantize(positions, values)
             scales.append(s)
             fields.append(f)
             q.append(g)
-        if not parts:
-            return b""
         q_all = np.concatenate(q)
         unary = np.zeros(-(-(q_all.size + int(q_all.sum())) // 8) * 8, dtype=np.uint8)
         unary[np.cumsum(q_all + 1) - 1] = 1  # each entry: q zero bits, then a one
@@ -194,17 +275,17 @@ class SparseCodec(Codec):
                          pack_fields(np.concatenate(fields), self.bits + self.rice),
                          np.packbits(unary, bitorder="little").tobytes()))
 
-    def _quantize(self, index: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _quantize(self, positions: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(scales (m,) float32, fields (m*keep,) int64, unary lengths q (m*keep,) int64) of the
-        kept entries of m blocks."""
-        absmax = values.abs().amax(dim=1)  # the block's max |x|: the largest is always kept
-        scales = absmax / (2 * self.levels)  # exact: a power of two (bar subnormals)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.floor(values.abs() / (2 * safe[:, None])).clamp_(max=self.levels - 1).to(torch.int64)
-        codes |= (values < 0).to(torch.int64) << (self.bits - 1)
-        gaps = torch.diff(index, dim=1, prepend=torch.full_like(index[:, :1], -1)) - 1
+        kept entries of m blocks: flat positions (m, keep), ascending, and values (m, keep)."""
+        magnitudes = np.abs(values)
+        scales = magnitudes.max(axis=1) / np.float32(2 * self.levels)  # exact: a power of two (bar subnormals)
+        safe = np.where(scales > 0, scales, np.float32(1))
+        codes = np.minimum(np.floor(magnitudes / (2 * safe[:, None])), self.levels - 1).astype(np.int64)
+        codes |= (values < 0).astype(np.int64) << (self.bits - 1)
+        gaps = np.diff(positions, axis=1, prepend=positions[:, :1] - positions[:, :1] % self.block_elems - 1) - 1
         fields = (gaps & ((1 << self.rice) - 1)) << self.bits | codes
-        return scales.numpy(), fields.reshape(-1).numpy(), (gaps >> self.rice).reshape(-1).numpy()
+        return scales, fields.reshape(-1), (gaps >> self.rice).reshape(-1)
 
     # ---- decoding ------------------------------------------------------------------------------
 
@@ -234,11 +315,12 @@ class SparseCodec(Codec):
             raise CodecError(f"{self.name}: trailing bytes after the index bit stream")
         gaps = (np.diff(ends, prepend=-1) - 1) << self.rice | fields >> self.bits
         positions = self._positions(gaps, n)
-        codes = fields & ((1 << self.bits) - 1)
-        magnitudes = (2 * (codes & (self.levels - 1)) + 1).astype(np.float32)
-        signs = np.where(codes >> (self.bits - 1), np.float32(-1), np.float32(1))
-        block_of = positions // self.block_elems
-        return positions, magnitudes * scales[block_of] * signs
+        # A code's value in units of its block's scale, +-(2c + 1): the product with the scale
+        # rounds as (2c + 1) * s with the sign after, IEEE multiplication being symmetric.
+        full, tail = self._blocks(n)
+        per_block = np.full(full + (tail > 0), self.k)
+        per_block[full:] = min(self.k, tail)
+        return positions, self._units[fields & ((1 << self.bits) - 1)] * np.repeat(scales, per_block)
 
     def _positions(self, gaps: np.ndarray, n: int) -> np.ndarray:
         """Flat positions of the entries whose in-block gaps are `gaps`; CodecError when an
