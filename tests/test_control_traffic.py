@@ -148,7 +148,10 @@ async def test_receipts_travel_compact_and_a_member_that_missed_a_contribution_g
     # (else ids once d's receipt showed its list differs; once d holds a's, it asks no more).
     # Whom d asks depends on which answer comes first (a, b and c list the same digest).
     assert used["b"] == used["c"] == {"digest"}, used
-    assert "full" not in used["d"] or "a" in asked["d"], (used, asked)
+    # a, b and c list one digest: d's want of that list (named to one maker) may reach a too, so a
+    # sends it whole to d only once d asked some maker for a list (failed once under load when
+    # this said "asked a": d had asked c, and a answered).
+    assert "full" not in used["d"] or asked["d"], (used, asked)
     whole = a.peers.node_info().receipts[0]
     assert len(whole.statements) == 2
     compact = receipt_to_pb(a.receipts.own[(1, Phase.WHOLE)], "ids")
