@@ -105,6 +105,13 @@ def _huge_momentum(s: GlobalState) -> GlobalState:
     return GlobalState(s.round, s.param_digest, s.params, torch.full_like(s.params, 1e30), s.inner_steps_total)
 
 
+def _momentum_x3(s: GlobalState) -> GlobalState:
+    """The swarm's parameters (their digest is the swarm's), momentum three times the swarm's:
+    within the 10x bound, and enough to pull a joiner off the swarm at its first outer step."""
+    return GlobalState(s.round, s.param_digest, s.params, None if s.momentum is None else 3 * s.momentum,
+                       s.inner_steps_total)
+
+
 def stalling(chunks: Callable[..., AsyncIterator[bytes]]) -> Callable[..., AsyncIterator[bytes]]:
     async def lying(self: Any, peer_id: str, *args: Any) -> AsyncIterator[bytes]:  # (address,) out, wire
         sent, out = 0, args[-2]
@@ -298,8 +305,9 @@ def apply(behaviour: str) -> None:
         Peers.node_info = claiming(1000, fake=True)  # type: ignore[method-assign]
     elif behaviour == "claim-closed":  # "I closed your round already": stand aside and listen to me
         Peers.node_info = claiming(1, fake=False)  # type: ignore[method-assign]
-    elif behaviour in ("doctored-state", "nan-state", "huge-momentum"):
-        change = {"doctored-state": _doctored, "nan-state": _nan, "huge-momentum": _huge_momentum}[behaviour]
+    elif behaviour in ("doctored-state", "nan-state", "huge-momentum", "doctored-momentum"):
+        change = {"doctored-state": _doctored, "nan-state": _nan, "huge-momentum": _huge_momentum,
+                  "doctored-momentum": _momentum_x3}[behaviour]
         Trainer.snapshot = doctor(Trainer.snapshot, change)  # type: ignore[method-assign]
         statesync.part_frames = nan_frames  # a hostile donor encodes what it likes
     elif behaviour == "stall-streams":  # every contribution stream stops before its last chunk

@@ -18,6 +18,7 @@ from helpers import Nodes, wait_until
 
 from neuronode.events import record_fields
 from neuronode.node.catchup import implausible
+from neuronode.state import chunk_digests, momentum_root
 from neuronode.swarm import statesync
 from neuronode.swarm.context import Tasks
 from neuronode.swarm.lineage import plan_catch_up
@@ -133,6 +134,33 @@ async def test_a_state_no_other_member_vouches_for_is_refused(nodes: Nodes, exec
     assert got is not None and got.round == 7 and got.param_digest == good.param_digest
     [rejected] = events(caplog, "donor_rejected")
     assert rejected["peer_id"] == "a-liar" and "0 of 2 other hosts of its lineage published" in str(rejected["reason"])
+
+
+async def test_a_state_whose_momentum_nobody_else_published_is_refused(nodes: Nodes, executor: ThreadPoolExecutor,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 26, item 2 (d): a donor with the swarm's parameters and doctored momentum (three
+    times the swarm's: within the 10x bound). The witnesses vouched for (round, param_digest)
+    only, so the joiner took the momentum on the donor's word, diverged at its first outer step
+    and repaired from the same donor, in a loop. Members now publish each round's
+    momentum_digest beside its param_digest, and a donor's state is vouched for whole."""
+    params = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    momentum = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    good, bad = state(params, round_id=7, momentum=momentum), state(params, round_id=7, momentum=3 * momentum)
+    joiner = await nodes.start("joiner", n_elements=N)
+    served = {"a-liar": bad, "b": good, "c": good, "d": good}
+    members = [SwarmNode(replace(joiner.cfg, node_id=name, peers=(joiner.advertise,)), executor=executor,
+                         state_provider=lambda name=name: served[name]) for name in served]
+    for node in members:
+        await node.start()
+        nodes.running.append(node)
+        node.state.adopted(7, good.param_digest, momentum_root(chunk_digests(served[node.cfg.node_id].momentum)),
+                           listen=False)
+    await seen(joiner, lambda p: set(served) <= set(p) and all(p[n].momenta.get(7) for n in served),
+               "the joiner to hear everyone's digests")
+    got = await joiner.fetch_state(sorted(served))  # the liar first, as if it led the lineage
+    assert got is not None and got.momentum is not None and torch.equal(got.momentum, momentum)
+    [rejected] = events(caplog, "donor_rejected")
+    assert rejected["peer_id"] == "a-liar" and "0 of 3 other hosts of its lineage published" in str(rejected["reason"])
 
 
 async def test_a_donor_a_round_ahead_of_what_the_others_announced_is_asked_again_once_they_did(

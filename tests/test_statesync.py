@@ -14,7 +14,7 @@ import torch
 from helpers import Nodes, swarm_config, wait_until
 
 from neuronode.events import record_fields
-from neuronode.state import GlobalState
+from neuronode.state import GlobalState, state_digest
 from neuronode.swarm import statesync
 from neuronode.swarm.node import SwarmConfig, SwarmNode
 from neuronode.swarm.wire import Refusal
@@ -97,7 +97,7 @@ async def test_a_donor_that_lies_about_its_state_is_skipped(caplog: pytest.LogCa
     assert torch.equal(got.params, honest)
     rejected = [record_fields(r) for r in caplog.records if getattr(r, "event", "") == "donor_rejected"]
     assert [r["peer_id"] for r in rejected] == ["a-liar"]
-    assert rejected[0]["reason"].startswith("its round-7 parameters hash to"), rejected
+    assert rejected[0]["reason"].startswith("its round-7 state (parameters "), rejected
 
 
 def big_state(n: int = 4 << 20) -> GlobalState:
@@ -119,7 +119,7 @@ async def donors_and_joiner(nodes: Nodes, executor: ThreadPoolExecutor, state: G
     for donor in donors:
         await donor.start()
         nodes.running.append(donor)
-        donor.state.adopted(7, state.param_digest, listen=False)
+        donor.state.adopted(7, state.param_digest, state_digest(state)[1], listen=False)  # what witnesses vouch for
     await wait_until(lambda: {p.node_id for p in joiner.table.alive() if 7 in p.digests} == set(names),
                      what="the joiner to hear every donor publish round 7", timeout_s=20)
     return joiner, donors

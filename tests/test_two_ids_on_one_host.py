@@ -10,6 +10,11 @@ would from one machine. Every node listens on 0.0.0.0 without --advertise (as in
     one host are one voice of five: nobody stands aside, and the honest members finish round 6
     with one digest. Their val_loss is not yet within 5% of the swarm without the attacker
     (xfail: both clipped flips are averaged).
+(d) a donor with doctored momentum: two ids serve the swarm's parameters with their momentum x 3
+    to a fifth honest member joining at round 2. Witnesses vouched for the parameters only: the
+    joiner adopted it and repaired, in a loop. Members now publish each round's momentum digest
+    too: the joiner refuses both ids, adopts an honest member's state once, and finishes with
+    the swarm.
 (c) a just-in-time member: its contribution and its receipt land just before each deadline, so
     it is never late. The honest members' median round seconds should stay within 1.5x of the
     swarm without it (xfail: issue 26 item 5, "late is late", is not built).
@@ -54,6 +59,7 @@ class Attacker:
     behaviour: str
     ids: tuple[str, ...]
     fault: tuple[tuple[str, float], ...] = ()
+    joiner: bool = False  # an honest JOINER starts on a host of its own once the swarm finished JOIN_AT rounds
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,7 @@ def formed(nodes: dict[str, HostNode]) -> None:
 
 def finish_honest(nodes: dict[str, HostNode]) -> None:
     """Every honest member exits 0 (the attacker's ids may still run: they are killed after)."""
-    for name in HONEST:
+    for name in [*HONEST, *([JOINER] if JOINER in nodes else [])]:
         assert nodes[name].wait(FINISH_S) == 0, f"{name}:\n{nodes[name].log()[-4000:]}"
 
 
@@ -160,6 +166,12 @@ def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dic
             for port, name in enumerate(attacker.ids, start=PORT):
                 nodes[name] = HostNode(tmp, host, name, *args, "--peers", bootstrap, "--fault-file", str(fault),
                                        port=port, behaviour=attacker.behaviour).start()
+            if attacker.joiner:
+                first = nodes[HONEST[0]]
+                poll(f"{HONEST[0]} to finish round {JOIN_AT}",
+                     lambda: any(e["round"] >= JOIN_AT for e in first.events("round_done")), timeout_s=FINISH_S,
+                     context=lambda: first.log()[-3000:])
+                nodes[JOINER] = HostNode(tmp, net.public_host(JOINER), JOINER, *args, "--peers", bootstrap).start()
         finish_honest(nodes)
     finally:
         for node in nodes.values():
@@ -248,3 +260,29 @@ def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_fac
     nodes, got = attacked(base, JUST_IN_TIME, TRAINING)
     assert all(any(e["peer_id"] == "a-jit" for e in nodes[n].events("peer_joined")) for n in HONEST)
     assert got.round_s <= 1.5 * ref.round_s, (got, ref)
+
+
+# (d): a donor with doctored momentum: two ids serve the swarm's parameters with momentum x 3.
+DOCTORED_MOMENTUM = Attacker("doctored-momentum", ("a-x1", "a-x2"), joiner=True)
+JOINER = "h5"
+JOIN_AT = 2  # rounds the swarm finished when the joiner starts
+
+
+def test_a_joiner_takes_no_doctored_momentum_from_two_ids_on_one_host(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 26, "Done when" (d): a joiner's first donors (sorted first: a-x1, a-x2, at the
+    swarm's round) serve the swarm's parameters with their momentum x 3. Witnesses vouched for
+    the parameters only: the joiner adopted the doctored momentum, left the swarm at its first
+    outer step and repaired, from the same donors. Now witnesses vouch for the momentum too:
+    the joiner refuses both ids' states, adopts an honest member's once and never repairs, and
+    everyone honest finishes round 6 with one digest, val_loss within 5% of the swarm without
+    the attacker."""
+    base = base_dir(tmp_path_factory)
+    ref = reference(base, TRAINING)
+    nodes, got = attacked(base, DOCTORED_MOMENTUM, TRAINING)
+    joiner = nodes[JOINER]
+    rejected = {e["peer_id"] for e in joiner.events("donor_rejected")}
+    assert rejected & set(DOCTORED_MOMENTUM.ids), joiner.log()[-3000:]  # the doctored states were offered
+    assert [e["reason"] for e in joiner.events("catching_up")] == ["behind"], joiner.log()[-3000:]  # never repaired
+    statuses = {name: nodes[name].status() for name in (*HONEST, JOINER)}
+    assert statuses[JOINER]["round"] == ROUNDS and len({s["param_digest"] for s in statuses.values()}) == 1
+    assert abs(got.val_loss - ref.val_loss) <= 0.05 * ref.val_loss, (got, ref)

@@ -50,6 +50,7 @@ class RoundState:
     round: int = 0
     param_digest: str = ""
     digests: dict[int, str] = field(default_factory=dict)  # round -> param_digest after it
+    momenta: dict[int, str] = field(default_factory=dict)  # round -> momentum_digest after it
     contributes_from: int = 0
     pending: int | None = None
     phase: NodePhase = NodePhase.STARTING
@@ -65,30 +66,32 @@ class RoundState:
     def mode(self, round_id: int) -> Mode:
         return Mode.LISTEN if round_id < self.contributes_from else Mode.CONTRIBUTE
 
-    def recent(self) -> list[tuple[int, str]]:
-        return sorted(self.digests.items())
+    def recent(self) -> list[tuple[int, str, str]]:
+        """(round, param_digest, momentum_digest) at the start of each recent round."""
+        return [(r, d, self.momenta.get(r, "")) for r, d in sorted(self.digests.items())]
 
-    def start(self, round_id: int, param_digest: str) -> None:
+    def start(self, round_id: int, param_digest: str, momentum_digest: str = "") -> None:
         """At start-up: `round_id` rounds are done (restored from a checkpoint, or 0)."""
         self.round, self.param_digest = round_id, param_digest
-        self.digests = {round_id: param_digest}
+        self.digests, self.momenta = {round_id: param_digest}, {round_id: momentum_digest}
 
-    def completed(self, round_id: int, param_digest: str) -> None:
+    def completed(self, round_id: int, param_digest: str, momentum_digest: str = "") -> None:
         """Our outer step of `round_id` is applied."""
         self.round = round_id + 1
         self.param_digest = param_digest
-        self.digests[round_id + 1] = param_digest
+        self.digests[round_id + 1], self.momenta[round_id + 1] = param_digest, momentum_digest
         for old in sorted(self.digests)[:-RECENT_DIGESTS]:
             del self.digests[old]
+            self.momenta.pop(old, None)
         if self.pending == round_id:
             self.pending = None
         self._changed()
 
-    def adopted(self, round_id: int, param_digest: str, *, listen: bool) -> None:
+    def adopted(self, round_id: int, param_digest: str, momentum_digest: str = "", *, listen: bool) -> None:
         """We loaded the swarm's state after `round_id` rounds; our old lineage is gone. With
         `listen` we only listen to round `round_id` and contribute from the next one."""
         self.round, self.param_digest = round_id, param_digest
-        self.digests = {round_id: param_digest}
+        self.digests, self.momenta = {round_id: param_digest}, {round_id: momentum_digest}
         self.contributes_from = round_id + 1 if listen else 0
         self.pending = None
         self.epoch += 1

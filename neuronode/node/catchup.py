@@ -120,7 +120,7 @@ class CatchUp:
         # each other's slices and all wait out the deadline. Listening to round R keeps every
         # member's view of it the same; we are a member from R + 1 on (docs/protocol.md).
         listen = self.cfg.overlap or self.cfg.averaging == "reduce-scatter"
-        self.state.adopted(got.round, digest, listen=listen)
+        self.state.adopted(got.round, digest, self.trainer.momentum_digest, listen=listen)
         if plan.reason == "diverged":  # only repairs count toward the cooldown, not catch-ups
             self.last_repair_round = self.state.round
         await self.save()

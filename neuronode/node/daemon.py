@@ -111,7 +111,8 @@ class Daemon:
             loop.add_signal_handler(sig, request_stop)
         if self.stop_flag.is_set():  # a signal while we started up (run_daemon)
             request_stop()
-        self.state.start(self.engine.round, await self.pools.run(self.pools.train, self.engine.param_digest))
+        self.state.start(self.engine.round, await self.pools.run(self.pools.train, self.engine.param_digest),
+                         self.trainer.momentum_digest)
         if self.engine.round == 0:
             await self.pools.run(self.pools.train, self.trainer.validate)
             logger.info("round 0: val_loss %.4f before training", self.trainer.val_loss,

@@ -171,7 +171,7 @@ class Rounds:
         self.state.phase = NodePhase.OUTER_STEP
         digest = await self.pools.run(self.pools.train, self.trainer.apply_average, average.vector)
         self.last_contributors = average.contributors
-        self.state.completed(round_id, digest)
+        self.state.completed(round_id, digest, self.trainer.momentum_digest)
         await self.save()
         if self.on_round is not None:
             await self.on_round()

@@ -123,7 +123,7 @@ class Trainer:
         # Guards the global parameters and momentum: the outer step and adopting a downloaded
         # state change them; a donor snapshots them from another thread while we train.
         self.global_lock = threading.Lock()
-        self.param_digest = self.state_digest = ""
+        self.param_digest = self.state_digest = self.momentum_digest = ""
         with self.global_lock:
             self.digests()
 
@@ -231,10 +231,10 @@ class Trainer:
         return self.param_digest
 
     def digests(self) -> None:
-        """param_digest and state_digest of the global state (under global_lock): the round's
-        start, which every replica of the swarm holds alike."""
+        """param_digest, state_digest and momentum_digest of the global state (under
+        global_lock): the round's start, which every replica of the swarm holds alike."""
         self.param_digest = self.engine.param_digest()
-        self.state_digest = state_digest(self.global_state())
+        self.state_digest, self.momentum_digest = state_digest(self.global_state())
 
     def restart_from_global(self) -> None:
         """Working weights back to the global parameters (overlap's first round)."""

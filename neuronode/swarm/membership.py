@@ -86,6 +86,7 @@ class Peer:
     param_digest: str = ""
     contributes_from: int = 0  # first round it contributes to (see NodeInfo.contributes_from)
     digests: dict[int, str] = field(default_factory=dict)  # round -> param_digest
+    momenta: dict[int, str] = field(default_factory=dict)  # round -> momentum_digest (as `digests`)
     last_seen: float = 0.0  # the table's clock; 0 = never heard from
     left: bool = False
     failures: int = 0
@@ -152,7 +153,7 @@ class PeerTable:
 
     def heard_from(
         self, node_id: str, address: str, *, round: int, param_digest: str,
-        digests: dict[int, str], leaving: bool, contributes_from: int = 0,
+        digests: dict[int, str], leaving: bool, contributes_from: int = 0, momenta: dict[int, str] | None = None,
         host: str = "",
         public_key: bytes = b"", verified: bool = True, reachable: bool = True, carried_by: tuple[str, ...] = (),
         advertised: bool = True, said_at: int = 0,
@@ -200,8 +201,11 @@ class PeerTable:
         peer.round, peer.param_digest = round, param_digest
         peer.contributes_from = contributes_from
         peer.digests.update(digests)
+        peer.momenta.update(momenta or {})
         for old in sorted(peer.digests)[:-RECENT_DIGESTS]:
             del peer.digests[old]
+        for old in set(peer.momenta) - set(peer.digests):
+            del peer.momenta[old]
         peer.last_seen = self.clock.now()
         peer.failures = 0
         peer.reachable = reachable

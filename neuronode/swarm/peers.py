@@ -82,7 +82,7 @@ class Peers:
             node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, protocol_version=PROTOCOL_VERSION,
             manifest_hash=ctx.cfg.manifest_hash, advertise=ctx.advertise, round=state.round,
             contributes_from=state.contributes_from, param_digest=state.param_digest,
-            recent_digests=[pb.RoundDigest(round=r, param_digest=d) for r, d in state.recent()],
+            recent_digests=[pb.RoundDigest(round=r, param_digest=d, momentum_digest=m) for r, d, m in state.recent()],
             leaving=ctx.leaving, settings=settings_to_pb(ctx.cfg.settings), public_key=ctx.security.key.public,
             reachable=REACHABILITY_TO_PB[ctx.reachable],
             carried_by=self.links.carried_by()[:MAX_CARRIERS] if ctx.reachable == "no" else [])
@@ -141,7 +141,8 @@ class Peers:
         if (not info.node_id or len(info.node_id) > MAX_ID_CHARS or len(info.swarm_id) > MAX_ID_CHARS
                 or len(info.advertise) > MAX_ADDRESS_CHARS or len(info.manifest_hash) > MAX_ID_CHARS
                 or len(info.param_digest) > MAX_ID_CHARS or len(info.recent_digests) > 64
-                or any(len(d.param_digest) > MAX_ID_CHARS for d in info.recent_digests)
+                or any(len(d.param_digest) > MAX_ID_CHARS or len(d.momentum_digest) > MAX_ID_CHARS
+                       for d in info.recent_digests)
                 or len(info.settings.averaging) > MAX_ID_CHARS or len(info.settings.aggregator) > MAX_ID_CHARS
                 or len(info.carried_by) > MAX_CARRIERS or any(len(c) > MAX_ID_CHARS for c in info.carried_by)
                 or len(info.settings.task) > MAX_TASK_SETTINGS
@@ -195,6 +196,7 @@ class Peers:
         back = table.heard_from(
             info.node_id, info.advertise or dialed, round=info.round, param_digest=info.param_digest,
             digests={d.round: d.param_digest for d in list(info.recent_digests)[-16:]},
+            momenta={d.round: d.momentum_digest for d in list(info.recent_digests)[-16:]},
             leaving=info.leaving, contributes_from=info.contributes_from, host=host,
             public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO,
             carried_by=tuple(info.carried_by), advertised=bool(info.advertise), said_at=said_at)

@@ -495,7 +495,7 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
     form: a field added to NodeInfo or PeerRecord must be added here too. Only the peer records
     a node reads (the first MAX_PEERS_LISTED) count, so a flood costs no hashing."""
     fields = [info.node_id, info.swarm_id, info.protocol_version, info.manifest_hash, info.advertise,
-              info.round, info.param_digest, [[d.round, d.param_digest, d.contributors] for d in info.recent_digests],
+              info.round, info.param_digest, [[d.round, d.param_digest, d.contributors, d.momentum_digest] for d in info.recent_digests],
               info.leaving, info.contributes_from,
               [receipt_summary(r) for r in info.receipts],
               [[e.round, int(e.phase), e.maker_id, e.receipt_hash.hex(), e.whole] for e in info.echoes],

@@ -41,7 +41,13 @@ from neuronode.codec import (
 )
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
-from neuronode.state import STATE_CHUNK_ELEMENTS, GlobalState, chunk_digests, state_root
+from neuronode.state import (
+    STATE_CHUNK_ELEMENTS,
+    GlobalState,
+    chunk_digests,
+    momentum_root,
+    state_root,
+)
 from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.security import Security
@@ -105,6 +111,14 @@ def state_frames(state: GlobalState, *, manifest_hash: str, zstd_level: int,
         out.extend(pb.StateChunk(part=part, chunk_index=f.index, chunk_count=f.count,
                                  compressed=f.compressed, payload=f.data) for f in frames)
     return out
+
+
+def header_momentum(header: pb.StateHeader) -> str:
+    """The momentum_digest a donor's header vouches for (its momentum chunks' digests, which
+    the header's state_digest binds and each chunk is checked against): what its witnesses must
+    have published for the round beside the param_digest."""
+    params = -(-header.n_elements // STATE_CHUNK_ELEMENTS)
+    return momentum_root(list(header.chunk_digests[params:]) if header.has_momentum else None)
 
 
 def prefix_digest(digests: list[bytes]) -> bytes:
@@ -460,19 +474,20 @@ class StateFetch:
             received = download.received_bytes
             try:
                 return await download.read(call, donor_id, security=ctx.security, accept=lambda header: self.vouched(
-                    header.round, header.param_digest, donor_id, lineage))
+                    header.round, header.param_digest, donor_id, lineage, header_momentum(header)))
             finally:
                 ctx.counters.bytes_received += download.received_bytes - received
         finally:
             call.cancel()
 
-    def vouched(self, round_id: int, param_digest: str, donor_id: str, lineage: list[str]) -> str | None:
-        """Why a donor's (round, param_digest) is not the swarm's, or None when it is: the other
-        members of its lineage (`lineage`, the donors) published it (a quorum, more than
-        published another), or none but the donor is alive. A donor's own word is never enough
-        when anyone else can speak."""
+    def vouched(self, round_id: int, param_digest: str, donor_id: str, lineage: list[str],
+                momentum_digest: str = "") -> str | None:
+        """Why a donor's (round, param_digest, momentum_digest) is not the swarm's, or None when
+        it is: the other members of its lineage (`lineage`, the donors) published it (a quorum,
+        more than published another), or none but the donor is alive. A donor's own word is
+        never enough when anyone else can speak."""
         members = [p for p in self.ctx.table.alive() if p.node_id in lineage]
-        seen = witnesses(round_id, param_digest, donor_id, members)
+        seen = witnesses(round_id, param_digest, donor_id, members, momentum_digest)
         if seen.accepted:
             return None
         if not seen.agree and not seen.disagree and seen.others:
@@ -482,5 +497,6 @@ class StateFetch:
                            "adopting it on its word; a lineage of one has no second witness", donor_id, round_id,
                            extra=fields("unvouched_state", peer_id=donor_id, round_id=round_id))
             return None
-        return (f"its round-{round_id} parameters hash to {param_digest[:12]}, which {seen.agreeing} of "
-                f"{seen.others} other hosts of its lineage published ({seen.disagreeing} published another digest)")
+        return (f"its round-{round_id} state (parameters {param_digest[:12]}, momentum {momentum_digest[:12] or 'none'}) "
+                f"is what {seen.agreeing} of {seen.others} other hosts of its lineage published "
+                f"({seen.disagreeing} published another)")

@@ -36,10 +36,11 @@ def closed_without_us(round_id: int, own_digest: str | None, peers: list[Peer]) 
 
 @dataclass(frozen=True)
 class Witnesses:
-    """Who vouches for a donated state's (round, param_digest), the donor's host aside."""
+    """Who vouches for a donated state's (round, param_digest, momentum_digest), the donor's
+    host aside."""
 
-    agree: list[str]  # published that digest for that round
-    disagree: list[str]  # published another digest for it
+    agree: list[str]  # published those digests for that round
+    disagree: list[str]  # published others for it
     others: int  # live, believable hosts other than the donor's
     agreeing: int = 0  # hosts among `agree`
     disagreeing: int = 0  # hosts among `disagree`
@@ -53,15 +54,16 @@ class Witnesses:
         return self.agreeing >= max(1, quorum(self.published)) and self.agreeing > self.disagreeing
 
 
-def witnesses(round_id: int, param_digest: str, donor_id: str, peers: list[Peer]) -> Witnesses:
+def witnesses(round_id: int, param_digest: str, donor_id: str, peers: list[Peer], momentum_digest: str = "") -> Witnesses:
     """What the hosts other than the donor's published for `round_id` (the donor's other ids
-    vouch for nothing)."""
+    vouch for nothing): parameters and momentum alike, or it is another state."""
     live = believable(peers)
     donor = next((p.voice for p in live if p.node_id == donor_id), by_id(donor_id))
     others = [p for p in live if p.voice != donor]
     published = [p for p in others if round_id in p.digests]
-    agree = [p for p in published if p.digests[round_id] == param_digest]
-    disagree = [p for p in published if p.digests[round_id] != param_digest]
+    agree = [p for p in published
+             if p.digests[round_id] == param_digest and p.momenta.get(round_id, "") == momentum_digest]
+    disagree = [p for p in published if p not in agree]
     return Witnesses(agree=sorted(p.node_id for p in agree), disagree=sorted(p.node_id for p in disagree),
                      others=len({p.voice for p in others}), agreeing=len({p.voice for p in agree}),
                      disagreeing=len({p.voice for p in disagree}), published=len({p.voice for p in published}))

@@ -182,14 +182,16 @@ class TaskSetting(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
-    __slots__ = ("round", "param_digest", "contributors")
+    __slots__ = ("round", "param_digest", "contributors", "momentum_digest")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     round: int
     param_digest: str
     contributors: int
-    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., contributors: _Optional[int] = ...) -> None: ...
+    momentum_digest: str
+    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., contributors: _Optional[int] = ..., momentum_digest: _Optional[str] = ...) -> None: ...
 
 class PeerRecord(_message.Message):
     __slots__ = ("node_id", "address")
