@@ -112,6 +112,39 @@ def _momentum_x3(s: GlobalState) -> GlobalState:
                        s.inner_steps_total)
 
 
+AHEAD: dict[str, str] = {}  # an ahead-doctored liar's published round: its doctored parameters' digests
+
+
+def _ahead(s: GlobalState) -> GlobalState:
+    """A state one round ahead of the swarm's, with other parameters (finite, plausible in norm)
+    and the swarm's momentum: what an ahead-doctored liar serves, self-consistent with what it
+    publishes (`ahead_digests`)."""
+    params = s.params + 0.5
+    return GlobalState(s.round + 1, sha256(params), params, s.momentum, s.inner_steps_total)
+
+
+def ahead_digests(digests: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Trainer.digests that also keeps the doctored state's digests for the liar's Hellos."""
+    def lying(trainer: Any) -> None:
+        digests(trainer)
+        AHEAD.update(param=sha256(trainer.engine.flat_global() + 0.5), momentum=trainer.momentum_digest)
+
+    return lying
+
+
+def claiming_ahead(honest_info: Callable[..., pb.NodeInfo]) -> Callable[..., pb.NodeInfo]:
+    """Hellos that claim one round more than the node has, with the doctored state's digests."""
+    def lying(self: Any, *args: Any, **kwargs: Any) -> pb.NodeInfo:
+        info = honest_info(self, *args, **kwargs)
+        if AHEAD:
+            info.round += 1
+            info.param_digest = AHEAD["param"]
+            info.recent_digests.add(round=info.round, param_digest=AHEAD["param"], momentum_digest=AHEAD["momentum"])
+        return info
+
+    return lying
+
+
 def stalling(chunks: Callable[..., AsyncIterator[bytes]]) -> Callable[..., AsyncIterator[bytes]]:
     async def lying(self: Any, peer_id: str, *args: Any) -> AsyncIterator[bytes]:  # (address,) out, wire
         sent, out = 0, args[-2]
@@ -310,6 +343,10 @@ def apply(behaviour: str) -> None:
                   "doctored-momentum": _momentum_x3}[behaviour]
         Trainer.snapshot = doctor(Trainer.snapshot, change)  # type: ignore[method-assign]
         statesync.part_frames = nan_frames  # a hostile donor encodes what it likes
+    elif behaviour == "ahead-doctored":  # one round ahead of the swarm, with a doctored state it serves
+        Trainer.digests = ahead_digests(Trainer.digests)  # type: ignore[method-assign]
+        Trainer.snapshot = doctor(Trainer.snapshot, _ahead)  # type: ignore[method-assign]
+        Peers.node_info = claiming_ahead(honest_info)  # type: ignore[method-assign]
     elif behaviour == "stall-streams":  # every contribution stream stops before its last chunk
         from neuronode.swarm.transport import GrpcTransport
 
@@ -407,7 +444,7 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
               "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
-              "equivocate-receipts", "heavy-flip", "flip", "just-in-time")
+              "equivocate-receipts", "heavy-flip", "flip", "just-in-time", "doctored-momentum", "ahead-doctored")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

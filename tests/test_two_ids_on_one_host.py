@@ -10,6 +10,10 @@ would from one machine. Every node listens on 0.0.0.0 without --advertise (as in
     one host are one voice of five: nobody stands aside, and the honest members finish round 6
     with one digest. Their val_loss is not yet within 5% of the swarm without the attacker
     (xfail: both clipped flips are averaged).
+(b) one round ahead with a doctored state: two ids claim round r + 1 with parameters of their
+    own (the state they serve hashes to the digest they publish). Nobody catches up to them and
+    nobody adopts their state: two ids on one host are one voice of five, in where the swarm
+    is and in the lineage vote.
 (d) a donor with doctored momentum: two ids serve the swarm's parameters with their momentum x 3
     to a fifth honest member joining at round 2. Witnesses vouched for the parameters only: the
     joiner adopted it and repaired, in a loop. Members now publish each round's momentum digest
@@ -285,4 +289,28 @@ def test_a_joiner_takes_no_doctored_momentum_from_two_ids_on_one_host(tmp_path_f
     assert [e["reason"] for e in joiner.events("catching_up")] == ["behind"], joiner.log()[-3000:]  # never repaired
     statuses = {name: nodes[name].status() for name in (*HONEST, JOINER)}
     assert statuses[JOINER]["round"] == ROUNDS and len({s["param_digest"] for s in statuses.values()}) == 1
+    assert abs(got.val_loss - ref.val_loss) <= 0.05 * ref.val_loss, (got, ref)
+
+
+# (b): two ids one round ahead of the swarm, publishing and serving a doctored state.
+AHEAD_DOCTORED = Attacker("ahead-doctored", ("a-x1", "a-x2"))
+SLOW = 1000  # inner steps: rounds of a few seconds, so the lie reaches every member while a round trains
+
+
+def test_two_ids_a_round_ahead_with_a_doctored_state_move_nobody(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 26, "Done when" (b): two ids on one host claim, every heartbeat, one round more
+    than they hold, with a doctored state's digests, and serve that state to anyone who asks.
+    No honest member catches up to their round or adopts their state (every state an honest
+    member adopted hashes to a digest the honest members reached themselves), and the honest
+    members finish round 6 with one digest, val_loss within 5% of the swarm without them."""
+    base = base_dir(tmp_path_factory)
+    ref = reference(base, SLOW)
+    nodes, got = attacked(base, AHEAD_DOCTORED, SLOW)
+    honest = [nodes[name] for name in HONEST]
+    assert all({e["peer_id"] for e in n.events("peer_joined")} >= set(AHEAD_DOCTORED.ids) for n in honest)
+    reached = {e["param_digest"] for n in honest for e in n.events("round_done")}
+    adopted = {n.name: [e["param_digest"] for e in n.events("adopted")] for n in honest}
+    assert all(d in reached for v in adopted.values() for d in v), (adopted, sorted(reached))
+    targets = {n.name: [(e["reason"], e["donors"]) for e in n.events("catching_up")] for n in honest}
+    assert not any(set(donors[:1]) & set(AHEAD_DOCTORED.ids) for v in targets.values() for _, donors in v), targets
     assert abs(got.val_loss - ref.val_loss) <= 0.05 * ref.val_loss, (got, ref)
