@@ -115,6 +115,29 @@ def test_book_refuses_closed_far_and_duplicate_rounds_per_phase() -> None:
         book.check_open(9, "b", Phase.AVERAGED)
 
 
+def test_a_contribution_made_from_other_parameters_replaces_the_one_its_sender_sent_before() -> None:
+    """A sender that repaired runs the round again: its new contribution (made from the swarm's
+    parameters) was refused as a duplicate, since the slot held the one it made before the
+    repair (another lineage, which counts nowhere here), and its round was left without it
+    (seen in the compose check: a node stopped a round ahead of the others). The new one now
+    replaces the old one while the round is open; a second one of the same lineage is still a
+    duplicate."""
+    book = RoundBook(first_round=3)
+    old = VectorEncoder(codec="fp32", chunk_bytes=4096, zstd_level=0, byte_shuffle=False).encode(
+        delta(1)[:10], 0.0, round_id=4, sender_id="a", base_digest="before-repair")
+    book.begin(4, "a", reserved_bytes=40, lineage=old.lineage)
+    book.finish(old)
+    with pytest.raises(DuplicateContribution):
+        book.begin(4, "a", lineage=old.lineage)
+    new = record("a", 4)
+    book.begin(4, "a", reserved_bytes=40, lineage=new.lineage)  # type: ignore[attr-defined]
+    assert book.sender_bytes("a") == 40  # the old one's reservation is freed
+    book.finish(new)  # type: ignore[arg-type]
+    with pytest.raises(DuplicateContribution):
+        book.begin(4, "a", lineage=new.lineage)  # type: ignore[attr-defined]
+    assert book.close(4) == {"a": new}
+
+
 def test_book_reserves_each_stream_and_refuses_a_member_over_its_bound() -> None:
     book = RoundBook(first_round=3, max_sender_bytes=100)
     book.begin(3, "a", reserved_bytes=60)

@@ -498,6 +498,22 @@ async def test_honest_contribution_is_stored_once(greeted: Client) -> None:
     assert torch.equal(stored.data.decode(), make_vector(7))  # the first one, untouched
 
 
+async def test_a_contribution_made_from_other_parameters_replaces_the_one_sent_before(greeted: Client) -> None:
+    """A sender that repaired runs the round again from the swarm's parameters: its second
+    contribution (another base_digest) replaces the first while the round is open, through the
+    real inbound path; a third of that lineage is a duplicate again. Before, the slot held the
+    first one and the repaired member's round went on without its contribution."""
+    status, details, _ = await greeted.push(to_chunks(encode(ROGUE, make_vector(7), weight=3.0, base_digest="before")))
+    assert status == Code.OK, details
+    again = to_chunks(encode(ROGUE, make_vector(8), weight=3.0, base_digest="after"))
+    status, details, _ = await greeted.push(again)
+    assert status == Code.OK, details
+    status, details, _ = await greeted.push(again)
+    assert status == Code.ALREADY_EXISTS, details
+    stored = greeted.node.book.close(0)[ROGUE]
+    assert stored.base_digest == "after" and torch.equal(stored.data.decode(), make_vector(8))
+
+
 async def test_a_weight_above_the_swarms_bound_is_refused(nodes: Nodes, refused_address: str) -> None:
     """The swarm's --max-weight bounds what one contribution may claim: a claim above it is
     refused (INVALID_ARGUMENT, naming the flag) and never stored; one at the bound is taken.

@@ -7,6 +7,11 @@ Rules (docs/protocol.md repeats them):
   and never mixed into a later round. Rounds at or beyond `closed_below + window` are too far
   ahead and refused; the ones in between are buffered, so a fast peer may send the next round
   before we finish this one.
+- One contribution per sender, phase and round, within a lineage: a sender that repaired (it
+  adopted the swarm's state) and runs a round again sends a contribution made from other
+  parameters, which replaces the one it sent before while the round is open here (that one
+  would count nowhere: only our lineage's contributions are averaged). A second one of the
+  same lineage is refused (ALREADY_EXISTS).
 - A round closes when every expected peer's contribution has arrived, or at the deadline if at
   least `min_contributors` have; with fewer the node keeps waiting (one more deadline at a time).
   With `fetch_after_s`: once we waited that long, a missing contribution that another member
@@ -53,6 +58,7 @@ from neuronode.quorum import VoiceOf, by_id
 
 logger = logging.getLogger(__name__)
 
+Lineage = tuple[str, tuple[str, ...]]  # (base_digest, members): Contribution.lineage
 LATE_ROUNDS = 8  # rounds a member that missed a deadline is not waited for (doubling per relapse)
 
 
@@ -134,8 +140,11 @@ class RoundBook:
     def closed_below(self, phase: Phase = Phase.WHOLE) -> int:
         return self._closed_below[phase]
 
-    def check_open(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
-        """Raise a RoundRefused if `sender_id` may not contribute to `round_id` now."""
+    def check_open(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE,
+                   lineage: Lineage | None = None) -> None:
+        """Raise a RoundRefused if `sender_id` may not contribute to `round_id` now. A complete
+        contribution of another `lineage` (made from other parameters: the sender repaired and
+        runs the round again) does not hold its slot: `begin` replaces it."""
         below = self._closed_below[phase]
         if round_id < below:
             raise RoundClosed(
@@ -145,14 +154,22 @@ class RoundBook:
             raise RoundTooFar(
                 f"round {round_id} is too far ahead (this node is at round {below}, "
                 f"buffers {self.window} rounds); the sender must catch its peers up first")
-        if sender_id in self._complete.get((phase, round_id), {}) or (phase, round_id, sender_id) in self._streaming:
+        held = self._complete.get((phase, round_id), {}).get(sender_id)
+        if (held is not None and (lineage is None or held.lineage == lineage)) or (phase, round_id, sender_id) in self._streaming:
             raise DuplicateContribution(f"round {round_id} already has a contribution from {sender_id}")
 
     def begin(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE, *,
-              reserved_bytes: int = 0, abort: Abort | None = None) -> None:
+              reserved_bytes: int = 0, abort: Abort | None = None, lineage: Lineage | None = None) -> None:
         """Open a stream's slot, reserving `reserved_bytes` (its whole payload); `abort` is
-        called if the round closes, or the stream idles, before it finishes."""
-        self.check_open(round_id, sender_id, phase)
+        called if the round closes, or the stream idles, before it finishes. A contribution of
+        `lineage` replaces one of another lineage the sender sent before (module docstring)."""
+        self.check_open(round_id, sender_id, phase, lineage)
+        old = self._complete.get((phase, round_id), {}).pop(sender_id, None)
+        if old is not None:
+            self._release(sender_id, self._held.pop((phase, round_id, sender_id), 0))
+            logger.info("round %d: %s sends its %s again, made from other parameters (it repaired); it "
+                        "replaces the one it sent before", round_id, sender_id, phase.label,
+                        extra=fields("contribution_replaced", round_id=round_id, peer_id=sender_id))
         held = self.sender_bytes(sender_id)
         if self.max_sender_bytes and held + reserved_bytes > self.max_sender_bytes:
             raise BufferFull(f"round {round_id}: {sender_id} already has {held} bytes buffered here (at most "

@@ -246,7 +246,8 @@ class Inbound:
         assembler = self.check_header(chunk)
         self.check_signature(header_statement(chunk), peer.public_key)  # what the header says is the sender's word
         self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase),
-                            reserved_bytes=assembler.size_bytes, abort=abort)
+                            reserved_bytes=assembler.size_bytes, abort=abort,
+                            lineage=(chunk.base_digest, tuple(chunk.members)))
         peer.last_seen = self.ctx.clock.now()
         return assembler
 
