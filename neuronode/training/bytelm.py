@@ -10,7 +10,6 @@ Nodes on different Python versions therefore read (slightly) different text; the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neuronode.training.task import Task, TaskConfig, TaskError, task_device
+from neuronode.training.task import Task, TaskConfig, TaskError, next_token_objective, task_device
 
 logger = logging.getLogger(__name__)
 
@@ -268,14 +267,6 @@ def validation_windows(data: Tensor, *, n_windows: int, seq_len: int) -> Tensor:
 # --- task --------------------------------------------------------------------------------
 
 
-def lm_loss(model: nn.Module, x: Tensor, y: Tensor, *, bf16: bool) -> Tensor:
-    """Mean next-byte cross-entropy; the forward runs under bf16 autocast when asked."""
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with ctx:
-        logits = model(x)  # (B, T, vocab)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
-
-
 @dataclass(frozen=True)
 class _Options:
     corpus_bytes: int = DEFAULT_CORPUS_BYTES
@@ -319,18 +310,7 @@ def factory(cfg: TaskConfig) -> Task:
     val = val.to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
 
-    def loss_fn(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-        x, y = batch
-        return lm_loss(model, x, y, bf16=bf16)
-
-    def validate(model: nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                return lm_loss(model, val[:, :-1], val[:, 1:], bf16=bf16).item()
-        finally:
-            model.train(was_training)
+    loss_fn, validate = next_token_objective(lambda model, x: model(x), val, bf16=bf16)
 
     return Task(
         model=model,

@@ -17,7 +17,6 @@ Nothing is ever downloaded: the Hugging Face libraries run in offline mode.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -28,10 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neuronode.training.task import Task, TaskConfig, TaskError, task_device
+from neuronode.training.task import Task, TaskConfig, TaskError, next_token_objective, task_device
 from neuronode.training.textdata import (
     Corpus,
     TokenStream,
@@ -171,12 +169,9 @@ def export_config(config: Any) -> bytes:
     return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
 
-def lm_loss(model: nn.Module, x: Tensor, y: Tensor, *, bf16: bool) -> Tensor:
-    """Mean next-token cross-entropy; the forward under bf16 autocast on a GPU that has it."""
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with ctx:
-        logits = model(input_ids=x, use_cache=False).logits  # (B, T, vocab)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+def logits(model: nn.Module, x: Tensor) -> Tensor:
+    """A Hugging Face causal LM's next-token logits for the token ids `x` (B, T, vocab)."""
+    return model(input_ids=x, use_cache=False).logits
 
 
 def factory(cfg: TaskConfig) -> Task:
@@ -214,20 +209,7 @@ def factory(cfg: TaskConfig) -> Task:
                 config.model_type, sum(p.numel() for p in model.parameters()),
                 "pretrained" if has_weights(opts.model) else "seeded", vocab, len(shards), val.size(0))
 
-    def loss_fn(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-        x, y = batch
-        return lm_loss(model, x, y, bf16=bf16)
-
-    def validate(model: nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                losses = [lm_loss(model, w[:, :-1], w[:, 1:], bf16=bf16) * w.size(0)
-                          for w in val.split(cfg.batch_size)]
-            return float(torch.stack(losses).sum() / val.size(0))
-        finally:
-            model.train(was_training)
+    loss_fn, validate = next_token_objective(logits, val, bf16=bf16, batch_size=cfg.batch_size)
 
     return Task(model=model, batches=batches, loss_fn=loss_fn, validate=validate,
                 samples_per_batch=cfg.batch_size, tokens_per_batch=cfg.batch_size * cfg.seq_len,

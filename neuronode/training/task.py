@@ -21,6 +21,7 @@ Contract a factory must keep, because every node of a swarm runs it independentl
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +30,7 @@ from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
@@ -102,6 +104,37 @@ class Task:
 
 
 TaskFactory = Callable[[TaskConfig], Task]
+
+
+def next_token_objective(
+    logits_of: Callable[[nn.Module, Tensor], Tensor], val: Tensor, *, bf16: bool, batch_size: int | None = None,
+) -> tuple[Callable[[nn.Module, Any], Tensor], Callable[[nn.Module], float]]:
+    """A language model's `loss_fn` and `validate` for a Task: mean next-token cross-entropy of
+    `logits_of(model, x)` (under bf16 autocast when asked), and its mean over the validation
+    windows `val` (in batches of `batch_size` windows; None: one batch), in eval mode."""
+
+    def loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            logits = logits_of(model, x)  # (B, T, vocab)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def loss_fn(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        return loss(model, x, y)
+
+    def validate(model: nn.Module) -> float:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if batch_size is None:
+                    return loss(model, val[:, :-1], val[:, 1:]).item()
+                losses = [loss(model, w[:, :-1], w[:, 1:]) * w.size(0) for w in val.split(batch_size)]
+                return float(torch.stack(losses).sum() / val.size(0))
+        finally:
+            model.train(was_training)
+
+    return loss_fn, validate
 
 
 def task_device(name: str) -> torch.device:
