@@ -88,8 +88,9 @@ class Admission:
                                 f"the caller's certificate is for node {name!r}, not "
                                 f"{claimed_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
 
-    async def admit(self, context: grpc.aio.ServicerContext) -> None:
-        """Admit a caller: loopback only in protected mode, and never a banned one."""
+    async def admit(self, context: grpc.aio.ServicerContext, node_id: str | None = None) -> None:
+        """Admit a caller: loopback only in protected mode, and never a banned one; with
+        `node_id` (who the request says it is), under mutual TLS only as its certificate names."""
         if self.ctx.loopback_only and not is_loopback_host(caller_host(context)):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "this node serves loopback callers only (no --secret-file, TLS or --open)")
@@ -97,6 +98,8 @@ class Admission:
         banned = self.ctx.bans.refusal(key) if key else ""
         if banned:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, banned)
+        if node_id is not None:
+            await self.check_certificate(context, node_id)
 
     async def admit_local_or_member(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """Status and health: open to local callers (health checks), members only from elsewhere

@@ -116,8 +116,7 @@ class Missed:
         async def serve(request: pb.ContributionRequest, context: grpc.aio.ServicerContext) -> None:
             if self.ctx.leaving:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
-            await admission.admit(context)
-            await admission.check_certificate(context, request.node_id)
+            await admission.admit(context, request.node_id)
             try:
                 caller, c = self.admit(request, caller_id(context))
                 self.serving[caller] = self.serving.get(caller, 0) + 1

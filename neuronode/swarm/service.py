@@ -40,8 +40,7 @@ class NodeService(pb_grpc.NodeServicer):
         ctx, info = self.ctx, request.info
         if ctx.leaving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
-        await self.admission.admit(context)
-        await self.admission.check_certificate(context, info.node_id)
+        await self.admission.admit(context, info.node_id)
         if ctx.faults.path and ctx.faults.cut_off(info.advertise):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
         await ctx.security.check_ahead(request)  # its signatures, off the event loop
@@ -87,8 +86,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         ctx = self.ctx
-        await self.admission.admit(context)
-        await self.admission.check_certificate(context, request.node_id)
+        await self.admission.admit(context, request.node_id)
         if ctx.security.secret and caller_id(context) != request.node_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
         peer = ctx.table.peers.get(request.node_id)
@@ -104,8 +102,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def FetchState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx
-        await self.admission.admit(context)
-        await self.admission.check_certificate(context, request.node_id)
+        await self.admission.admit(context, request.node_id)
         try:
             caller = member_request(ctx, "FetchState", request, caller_id(context), "state is served")
         except Refusal as exc:
@@ -126,8 +123,7 @@ class NodeService(pb_grpc.NodeServicer):
         logger.info("served the global state to %s", caller, extra=fields("state_served", peer_id=caller))
 
     async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
-        await self.admission.admit(context)
-        await self.admission.check_certificate(context, request.node_id)
+        await self.admission.admit(context, request.node_id)
         try:
             if request.swarm_id != self.ctx.cfg.swarm_id:
                 raise Refusal("PERMISSION_DENIED", "another swarm")

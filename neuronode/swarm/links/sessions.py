@@ -194,8 +194,7 @@ class Sessions:
         async def serve(request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> None:
             if self.ctx.leaving:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
-            await admission.admit(context)
-            await admission.check_certificate(context, request.node_id)
+            await admission.admit(context, request.node_id)
             try:
                 await self.carry(self.admit(request, caller_id(context)), context)
             except Refusal as exc:
