@@ -179,6 +179,39 @@ def test_a_stream_that_stops_sending_is_aborted_after_the_idle_limit() -> None:
     assert book.buffered_bytes == 0
 
 
+async def test_a_member_one_round_behind_replays_the_round_to_what_everyone_averaged(pools) -> None:  # noqa: ANN001
+    """Verify instead of adopting (issue 26 item 2): a, b and c averaged round 0; d, back one
+    round behind, fetches the contributions the receipts decided (checked against their makers'
+    signed statements) and averages them itself: the same vector, the same contributors, bit
+    for bit. A round whose receipts no quorum of the live hosts published gives nothing (the
+    node then downloads the state)."""
+    swarm = Swarm(pools, AllToAll)
+    for name in "abc":
+        swarm.join(name)
+    results = await asyncio.gather(*(swarm.round(n, 0) for n in "abc"))
+    assert identical(results) and results[0].contributors == ["a", "b", "c"]
+    for member in swarm.local.members.values():
+        member.state.round = 1  # they moved on to round 1
+    d = swarm.join("d")
+    replayed = await d.replay(0, base_digest="d0")
+    assert replayed is not None and replayed.contributors == results[0].contributors
+    assert torch.equal(replayed.vector, results[0].vector)
+    assert (await d.replay(0, base_digest="other-parameters")).contributors == []  # type: ignore[union-attr]
+    # Listening to a round nobody pushed to us (we adopted its start after it closed) replays it:
+    # before, the listener heard nothing, took a zero average and left the swarm again.
+    assert swarm.local.members["d"].book.contributors(0) == set("abc")  # pushed to d when it joined
+    swarm.local.members["d"].book.close(0)  # as if d joined after the pushes stopped:
+    swarm.local.members["d"].book.reset(0)  # nothing of round 0 held, and the round open
+    listening = asyncio.ensure_future(d.listen(0, base_digest="d0"))
+    await until("d to wait for round 0's pushes", lambda: swarm.clock.waiting >= 1)
+    swarm.clock.advance(TIMEOUT_S)  # none comes
+    listened = await listening
+    assert listened.contributors == results[0].contributors and torch.equal(listened.vector, results[0].vector)
+    for name in "bc":
+        swarm.local.members[name].receipts.clear()  # only a's receipt: one host of three
+    assert (await d.replay(0, base_digest="d0")).contributors == []  # type: ignore[union-attr]
+
+
 async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delivers(pools) -> None:  # noqa: ANN001
     """One member that stalls costs one deadline, not one every round (nor a second one for its
     receipt); once a contribution of its arrives whole, rounds wait for it again."""

@@ -101,6 +101,42 @@ def test_crash_restart_and_late_joiner(tmp_path: Path) -> None:
         adoptions, listened, left_out, {r: ids for r, (_, _, _, ids) in a_rounds.items()})
 
 
+def test_a_member_back_one_round_behind_replays_the_round_instead_of_downloading(tmp_path: Path) -> None:
+    """Verify instead of adopting (issue 26 item 2): d is killed -9 while it trains round 2; a, b
+    and c close round 2 without it. Back one round behind, d fetches round 2's contributions
+    as the receipts decided them and takes the outer step itself, and keeps it because it
+    reached the digest the others published for round 3: it downloads no state. Before, it
+    adopted a member's state on the others' word (`adopted`). Rounds of several seconds, so d
+    is back while the swarm is still in round 3."""
+    common = ("--rounds", "4", "--inner-steps", "60", "--min-peers", "3")
+    a, b, c = start_swarm(tmp_path, ["a", "b", "c"], *common)
+    d = Node(tmp_path, "d", *COMMON, *common, "--node-id", "d", "--peers", b.address)
+    nodes = [a, b, c, d]
+    try:
+        d.start()
+        poll("d at round 2, its checkpoint written", lambda: (d.data_dir / "checkpoints" / "round-00000002.ckpt").exists(),
+             timeout_s=240, context=lambda: d.log()[-3000:])
+        assert d.proc is not None and done_round(d) == 2
+        d.proc.send_signal(signal.SIGKILL)
+        d.wait(10)
+        poll("the others to close round 2 without d", lambda: done_round(a) >= 3, timeout_s=120,
+             context=lambda: a.log()[-3000:])
+        assert done_round(a) == 3, "the swarm moved past round 3 before d came back: rounds too short here"
+        d.start()
+        finish(nodes)
+    finally:
+        for node in nodes:
+            node.kill()
+    assert all(n.status()["round"] == 4 for n in nodes)
+    assert len({n.status()["param_digest"] for n in nodes}) == 1, {n.name: n.status()["param_digest"] for n in nodes}
+    back = since_restart(d)
+    replayed = [e for e in back if e["event"] == "replayed"]
+    assert [e["round_id"] for e in replayed] == [2], d.log()[-4000:]
+    assert not [e for e in back if e["event"] in ("adopted", "replay_mismatch")], d.log()[-4000:]
+    assert replayed[0]["param_digest"] == rounds(a)[3][2]  # what a, b and c reached by averaging round 2
+    assert replayed[0]["contributors"] == rounds(a)[3][3] == ["a", "b", "c"]
+
+
 def test_altered_replica_repairs_itself(tmp_path: Path) -> None:
     """c's parameters are altered while it is stopped; back in the (still running) swarm it sees
     it is outside the winning lineage, downloads the state and agrees again."""

@@ -100,6 +100,8 @@ def test_rank_killed_member_restarts_then_sigterm_stops_it(tmp_path: Path) -> No
         assert time.monotonic() - killed < 10
         poll("the restarted member averaging with a", lambda: rejoined(m), timeout_s=240, context=m.log)
         rejoined_at = rejoined(m)["round"]
+        # a logs the same round a moment before or after m (two processes): wait for its line too
+        poll(f"a's round {rejoined_at}", lambda: rejoined_at in done(a), timeout_s=60, context=a.log)
         assert done(m)[rejoined_at]["param_digest"] == done(a)[rejoined_at]["param_digest"]
 
         before = max(done(a))

@@ -64,12 +64,26 @@ class AllToAll(Averaging):
         """The others' contributions to a round we only listen to, averaged."""
         got = await self.listened(round_id, Phase.WHOLE, base_digest)
         if not got:
-            return self.nothing_heard(round_id)
+            # Nobody pushed it to us (we adopted the state its members started from after they
+            # closed it): what they averaged, from their receipts and the holders.
+            replayed = await self.replay(round_id, base_digest=base_digest) if base_digest is not None else None
+            return replayed if replayed is not None and replayed.contributors else self.nothing_heard(round_id)
         members = self.transport.round_peers(round_id) | set(got)
         got = await self.agree(round_id, Phase.WHOLE, got, lambda: members,
                                lineage=lineage_hash(*next(iter(got.values())).lineage), publish=False)
         if not got:
             return self.nothing_heard(round_id)
+        return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got), weights=weights(got))
+
+    async def replay(self, round_id: int, *, base_digest: str) -> Average | None:
+        """A round the swarm closed while we were away (one round behind): its contributions as
+        the members' receipts decided them, fetched from holders (each checked against its
+        maker's signed statement) and averaged as every member did. The members alive now stand
+        for the round's: a quorum of their hosts must have published receipts of it."""
+        got = await self.agree(round_id, Phase.WHOLE, {}, lambda: self.transport.alive(),
+                               lineage=lineage_hash(base_digest, ()), publish=False)
+        if not got:
+            return Average(vector=torch.zeros(self.cfg.n_elements), contributors=[], fewest=0)
         return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got), weights=weights(got))
 
     async def mean(self, got: dict[str, Contribution]) -> torch.Tensor:

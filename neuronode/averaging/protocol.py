@@ -20,7 +20,6 @@ import torch
 
 from neuronode.averaging.agreement import (
     Decision,
-    Listings,
     Receipt,
     Statement,
     decide,
@@ -132,6 +131,12 @@ class Averaging:
         the start most senders share."""
         raise NotImplementedError
 
+    async def replay(self, round_id: int, *, base_digest: str) -> Average | None:
+        """The average of a round the swarm closed while we were away, computed ourselves from
+        its contributions and receipts; None where the protocol cannot (reduce-scatter's
+        members hold averaged shards only: such a node catches up by state transfer)."""
+        return None
+
     async def listened(self, round_id: int, phase: Phase, base_digest: str | None) -> dict[str, Contribution]:
         """What the others sent of a round we only listen to, made from `base_digest` (the
         parameters we know the round started from), for the members most of them name."""
@@ -177,7 +182,7 @@ class Averaging:
         missing = [s for slot, s in decision.agreed.items() if slot not in have]
         fetched = await self.fetch_missing(round_id, missing, decision)
         agreed = kept | fetched
-        self.retain(round_id, phase, agreed, receipts)
+        self.retain(round_id, phase, agreed)
         return agreed
 
     def decided_by_quorum(self, round_id: int, receipts: list[Receipt], members: Iterable[str]) -> bool:
@@ -243,18 +248,12 @@ class Averaging:
                            ", ".join(failed), extra=fields("fetch_failed", round_id=round_id, senders=failed))
         return got
 
-    def retain(self, round_id: int, phase: Phase, agreed: dict[str, Contribution], receipts: list[Receipt]) -> None:
-        """Keep serving what we average to members whose receipt lacks it (or who published none
-        yet): they will fetch it; the rest of what we held for the round is let go."""
-        me, listings = self.cfg.node_id, Listings(receipts)  # by id: who lacks it, not who counts
-        members = listings.makers | set(self.transport.round_peers(round_id)) | set(agreed)
-
-        def missed_by_some(c: Contribution) -> bool:  # a member other than its sender and us lacks it
-            s = statement_of(c)
-            lacking = len(members - {c.sender_id, me}) - listings.count(s) + (me != c.sender_id and listings.lists(me, s))
-            return lacking > 0
-        wanted = [c for c in agreed.values() if missed_by_some(c)]
-        self.transport.retain(round_id, phase, wanted, for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
+    def retain(self, round_id: int, phase: Phase, agreed: dict[str, Contribution]) -> None:
+        """Keep serving what we average, for 2 x --sync-timeout: to members whose receipt lacks
+        it (they fetch it), and to a member that comes back one round behind and replays the
+        round (`replay`), its own contribution included when it crashed after sending it. The
+        rest of what we held for the round is let go."""
+        self.transport.retain(round_id, phase, agreed.values(), for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,

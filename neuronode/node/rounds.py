@@ -24,7 +24,7 @@ import torch
 from neuronode.averaging import Average, Averaging, Mode, NodePhase, RoundState
 from neuronode.config import NodeConfig
 from neuronode.events import fields
-from neuronode.node.catchup import CatchUp
+from neuronode.node.catchup import CatchUp, until_stopped
 from neuronode.node.pools import Pools
 from neuronode.node.trainer import Trainer
 from neuronode.swarm.node import SwarmNode
@@ -102,11 +102,43 @@ class Rounds:
 
     async def maybe_catch_up(self, stopped: asyncio.Event | None = None) -> None:
         """Adopt the swarm's state if we are behind or apart; under --overlap we then listen
-        to the round we adopted (catchup.py says why)."""
+        to the round we adopted (catchup.py says why). One round behind, we replay that round
+        instead, when we can (`replay`)."""
+        plan = self.catch_up.plan()
+        if plan is not None and plan.reason == "behind" and plan.target_round == self.state.round + 1 \
+                and not self.cfg.overlap and await until_stopped(self.replay(self.state.round), stopped):
+            return
         adopted = await self.catch_up.maybe(stopped)
         if adopted is not None and self.cfg.overlap:
             # The swarm's round-R contributions started before the state we adopted (catchup.py).
             self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=None))
+
+    async def replay(self, round_id: int) -> bool:
+        """Verify instead of adopting (SECURITY.md): one round behind the swarm, we take the
+        round's outer step ourselves from the contributions its receipts decided (fetched, each
+        checked against its maker's signature) and keep it only if we reach the state a quorum
+        of the other hosts published for the next round. False (nothing changed) when we cannot:
+        the caller downloads the state instead."""
+        self.state.phase = NodePhase.SYNCING
+        started = time.monotonic()
+        average = await self.averaging.replay(round_id, base_digest=self.state.param_digest)
+        if average is None or not average.contributors:
+            return False
+        before = await self.pools.run(self.pools.train, self.trainer.snapshot)
+        digest = await self.pools.run(self.pools.train, self.trainer.apply_average, average.vector)
+        if not self.swarm.vouched(round_id + 1, digest, self.trainer.momentum_digest):
+            logger.warning("round %d: replaying it from %d contributions gave parameters %s, which the swarm did "
+                           "not publish; downloading its state instead", round_id, len(average.contributors),
+                           digest[:12], extra=fields("replay_mismatch", round_id=round_id, param_digest=digest))
+            await self.pools.run(self.pools.train, self.trainer.adopt, before)
+            return False
+        self.state.completed(round_id, digest, self.trainer.momentum_digest)
+        await self.save()
+        logger.info("round %d replayed: %d contributions averaged as the swarm did, digest %s in %.1fs (no state "
+                    "downloaded)", round_id, len(average.contributors), digest[:12], time.monotonic() - started,
+                    extra=fields("replayed", round_id=round_id, round=round_id + 1, contributors=average.contributors,
+                                 param_digest=digest))
+        return True
 
     async def sync(self, round_id: int) -> Awaitable[Average]:
         """What averages `round_id` for us, by how we take part in it."""

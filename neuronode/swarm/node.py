@@ -38,7 +38,7 @@ from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
 from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, TransferProgress, Verify
 from neuronode.swarm.transport import GrpcTransport
-from neuronode.swarm.trust import closed_without_us
+from neuronode.swarm.trust import closed_without_us, witnesses
 from neuronode.swarm.wire import PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 
@@ -210,6 +210,11 @@ class SwarmNode:
         `round_id`, so averaged it without us (we joined, or trained, too late for it), when
         enough of them say so (neuronode.swarm.trust.closed_without_us)."""
         return closed_without_us(round_id, self.state.digests.get(round_id), self.table.alive())
+
+    def vouched(self, round_id: int, param_digest: str, momentum_digest: str) -> bool:
+        """Whether a quorum of the other hosts that published a state for `round_id` published
+        this one (neuronode.swarm.trust.witnesses): what a replayed round must reach."""
+        return witnesses(round_id, param_digest, self.cfg.node_id, self.table.alive(), momentum_digest).accepted
 
     def alive_count(self) -> int:
         return len(self.table.alive())
