@@ -106,23 +106,23 @@ class Rounds:
         instead, when we can (`replay`)."""
         plan = self.catch_up.plan()
         if plan is not None and plan.reason == "behind" and plan.target_round == self.state.round + 1 \
-                and not self.cfg.overlap and await until_stopped(self.replay(self.state.round), stopped):
+                and not self.cfg.overlap and await self.replay(self.state.round, stopped):
             return
         adopted = await self.catch_up.maybe(stopped)
         if adopted is not None and self.cfg.overlap:
             # The swarm's round-R contributions started before the state we adopted (catchup.py).
             self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=None))
 
-    async def replay(self, round_id: int) -> bool:
+    async def replay(self, round_id: int, stopped: asyncio.Event | None = None) -> bool:
         """Verify instead of adopting (SECURITY.md): one round behind the swarm, we take the
         round's outer step ourselves from the contributions its receipts decided (fetched, each
         checked against its maker's signature) and keep it only if we reach the state a quorum
         of the other hosts published for the next round. False (nothing changed) when we cannot:
-        the caller downloads the state instead."""
+        the caller downloads the state instead. A stop interrupts the fetching, never the step."""
         self.state.phase = NodePhase.SYNCING
         started = time.monotonic()
-        average = await self.averaging.replay(round_id, base_digest=self.state.param_digest)
-        if average is None or not average.contributors:
+        average = await until_stopped(self.averaging.replay(round_id, base_digest=self.state.param_digest), stopped)
+        if average is None or not average.contributors or (stopped is not None and stopped.is_set()):
             return False
         before = await self.pools.run(self.pools.train, self.trainer.snapshot)
         digest = await self.pools.run(self.pools.train, self.trainer.apply_average, average.vector)
