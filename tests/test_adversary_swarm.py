@@ -157,8 +157,8 @@ def test_a_member_flipping_its_update_or_claiming_a_huge_weight_changes_little(
         tmp_path_factory: pytest.TempPathFactory, behaviour: str) -> None:
     """Default flags. A member whose contributions carry its pseudo-gradient x -10 and claim
     weight 1e14 is refused (the weight is above the swarm's --max-weight): it counts nowhere. One
-    within the bound sending x -10 is averaged, but norm-clip (the default aggregator) shrinks it
-    to the median norm, so it costs the honest members one member's share at most. Either way
+    within the bound sending x -10 counts in the round, but norm-clip (the default aggregator)
+    leaves it out: clipped to the median norm, it still points against the sum of the others. Either way
     the honest val_loss ends within 10% of the swarm without it. Before, the 1e14 claim made the
     liar's update the whole mean (val_loss 5955 in a probe), and x -10 under the plain mean
     pulled every round the wrong way."""
@@ -174,4 +174,7 @@ def test_a_member_flipping_its_update_or_claiming_a_huge_weight_changes_little(
         refusals = [e for n in honest for e in n.events("refused") if e["what"] == "contribution"]
         assert refusals and all(e["code"] == "INVALID_ARGUMENT" and "--max-weight" in e["detail"] for e in refusals)
     else:
-        assert all(averaged), "the liar's bounded contribution is averaged like any member's"
+        assert all(averaged), "the liar's bounded contribution counts in every round like any member's"
+        # ... and norm-clip leaves it out: it points against the sum of the others.
+        assert all(any(LIAR in e["peers"] for e in n.events("left_out")) for n in honest), \
+            {n.name: n.events("left_out") for n in honest}

@@ -57,13 +57,15 @@ def _cosine_and_relative_error(result: Tensor, target: Tensor) -> tuple[float, f
     return cosine, float((r - t).norm() / t.norm())
 
 
-# Relative error bounds with one bad member in five. norm-clip only bounds magnitude: the
-# attacker still adds a median-sized vector, e.g. -h for the flip, giving (4h - h) / 5.
+# Relative error bounds with one bad member in five. norm-clip bounds magnitude, and leaves out a
+# member pointing against the sum of the others (the flip); noise of the median norm still moves
+# the result.
 ROBUST_CASES = [
     ("trimmed-mean", {}, ATTACKS, 0.1),
     ("median", {}, ATTACKS, 0.1),
     ("centered-clip", {}, ATTACKS, 0.1),
     ("norm-clip", {}, ATTACKS, 0.45),
+    ("norm-clip", {}, {"flip": ATTACKS["flip"]}, 0.01),
     ("mean", {"cosine_threshold": 0.0}, {"flip": ATTACKS["flip"]}, 1e-6),
     ("norm-clip", {"cosine_threshold": 0.0}, {"flip": ATTACKS["flip"]}, 0.01),
     *[
@@ -185,8 +187,8 @@ def test_lazy_members_are_decoded_once_in_sorted_order(
     }
     aggregator = get_aggregator(name, **options)
     assert torch.equal(aggregator(lazy), aggregator(eager))
-    if name == "norm-clip" and not options:  # it streams: a pass for the norms, one to add (one vector held)
-        assert calls == ["a", "b", "c", "a", "b", "c"]
+    if name == "norm-clip" and not options:  # it streams: passes for the norms, to add, to compare (one vector held)
+        assert calls == ["a", "b", "c"] * 3
     else:
         assert calls == ["a", "b", "c"]
 
@@ -290,6 +292,44 @@ def test_norm_clip_scales_only_the_large_member() -> None:
     # median norm 6; clip_factor 2 -> c is scaled to norm 12, a and b untouched.
     result = get_aggregator("norm-clip", clip_factor=2.0)(contributions)
     assert torch.allclose(result, (base + 1.2 * base + 2 * 2.4 * base) / 4)
+
+
+def test_norm_clip_leaves_out_flips_of_two_ids_among_six_as_if_they_never_came() -> None:
+    """Two ids of one volunteer send their updates x -10 among four honest members (issue 26
+    (a)): clipped to the median norm, each still cancelled an honest member's share ((4h - 2h) /
+    6); now both point against the sum of the others and are left out, bit for bit as if only
+    the honest members had sent."""
+    honest = _honest(4)
+    contributions: dict[str, Weighted] = {f"h{i}": (v, 1.0) for i, v in enumerate(honest)}
+    alone = get_aggregator("norm-clip")(dict(contributions))
+    contributions |= {"a-x1": (-10.0 * honest[0], 1.0), "a-x2": (-10.0 * honest[1], 1.0)}
+    assert torch.equal(get_aggregator("norm-clip")(contributions), alone)
+
+
+def test_norm_clip_leaves_out_a_minority_only_and_never_one_of_two() -> None:
+    """However many point against the others, a strict majority is kept (the most opposed go
+    first, ties by id); of two members (who point against each other alike) nobody is left out."""
+    two: dict[str, Weighted] = {"a": (torch.tensor([1.0, 0.0]), 1.0), "b": (torch.tensor([-1.0, 0.1]), 1.0)}
+    norms = [1.0, math.hypot(1.0, 0.1)]
+    radius = sum(norms) / 2
+    expected = average(two, alphas={"a": 0.5, "b": 0.5 * radius / norms[1]})
+    assert torch.equal(get_aggregator("norm-clip")(two), expected)
+    # a and b each point against the sum of the others (c is orthogonal to both): one of three
+    # may be left out, a (the tie goes by id).
+    three: dict[str, Weighted] = {"a": (torch.tensor([1.0, 0.0]), 1.0), "b": (torch.tensor([-1.0, 0.0]), 1.0),
+                                  "c": (torch.tensor([0.0, 1.0]), 1.0)}
+    assert torch.equal(get_aggregator("norm-clip")(three), torch.tensor([-0.5, 0.5]))
+
+
+def test_norm_clip_keeps_honest_members_with_noisy_but_agreeing_updates() -> None:
+    """Honest members whose updates share a direction under noise twice their size are all kept
+    (each points toward the sum of the others): the result is the plain clipped mean."""
+    direction = torch.randn(SIZE, generator=_gen(7))
+    honest = {f"h{i}": (direction + 2.0 * torch.randn(SIZE, generator=_gen(20 + i)), 1.0) for i in range(5)}
+    norms = [float(v.norm()) for v, _ in honest.values()]
+    radius = sorted(norms)[2]
+    expected = average(honest, alphas={k: min(1.0, radius / float(v.norm())) / 5 for k, (v, _) in honest.items()})
+    assert torch.allclose(get_aggregator("norm-clip")(honest), expected, atol=1e-6)
 
 
 def test_block_size_does_not_change_coordinate_rules() -> None:

@@ -19,6 +19,8 @@ Figures (one JSON object):
   `bytes_sent / (rounds × (N − 1) × P)` averaged over nodes, with P from the `node X: P
   parameters` log line. It is the codec after zstd plus framing, gRPC and heartbeat overhead.
 - `contributors_min`: the fewest contributions a node averaged in a round (N: every round full).
+- `left_out`: contributions the first node's aggregator left out over the run (`norm-clip`:
+  members pointing against the sum of the others; 0 in an honest swarm is what one hopes for).
 - `seconds`: wall time from the first node's start to the last node's exit.
 
 The swarm machinery here (`SwarmSpec`, `run_swarm`, the log parsing) is shared with
@@ -158,12 +160,23 @@ class NodeRun:
     data_dir: Path
     log_path: Path
 
-    def events(self) -> list[tuple[float, str]]:
-        """(timestamp, message) of every JSON log line, in order; other lines are skipped."""
+    def records(self) -> list[dict[str, Any]]:
+        """Every JSON log line, in order; other lines are skipped."""
         out = []
         for line in self.log_path.read_text(errors="replace").splitlines():
             try:
                 entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                out.append(entry)
+        return out
+
+    def events(self) -> list[tuple[float, str]]:
+        """(timestamp, message) of every JSON log line, in order."""
+        out = []
+        for entry in self.records():
+            try:
                 out.append((float(entry["ts"]), str(entry["msg"])))
             except (ValueError, KeyError, TypeError):
                 continue
@@ -332,6 +345,8 @@ def summarize(spec: SwarmSpec, runs: list[NodeRun]) -> dict[str, Any]:
         "replicas_identical": len({s.get("param_digest") for s in statuses}) == 1,
         "param_digest": str(statuses[0].get("param_digest", ""))[:16],
         "contributors_min": min((r["contributors"] for rounds in done for r in rounds), default=0),
+        # Contributions the aggregator left out (norm-clip: pointing against the others), on the first node.
+        "left_out": sum(len(r.get("peers", ())) for r in runs[0].records() if r.get("event") == "left_out"),
         "payload_bytes_per_param": round(statistics.fmean(sent) / receivers, 4),
         "params": params, "nodes": spec.nodes, "rounds": spec.rounds, "codec": spec.codec,
         "inner_steps": spec.inner_steps, "overlap": spec.overlap, "seed": spec.seed,

@@ -17,7 +17,7 @@ name               options (defaults)                     bad members tolerated 
 ``mean``           none                                   none                    O(nP)     (1)
 ``trimmed-mean``   ``trim_fraction=0.2``, in [0, 0.5)     ⌊f·n⌋ (a fraction < f)  O(nP)†    (~5)
 ``median``         none                                   fewer than n/2          O(nP)†    (~5)
-``norm-clip``¶     ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~5)
+``norm-clip``¶     ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~7)
 ``centered-clip``  ``clip_factor=1.0`` > 0,               fewer than n/2,         O(k·nP)   (~20)
                    ``iterations=3`` (k) ≥ 1               bounded influence
 =================  =====================================  ======================  ===============
@@ -31,7 +31,8 @@ a dot-product pass (~10–15× mean). Each class's docstring says exactly what i
 § measured with n = 5, P = 10M on one thread of a busy machine (±30 %). † per coordinate a
 sort of n values: a min/max network, O(n²) cheap element-wise ops, up to 16 members;
 ``torch.sort``, O(nP log n), beyond. ‡ a member moves the result by at most ``clip_factor × median norm × w/W``; the
-median norm is honest while fewer than n/2 are bad; direction attacks are not stopped. ¶ the
+median norm is honest while fewer than n/2 are bad; a minority pointing against the others
+(flipped updates) is left out. ¶ the
 default of ``neuronode start --aggregator``: it works under all-to-all and reduce-scatter (per
 shard) and with any codec, sparse ones included.
 
@@ -65,6 +66,7 @@ import torch
 from torch import Tensor
 
 from neuronode.diloco import robust
+from neuronode.events import fields
 from neuronode.memory import empty_floats
 
 __all__ = [
@@ -266,15 +268,22 @@ class NormClip:
     ``clip_factor × median_norm × w_i / W``: with weights bounded (a node refuses a claim above
     the swarm's ``--max-weight``), one member sending its pseudo-gradient × −10 moves the
     result by no more than an honest member does. The median norm it clips to stays honest
-    while fewer than ``n/2`` are bad. It does not stop direction attacks (a flipped update at
-    full clipped size still pulls against the others: it costs the honest members one
-    member's share; pair it with ``cosine_threshold`` for more). It scales whole vectors, so a
-    sparse contribution keeps its entries (a coordinate-wise rule would erase them), and under
-    reduce-scatter each reducer applies it to the slices of its shard.
+    while fewer than ``n/2`` are bad.
 
-    It streams like ``mean``: each contribution is decoded once for its norm (one at a time,
-    then dropped) and once more as it is added, so it holds the output and one vector, never
-    all of them. ``clip_factor`` must be ≥ 1: clipping below the median would shrink honest
+    A flipped update clipped to the median norm still cancels an honest member's share (two
+    ids of one volunteer among six: ``(4h − 2h) / 6``). So a member whose clipped vector points
+    against the sum of the others' (``x_i · (S − α_i x_i) < 0``, S the clipped mean) is left
+    out, the most opposed first, as long as those left out stay a minority (at most
+    ``⌊(n − 1) / 2⌋``: of two members nobody is); the result is then norm-clip over the others,
+    their median norm included, as if the left-out had never sent. Honest updates share a
+    descent direction, so each points toward the sum of the rest; a left-out member is logged
+    (event ``left_out``). It scales and drops whole vectors, so a sparse contribution keeps its
+    entries (a coordinate-wise rule would erase them), and under reduce-scatter each reducer
+    applies it to the slices of its shard.
+
+    It streams like ``mean``: each contribution is decoded for its norm (one at a time, then
+    dropped), once more as it is added, and once more for its dot product with the mean, so it
+    holds the output and one vector, never all of them. ``clip_factor`` must be ≥ 1: clipping below the median would shrink honest
     updates, which is the outer learning rate's job.
     """
 
@@ -291,16 +300,9 @@ class NormClip:
         norms: list[float] = []
         dropped: list[str] = []
         size: int | None = None
-        scratch: Tensor | None = None  # one buffer decoded into, member after member
+        decoded = _OneAtATime(contributions)
         for peer_id in peer_ids:  # pass 1: every norm, one decoded vector at a time
-            source = contributions[peer_id][0]
-            if isinstance(source, Streamed) and hasattr(source, "decode_into"):
-                if scratch is None or scratch.numel() != source.n_elems:
-                    scratch = empty_floats(source.n_elems)
-                source.decode_into(scratch)
-                vector = scratch
-            else:
-                vector = _resolve(peer_id, source)
+            vector = decoded(peer_id)
             if size is None:
                 size = vector.numel()
             elif vector.numel() != size:
@@ -315,13 +317,54 @@ class NormClip:
             logger.warning("dropped contributions with NaN or inf values from %s", dropped)
         if not kept:
             raise ValueError(f"every contribution holds NaN or inf values ({dropped}); nothing to aggregate")
-        radius = self.clip_factor * robust.median_of_floats(norms)
-        total_weight = 0.0
-        for peer_id in kept:
-            total_weight += float(contributions[peer_id][1])
-        alphas = {peer_id: float(contributions[peer_id][1]) / total_weight * robust.clip_scale(norm, radius)
-                  for peer_id, norm in zip(kept, norms, strict=True)}
-        return average({peer_id: contributions[peer_id] for peer_id in kept}, alphas=alphas)
+        norm_of = dict(zip(kept, norms, strict=True))
+        result = self._clipped_mean(contributions, norm_of)
+        # Pass 3: a member pointing against the sum of the others (its flipped update, clipped to
+        # the median norm, would still cancel an honest member's) is left out, as long as the
+        # ones left out stay a minority: the most opposed first.
+        against: list[tuple[float, str]] = []
+        for peer_id, alpha in self._alphas(contributions, norm_of).items():
+            toward_rest = robust.dot(decoded(peer_id), result) - alpha * norm_of[peer_id] ** 2
+            if toward_rest < 0:
+                against.append((toward_rest, peer_id))
+        left_out = sorted(peer_id for _, peer_id in sorted(against)[: (len(kept) - 1) // 2])
+        if not left_out:
+            return result
+        logger.warning("left out %s: each pointed against the sum of the others", ", ".join(left_out),
+                       extra=fields("left_out", peers=left_out))
+        # As if they never came: the median norm too is the kept members'.
+        return self._clipped_mean(contributions, {p: n for p, n in norm_of.items() if p not in left_out})
+
+    def _alphas(self, contributions: Mapping[str, Weighted], norm_of: Mapping[str, float]) -> dict[str, float]:
+        """Each member's factor in the clipped mean: its weight's share, times its clip scale."""
+        radius = self.clip_factor * robust.median_of_floats(list(norm_of.values()))
+        total = 0.0
+        for peer_id in norm_of:
+            total += float(contributions[peer_id][1])
+        return {peer_id: float(contributions[peer_id][1]) / total * robust.clip_scale(norm, radius)
+                for peer_id, norm in norm_of.items()}
+
+    def _clipped_mean(self, contributions: Mapping[str, Weighted], norm_of: Mapping[str, float]) -> Tensor:
+        alphas = self._alphas(contributions, norm_of)
+        return average({peer_id: contributions[peer_id] for peer_id in alphas}, alphas=alphas)
+
+
+class _OneAtATime:
+    """Each contribution decoded on demand into one reused buffer (a streamed source), so a rule
+    that passes over the members several times holds one decoded vector, never all of them."""
+
+    def __init__(self, contributions: Mapping[str, Weighted]) -> None:
+        self.contributions = contributions
+        self.scratch: Tensor | None = None
+
+    def __call__(self, peer_id: str) -> Tensor:
+        source = self.contributions[peer_id][0]
+        if isinstance(source, Streamed) and hasattr(source, "decode_into"):
+            if self.scratch is None or self.scratch.numel() != source.n_elems:
+                self.scratch = empty_floats(source.n_elems)
+            source.decode_into(self.scratch)
+            return self.scratch
+        return _resolve(peer_id, source)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,6 +145,14 @@ def squared_norms(
     return totals
 
 
+def dot(a: Tensor, b: Tensor, *, block_elements: int = BLOCK_ELEMENTS) -> float:
+    """``a · b`` in float64, summed in a fixed order (``fixed_order_sum`` per column block)."""
+    total = 0.0
+    for start, stop in column_blocks(a.numel(), block_elements):
+        total += fixed_order_sum(a[start:stop].double().mul_(b[start:stop]))
+    return total
+
+
 def median_of_floats(values: Sequence[float]) -> float:
     """Median of Python floats; the mean of the two middle ones for an even count."""
     ordered = sorted(values)
