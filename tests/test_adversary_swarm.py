@@ -176,5 +176,5 @@ def test_a_member_flipping_its_update_or_claiming_a_huge_weight_changes_little(
     else:
         assert all(averaged), "the liar's bounded contribution counts in every round like any member's"
         # ... and norm-clip leaves it out: it points against the sum of the others.
-        assert all(any(LIAR in e["peers"] for e in n.events("left_out")) for n in honest), \
-            {n.name: n.events("left_out") for n in honest}
+        assert all(any(LIAR in e["peers"] for e in n.events("opposed_left_out")) for n in honest), \
+            {n.name: n.events("opposed_left_out") for n in honest}

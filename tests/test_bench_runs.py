@@ -20,7 +20,7 @@ TINY_MODEL = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len
 QUALITY_KEYS = {
     "val_loss", "val_loss_per_node", "val_loss_by_round", "replicas_identical", "param_digest",
     "contributors_min", "payload_bytes_per_param", "params", "nodes", "rounds", "codec",
-    "inner_steps", "overlap", "seed", "seconds", "aggregator", "left_out",
+    "inner_steps", "overlap", "seed", "seconds", "aggregator", "opposed_left_out",
 }
 UTILIZATION_KEYS = {
     "utilization", "utilization_per_node", "round_seconds", "train_seconds", "other_seconds",
@@ -49,7 +49,7 @@ def test_quality_tiny() -> None:
     assert result["codec"] == "int8" and result["overlap"] is False
     assert result["replicas_identical"] is True
     assert result["contributors_min"] == 2
-    assert result["left_out"] == 0  # of two members nobody is left out
+    assert result["opposed_left_out"] == 0  # of two members nobody is left out
     assert math.isfinite(result["val_loss"]) and result["val_loss"] < 5.6
     assert result["val_loss_per_node"] == [result["val_loss"]] * 2
     assert len(result["val_loss_by_round"]) == 3  # before training, then after each round

@@ -19,7 +19,7 @@ Figures (one JSON object):
   `bytes_sent / (rounds × (N − 1) × P)` averaged over nodes, with P from the `node X: P
   parameters` log line. It is the codec after zstd plus framing, gRPC and heartbeat overhead.
 - `contributors_min`: the fewest contributions a node averaged in a round (N: every round full).
-- `left_out`: contributions the first node's aggregator left out over the run (`norm-clip`:
+- `opposed_left_out`: contributions the first node's aggregator left out over the run (`norm-clip`:
   members pointing against the sum of the others; 0 in an honest swarm is what one hopes for).
 - `seconds`: wall time from the first node's start to the last node's exit.
 
@@ -346,7 +346,7 @@ def summarize(spec: SwarmSpec, runs: list[NodeRun]) -> dict[str, Any]:
         "param_digest": str(statuses[0].get("param_digest", ""))[:16],
         "contributors_min": min((r["contributors"] for rounds in done for r in rounds), default=0),
         # Contributions the aggregator left out (norm-clip: pointing against the others), on the first node.
-        "left_out": sum(len(r.get("peers", ())) for r in runs[0].records() if r.get("event") == "left_out"),
+        "opposed_left_out": sum(len(r.get("peers", ())) for r in runs[0].records() if r.get("event") == "opposed_left_out"),
         "payload_bytes_per_param": round(statistics.fmean(sent) / receivers, 4),
         "params": params, "nodes": spec.nodes, "rounds": spec.rounds, "codec": spec.codec,
         "inner_steps": spec.inner_steps, "overlap": spec.overlap, "seed": spec.seed,

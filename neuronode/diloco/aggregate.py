@@ -277,7 +277,7 @@ class NormClip:
     ``⌊(n − 1) / 2⌋``: of two members nobody is); the result is then norm-clip over the others,
     their median norm included, as if the left-out had never sent. Honest updates share a
     descent direction, so each points toward the sum of the rest; a left-out member is logged
-    (event ``left_out``). It scales and drops whole vectors, so a sparse contribution keeps its
+    (event ``opposed_left_out``). It scales and drops whole vectors, so a sparse contribution keeps its
     entries (a coordinate-wise rule would erase them), and under reduce-scatter each reducer
     applies it to the slices of its shard.
 
@@ -331,7 +331,7 @@ class NormClip:
         if not left_out:
             return result
         logger.warning("left out %s: each pointed against the sum of the others", ", ".join(left_out),
-                       extra=fields("left_out", peers=left_out))
+                       extra=fields("opposed_left_out", peers=left_out))
         # As if they never came: the median norm too is the kept members'.
         return self._clipped_mean(contributions, {p: n for p, n in norm_of.items() if p not in left_out})
 
