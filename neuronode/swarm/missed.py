@@ -26,14 +26,12 @@ from neuronode.swarm.context import Context
 from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.security import caller_id
-from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
+from neuronode.swarm.wire import MAX_ID_CHARS, MIN_RATE_BYTES_PER_S, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 MAX_FETCHES_PER_CALLER = 2
-STALL_S = 30.0  # a reader that takes no chunk this long loses its stream
-MIN_RATE_BYTES_PER_S = 128 << 10  # a stream may last max(2 x STALL_S, bytes / this)
 
 
 class Missed:

@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 REACHABILITY_TO_PB = {"unknown": pb.REACHABILITY_UNSPECIFIED, "yes": pb.REACHABILITY_YES, "no": pb.REACHABILITY_NO}
 
-MAX_KNOWN_ADDRESSES = 1024
 PEX_SAMPLE = 8  # peers a Hello to a member that knows the swarm lists
 OFF_LOOP_PEERS = 256  # with this many live peers, agreement is worked out in a worker thread
 MAX_ROUND = 2**53  # rounds a Hello may name (any arithmetic on them stays exact in a double)
@@ -207,7 +206,7 @@ class Peers:
             self.receipts.take(info)
         table.add_gossiped((rec.address for rec in known[:MAX_PEERS_LISTED]
                             if rec.node_id != self.ctx.cfg.node_id and len(rec.address) <= MAX_ADDRESS_CHARS),
-                           local=self.on_loopback(), cap=MAX_KNOWN_ADDRESSES)
+                           local=self.on_loopback(), cap=MAX_MEMBERS)
         self._contact.set()
         # A new peer, or one that moved to another round or is leaving, may now be owed an open
         # round's push, or no longer be waited for: cheap to re-check on every message.

@@ -9,13 +9,13 @@ arrives, and at the end the parameters against the donor's `param_digest` (what 
 publishes, and the swarm vouches for).
 
 Any size, over any link: the joiner keeps every chunk it verified, so a download that is cut,
-or that stalls (no chunk for STALL_S, or slower than MIN_TRANSFER_BYTES_PER_S for that long),
+or that stalls (no chunk for STALL_S, or slower than MIN_RATE_BYTES_PER_S for that long),
 goes on from the next donor (or the same one, again) where it stopped: the donor starts at
 `resume_from` when its first chunks hash as the joiner's do. There is no deadline for a
 transfer that moves; progress (bytes, rate, time left) is logged every PROGRESS_S and shown in
 status. Donors serve at most `MAX_CONCURRENT` transfers, one per caller, each ended when its
 reader stops reading for STALL_S or it outlasts max(MIN_TRANSFER_S, bytes at
-MIN_TRANSFER_BYTES_PER_S), and keep training.
+MIN_RATE_BYTES_PER_S), and keep training.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.security import Security
 from neuronode.swarm.trust import witnesses
-from neuronode.swarm.wire import Refusal
+from neuronode.swarm.wire import MIN_RATE_BYTES_PER_S, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -63,9 +63,7 @@ MAX_CONCURRENT = 2
 # most this many heartbeats (2 s at least), and ask again, up to WITNESS_RETRIES times.
 WITNESS_WAIT_HEARTBEATS = 4
 WITNESS_RETRIES = 2
-STALL_S = 30.0  # no chunk this long (either side), or slower than the floor below for this long: moved on
-MIN_TRANSFER_S = 120.0  # a donor lets every transfer take this long, and longer at MIN_TRANSFER_BYTES_PER_S
-MIN_TRANSFER_BYTES_PER_S = 128 * 1024
+MIN_TRANSFER_S = 120.0  # a donor lets every transfer take this long, and longer at MIN_RATE_BYTES_PER_S
 PROGRESS_S = 5.0  # a download in progress is logged this often
 TRANSFER_CHUNK_BYTES = STATE_CHUNK_ELEMENTS * 4
 FP32 = get_codec("fp32")
@@ -274,8 +272,8 @@ class Download:
             while len(window) > 2 and now - window[1][0] >= STALL_S:
                 window.pop(0)
             rate = (moved - window[0][1]) / max(now - window[0][0], 1e-6)
-            if now - window[0][0] >= STALL_S and rate < MIN_TRANSFER_BYTES_PER_S:
-                raise Stalled(f"{rate / 1024:.0f} KiB/s over {STALL_S:.0f} s, below {MIN_TRANSFER_BYTES_PER_S >> 10} KiB/s")
+            if now - window[0][0] >= STALL_S and rate < MIN_RATE_BYTES_PER_S:
+                raise Stalled(f"{rate / 1024:.0f} KiB/s over {STALL_S:.0f} s, below {MIN_RATE_BYTES_PER_S >> 10} KiB/s")
             if now - said >= PROGRESS_S:
                 said = now
                 self.report(donor, rate)
@@ -363,7 +361,7 @@ class Donor:
 
     async def stream(self, messages: list[pb.StateChunk], write: Callable[[pb.StateChunk], Awaitable[None]]) -> None:
         loop = asyncio.get_running_loop()
-        limit_s = max(MIN_TRANSFER_S, sum(len(m.payload) for m in messages) / MIN_TRANSFER_BYTES_PER_S)
+        limit_s = max(MIN_TRANSFER_S, sum(len(m.payload) for m in messages) / MIN_RATE_BYTES_PER_S)
         deadline = loop.time() + limit_s
         for msg in messages:
             remaining = deadline - loop.time()

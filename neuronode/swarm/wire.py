@@ -23,6 +23,11 @@ MAX_PEERS_LISTED = 256
 MAX_TASK_SETTINGS = 32
 MAX_SETTING_NAME_CHARS = 64
 MAX_SETTING_VALUE_CHARS = 128
+# A transfer (a push, a fetch, a session's stream, a state download) that moves no chunk for
+# STALL_S is cut; one that may last longer than STALL_S goes on while it moves at least
+# MIN_RATE_BYTES_PER_S.
+STALL_S = 30.0
+MIN_RATE_BYTES_PER_S = 128 << 10
 
 CODEC_TO_PB = {
     "fp32": pb.CODEC_FP32,

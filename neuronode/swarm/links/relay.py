@@ -37,13 +37,13 @@ from neuronode.swarm.context import Context
 from neuronode.swarm.links.backoff import retry_until
 from neuronode.swarm.links.route import live_carriers, relay_for
 from neuronode.swarm.links.sessions import SessionClosed, Sessions
+from neuronode.swarm.membership import MAX_MEMBERS
 from neuronode.swarm.ratelimit import UploadLimiter
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 MAX_CARRIERS = 64  # members a NodeInfo may name in carried_by
-MAX_HELLOS_KEPT = 1024  # the peer table's size
 
 
 class Relay:
@@ -79,7 +79,7 @@ class Relay:
         the maker first)."""
         maker = request.info.node_id
         self.hellos[maker] = request
-        if len(self.hellos) > MAX_HELLOS_KEPT:
+        if len(self.hellos) > MAX_MEMBERS:  # the peer table's size
             live = {p.node_id for p in self.ctx.table.alive()}
             self.hellos = {k: v for k, v in self.hellos.items() if k in live}
         receivers = self.receivers(maker)

@@ -40,18 +40,17 @@ from neuronode.events import fields
 from neuronode.swarm.admission import Admission, member_request
 from neuronode.swarm.context import Context
 from neuronode.swarm.links.route import Dial, route
+from neuronode.swarm.membership import MAX_MEMBERS
 from neuronode.swarm.security import caller_id
-from neuronode.swarm.wire import Refusal
+from neuronode.swarm.wire import STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 KEEPALIVE_S = 20.0
-STALL_S = 30.0
 IDLE_S = 3 * KEEPALIVE_S  # a held session that hears nothing this long (keepalives included) ended
 MAX_SESSIONS = 256
 DATA_MESSAGES = 8  # chunks waiting to be written to one session
-MAX_CONTROL = 1024  # Hellos waiting (the latest per maker: at most one per member)
 MAX_STREAMS = 8  # contribution streams one session may carry to us at once
 STREAM_CHUNKS = 16  # chunks of one stream waiting to be checked
 
@@ -107,7 +106,7 @@ class Carried:
         if self.closed:
             return
         self.control.pop(key, None)
-        if len(self.control) < MAX_CONTROL:
+        if len(self.control) < MAX_MEMBERS:  # Hellos waiting: the latest per maker, one per member
             self.control[key] = msg
             self.ready.set()
 
