@@ -431,13 +431,16 @@ def test_the_default_aggregation_keeps_sparse_contributions() -> None:
     """The node's default aggregator over sparse contributions (decoded into dense float32
     vectors, zeros where a member kept nothing): every entry any member kept stays in the
     average, with that member's sign where it alone kept it. A coordinate-wise rule such as the
-    median would erase them (the median of one value and two zeros is zero)."""
+    median would erase them (the median of one value and two zeros is zero). The members share
+    a direction under their own noise, as pseudo-gradients of one model do (one pointing against
+    the sum of the others would be left out: tests/test_diloco_robust.py)."""
     from neuronode.config import NodeConfig
     from neuronode.node.trainer import make_aggregator
 
     aggregate = make_aggregator(NodeConfig(codec="sparse"))
+    shared = heavy_tailed(3 * 4096, seed=100)
     members = {name: VectorEncoder(codec="sparse", chunk_bytes=1 << 20, zstd_level=0, byte_shuffle=False).encode(
-        heavy_tailed(3 * 4096, seed=i), 0.0, sender_id=name) for i, name in enumerate("abc")}
+        shared + heavy_tailed(3 * 4096, seed=i), 0.0, sender_id=name) for i, name in enumerate("abc")}
     decoded = {name: c.data.decode() for name, c in members.items()}
     result = aggregate({name: (c.data, 1.0 + i) for i, (name, c) in enumerate(members.items())})
     kept = [d != 0 for d in decoded.values()]
