@@ -28,6 +28,7 @@ from neuronode.averaging.protocol import FETCH_AFTER, RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig, Phase, VectorEncoder, shard_ranges
 from neuronode.diloco import average
+from neuronode.diloco.aggregate import Aggregator, NormClip
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,10 +52,11 @@ class Swarm:
     """Members of one LocalSwarm, each with the protocol a node runs, on one ManualClock."""
 
     def __init__(self, pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: type[AllToAll | ReduceScatter],
-                 codec: str = "fp32", min_contributors: int = 1) -> None:
+                 codec: str = "fp32", min_contributors: int = 1, aggregate: Aggregator = average) -> None:
         self.clock = ManualClock()
         self.local = LocalSwarm(clock=self.clock)
         self.pools, self.kind, self.codec, self.min = pools, kind, codec, min_contributors
+        self.aggregate = aggregate
         self.protocols: dict[str, AllToAll | ReduceScatter] = {}
 
     def join(self, node_id: str) -> AllToAll | ReduceScatter:
@@ -63,14 +65,15 @@ class Swarm:
                                                     byte_shuffle=False), n_elements=N, sender_id=node_id)
         protocol = self.kind(AveragingConfig(node_id=node_id, codec=self.codec, n_elements=N,
                                              sync_timeout_s=TIMEOUT_S, min_contributors=self.min),
-                             transport=transport, encoder=encoder, encoder_pool=self.pools[0], aggregate=average,
+                             transport=transport, encoder=encoder, encoder_pool=self.pools[0], aggregate=self.aggregate,
                              executor=self.pools[1], clock=self.clock)
         self.protocols[node_id] = protocol
         return protocol
 
-    async def round(self, node_id: str, round_id: int = 0) -> Average:
+    async def round(self, node_id: str, round_id: int = 0, vector: torch.Tensor | None = None) -> Average:
         protocol = self.protocols[node_id]
-        prepared = await protocol.prepare(round_id, delta(hash(node_id) % 1000), base_digest="d0", weight=1.0)
+        vector = delta(hash(node_id) % 1000) if vector is None else vector
+        prepared = await protocol.prepare(round_id, vector, base_digest="d0", weight=1.0)
         return await protocol.exchange(prepared)
 
 
@@ -581,6 +584,30 @@ async def test_reduce_scatter_equals_all_to_all_bit_for_bit(pools) -> None:  # n
         results[kind] = await asyncio.gather(*(swarm.round(n) for n in "abc"))
         assert identical(results[kind]) and results[kind][0].fewest == 3
     assert torch.equal(results[AllToAll][0].vector, results[ReduceScatter][0].vector)
+
+
+async def test_norm_clip_leaves_a_flipped_member_out_of_every_shard(pools, caplog) -> None:  # noqa: ANN001
+    """The default aggregator under both averagings: e sends its update x -10 among four honest
+    members whose updates share a direction. Every member ends with the same vector, the
+    honest members' clipped mean (within the clipping of each shard's median norm): e is left
+    out, of the whole vector under all-to-all and of each shard by its reducer under
+    reduce-scatter. Kept, it would pull the result to about (4h - h) / 5."""
+    shared = delta(7)
+    vectors = {n: shared + 0.1 * delta(20 + i) for i, n in enumerate("abcd")} | {"e": -10.0 * (shared + 0.1 * delta(30))}
+    honest = average({n: (v, 1.0) for n, v in vectors.items() if n != "e"})
+    for kind in (AllToAll, ReduceScatter):
+        caplog.clear()
+        swarm = Swarm(pools, kind, min_contributors=5, aggregate=NormClip())
+        for name in "abcde":
+            swarm.join(name)
+        results = await asyncio.gather(*(swarm.round(n, vector=vectors[n]) for n in "abcde"))
+        assert identical(results) and results[0].contributors == list("abcde")
+        error = float((results[0].vector - honest).norm() / honest.norm())
+        assert error < 0.01, (kind.__name__, error)
+        left_out = [getattr(r, "event_data", {}).get("peers") for r in caplog.records
+                    if getattr(r, "event", None) == "opposed_left_out"]
+        # all-to-all: each of five members leaves e out; reduce-scatter: each reducer of its shard.
+        assert left_out and all(peers == ["e"] for peers in left_out), (kind.__name__, left_out)
 
 
 async def test_members_nobody_can_dial_send_slices_and_hear_averages_but_reduce_nothing(pools) -> None:  # noqa: ANN001
