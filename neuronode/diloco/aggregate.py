@@ -276,7 +276,10 @@ class NormClip:
     out, the most opposed first, as long as those left out stay a minority (at most
     ``⌊(n − 1) / 2⌋``: of two members nobody is); the result is then norm-clip over the others,
     their median norm included, as if the left-out had never sent. Honest updates share a
-    descent direction, so each points toward the sum of the rest; a left-out member is logged
+    descent direction, so each points toward the sum of the rest. A kept member's update cannot
+    pull against the others' sum: an attacker within the bound is left with noise of the median
+    norm or an update that adds little (it dilutes the step by its weight share at most, as a
+    member sending zeros would). A left-out member is logged
     (event ``opposed_left_out``). It scales and drops whole vectors, so a sparse contribution keeps its
     entries (a coordinate-wise rule would erase them), and under reduce-scatter each reducer
     applies it to the slices of its shard.
