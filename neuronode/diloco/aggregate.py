@@ -270,24 +270,24 @@ class NormClip:
     result by no more than an honest member does. The median norm it clips to stays honest
     while fewer than ``n/2`` are bad.
 
-    A flipped update clipped to the median norm still cancels an honest member's share (two
-    ids of one volunteer among six: ``(4h − 2h) / 6``). So a member whose clipped vector points
+    A flipped update clipped to the median norm still cancels an honest member's share (two ids
+    of one volunteer among six: ``(4h − 2h) / 6``). So a member whose clipped vector points
     against the sum of the others' (``x_i · (S − α_i x_i) < 0``, S the clipped mean) is left
-    out, the most opposed first, as long as those left out stay a minority (at most
-    ``⌊(n − 1) / 2⌋``: of two members nobody is); the result is then norm-clip over the others,
-    their median norm included, as if the left-out had never sent. Honest updates share a
-    descent direction, so each points toward the sum of the rest. A kept member's update cannot
-    pull against the others' sum: an attacker within the bound is left with noise of the median
-    norm or an update that adds little (it dilutes the step by its weight share at most, as a
-    member sending zeros would). A left-out member is logged
-    (event ``opposed_left_out``). It scales and drops whole vectors, so a sparse contribution keeps its
-    entries (a coordinate-wise rule would erase them), and under reduce-scatter each reducer
-    applies it to the slices of its shard.
+    out, the most opposed first, as long as those left out stay a minority (at most ``⌊(n − 1) /
+    2⌋``: of two members nobody is); the result is then norm-clip over the others, their median
+    norm included, as if the left-out had never sent. Honest updates share a descent direction,
+    so each points toward the sum of the rest. While those pointing against the others are a
+    minority, a kept member's update cannot pull against their sum: an attacker within the bound
+    is left with noise of the median norm or an update that adds little (it dilutes the step by
+    its weight share at most, as a member sending zeros would). A left-out member is logged
+    (event ``opposed_left_out``). It scales and drops whole vectors, so a sparse contribution
+    keeps its entries (a coordinate-wise rule would erase them), and under reduce-scatter each
+    reducer applies it to the slices of its shard.
 
     It streams like ``mean``: each contribution is decoded for its norm (one at a time, then
     dropped), once more as it is added, and once more for its dot product with the mean, so it
-    holds the output and one vector, never all of them. ``clip_factor`` must be ≥ 1: clipping below the median would shrink honest
-    updates, which is the outer learning rate's job.
+    holds the output and one vector, never all of them. ``clip_factor`` must be ≥ 1: clipping
+    below the median would shrink honest updates, which is the outer learning rate's job.
     """
 
     clip_factor: float = 1.0
