@@ -273,8 +273,8 @@ class NormClip:
     A flipped update clipped to the median norm still cancels an honest member's share (two ids
     of one volunteer among six: ``(4h − 2h) / 6``). So a member whose clipped vector points
     against the sum of the others' (``x_i · (S − α_i x_i) < 0``, S the clipped mean) is left
-    out, the most opposed first, as long as those left out stay a minority (at most ``⌊(n − 1) /
-    2⌋``: of two members nobody is); the result is then norm-clip over the others, their median
+    out, the most opposed first, as long as those left out stay a minority (at most
+    ``⌊(n−1)/2⌋``: of two members nobody is); the result is then norm-clip over the others, their median
     norm included, as if the left-out had never sent. Honest updates share a descent direction,
     so each points toward the sum of the rest. While those pointing against the others are a
     minority, a kept member's update cannot pull against their sum: an attacker within the bound
