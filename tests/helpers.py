@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from neuronode.bench.common import free_port
+
 # Several nodes share 2 cores: one torch thread each, quick heartbeats, small rounds.
 # JSON log lines: tests read the nodes' events (Node.events) rather than match text.
 NODE_DEFAULTS = ["--threads", "1", "--heartbeat-s", "0.5", "--log-level", "info", "--log-format", "json"]
@@ -70,10 +72,6 @@ class Forked:
         os.kill(self.process.pid, sig)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def neuronode_cmd(*args: str) -> list[str]:

@@ -339,3 +339,18 @@ def test_round_deadlines_follow_the_upload_cap() -> None:
     capped = SyncBenchConfig(nodes=4, params=25_000_000, codec="fp32", averaging="all-to-all", rounds=1,
                              zstd_level=0, max_upload_mbps=20.0)
     assert capped.round_timeout_s - free.round_timeout_s == pytest.approx(3 * 120.0)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice() -> None:
+    """A port the kernel hands out for bind(0) is in its ephemeral range, where any outgoing
+    connection may take it before the node binds it (a node failed to start in CI: 'Failed to
+    bind'): nodes get ports below that range, free when handed out, each once per process."""
+    import socket
+
+    from neuronode.bench.common import LOWEST_PORT, _ephemeral_floor, free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(LOWEST_PORT <= p < _ephemeral_floor() for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free when handed out (nobody else took it since)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -23,10 +24,39 @@ class BenchError(NeuronodeError):
     """A benchmark's worker or node failed or overran its deadline; the message quotes its log."""
 
 
+_HANDED_OUT: set[int] = set()
+LOWEST_PORT = 10_000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port for a node this process starts to listen on. Not one the kernel picks
+    (bind to port 0): those come from its ephemeral range, where any outgoing connection on the
+    machine may take the port in the moment between our check and the node's bind (a node then
+    failed to start in CI: "Failed to bind"). So: a random port below that range, free when
+    checked, never handed out twice by this process."""
+    rng = random.SystemRandom()
+    top = _ephemeral_floor()
+    for _ in range(1000):
+        port = rng.randrange(LOWEST_PORT, top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise BenchError(f"no free loopback port between {LOWEST_PORT} and {top}")
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > LOWEST_PORT + 1000 else 32768
 
 
 def log_tail(path: Path, lines: int = 3) -> str:
