@@ -72,8 +72,6 @@ class Forked:
         os.kill(self.process.pid, sig)
 
 
-
-
 def neuronode_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "neuronode.cli", *args]
 

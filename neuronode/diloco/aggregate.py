@@ -30,11 +30,11 @@ a dot-product pass (~10–15× mean). Each class's docstring says exactly what i
 
 § measured with n = 5, P = 10M on one thread of a busy machine (±30 %). † per coordinate a
 sort of n values: a min/max network, O(n²) cheap element-wise ops, up to 16 members;
-``torch.sort``, O(nP log n), beyond. ‡ a member moves the result by at most ``clip_factor × median norm × w/W``; the
-median norm is honest while fewer than n/2 are bad; a minority pointing against the others
-(flipped updates) is left out. ¶ the
-default of ``neuronode start --aggregator``: it works under all-to-all and reduce-scatter (per
-shard) and with any codec, sparse ones included.
+``torch.sort``, O(nP log n), beyond. ‡ a member moves the result by at most ``clip_factor ×
+median norm × w/W``; the median norm is honest while fewer than n/2 are bad; a minority
+pointing against the others (flipped updates) is left out. ¶ the default of ``neuronode start
+--aggregator``: it works under all-to-all and reduce-scatter (per shard) and with any codec,
+sparse ones included.
 
 Memory: ``mean`` and ``norm-clip`` stream (``norm-clip`` decodes each contribution twice, one
 at a time: for its norm, then as it is added). The other robust rules need every vector at
@@ -274,15 +274,15 @@ class NormClip:
     of one volunteer among six: ``(4h − 2h) / 6``). So a member whose clipped vector points
     against the sum of the others' (``x_i · (S − α_i x_i) < 0``, S the clipped mean) is left
     out, the most opposed first, as long as those left out stay a minority (at most
-    ``⌊(n−1)/2⌋``: of two members nobody is); the result is then norm-clip over the others, their median
-    norm included, as if the left-out had never sent. Honest updates share a descent direction,
-    so each points toward the sum of the rest. While those pointing against the others are a
-    minority, a kept member's update cannot pull against their sum: an attacker within the bound
-    is left with noise of the median norm or an update that adds little (it dilutes the step by
-    its weight share at most, as a member sending zeros would). A left-out member is logged
-    (event ``opposed_left_out``). It scales and drops whole vectors, so a sparse contribution
-    keeps its entries (a coordinate-wise rule would erase them), and under reduce-scatter each
-    reducer applies it to the slices of its shard.
+    ``⌊(n−1)/2⌋``: of two members nobody is); the result is then norm-clip over the others,
+    their median norm included, as if the left-out had never sent. Honest updates share a
+    descent direction, so each points toward the sum of the rest. While those pointing against
+    the others are a minority, a kept member's update cannot pull against their sum: an attacker
+    within the bound is left with noise of the median norm or an update that adds little (it
+    dilutes the step by its weight share at most, as a member sending zeros would). A left-out
+    member is logged (event ``opposed_left_out``). It scales and drops whole vectors, so a
+    sparse contribution keeps its entries (a coordinate-wise rule would erase them), and under
+    reduce-scatter each reducer applies it to the slices of its shard.
 
     It streams like ``mean``: each contribution is decoded for its norm (one at a time, then
     dropped), once more as it is added, and once more for its dot product with the mean, so it
@@ -321,12 +321,13 @@ class NormClip:
         if not kept:
             raise ValueError(f"every contribution holds NaN or inf values ({dropped}); nothing to aggregate")
         norm_of = dict(zip(kept, norms, strict=True))
-        result = self._clipped_mean(contributions, norm_of)
+        alphas = self._alphas(contributions, norm_of)
+        result = average({peer_id: contributions[peer_id] for peer_id in alphas}, alphas=alphas)
         # Pass 3: a member pointing against the sum of the others (its flipped update, clipped to
         # the median norm, would still cancel an honest member's) is left out, as long as the
         # ones left out stay a minority: the most opposed first.
         against: list[tuple[float, str]] = []
-        for peer_id, alpha in self._alphas(contributions, norm_of).items():
+        for peer_id, alpha in alphas.items():
             toward_rest = robust.dot(decoded(peer_id), result) - alpha * norm_of[peer_id] ** 2
             if toward_rest < 0:
                 against.append((toward_rest, peer_id))
@@ -336,7 +337,8 @@ class NormClip:
         logger.warning("left out %s: each pointed against the sum of the others", ", ".join(left_out),
                        extra=fields("opposed_left_out", peers=left_out))
         # As if they never came: the median norm too is the kept members'.
-        return self._clipped_mean(contributions, {p: n for p, n in norm_of.items() if p not in left_out})
+        alphas = self._alphas(contributions, {p: n for p, n in norm_of.items() if p not in left_out})
+        return average({peer_id: contributions[peer_id] for peer_id in alphas}, alphas=alphas)
 
     def _alphas(self, contributions: Mapping[str, Weighted], norm_of: Mapping[str, float]) -> dict[str, float]:
         """Each member's factor in the clipped mean: its weight's share, times its clip scale."""
@@ -346,10 +348,6 @@ class NormClip:
             total += float(contributions[peer_id][1])
         return {peer_id: float(contributions[peer_id][1]) / total * robust.clip_scale(norm, radius)
                 for peer_id, norm in norm_of.items()}
-
-    def _clipped_mean(self, contributions: Mapping[str, Weighted], norm_of: Mapping[str, float]) -> Tensor:
-        alphas = self._alphas(contributions, norm_of)
-        return average({peer_id: contributions[peer_id] for peer_id in alphas}, alphas=alphas)
 
 
 class _OneAtATime:
