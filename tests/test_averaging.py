@@ -16,7 +16,7 @@ import torch
 from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
 from neuronode.averaging.agreement import lineage_hash, listed, receipt_of
 from neuronode.averaging.book import (
-    LATE_ROUNDS,
+    GRACE,
     BufferFull,
     DuplicateContribution,
     RoundBook,
@@ -24,7 +24,7 @@ from neuronode.averaging.book import (
     RoundTooFar,
 )
 from neuronode.averaging.local import LocalSwarm
-from neuronode.averaging.protocol import FETCH_AFTER, RECEIPT_WAIT_TIMEOUTS
+from neuronode.averaging.protocol import RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig, Phase, VectorEncoder, shard_ranges
 from neuronode.diloco import average
@@ -245,39 +245,79 @@ async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delive
     await until("round 3 to close", lambda: all(r.done() for r in rounds))
 
 
-async def test_a_late_member_is_waited_for_again_after_late_rounds_doubling_per_relapse() -> None:
-    """c misses round 0's deadline: rounds 1-8 do not wait for it, round 9 does (it misses that
-    one too), then rounds 10-25 do not, 26 does. Before, it was never waited for again until a
-    contribution of its arrived whole before a round closed, which a member one round behind
-    never manages (the rounds do not wait for it): an honest member that fell behind once
-    counted nowhere to the end (the reduce-scatter overlap joiner in CI)."""
+async def test_late_is_late_however_it_is_timed() -> None:
+    """Issue 26 item 5. Four members: a (us), b and c deliver at once, x does not. A strict
+    majority of hosts delivered, so the round waits a grace more (its cut, GRACE x the timeout
+    here), not the deadline: x is late at the cut. Rounds then do not wait for x at all, and a
+    contribution of x that lands just before each deadline (a just-in-time member) never ends its
+    lateness: it begins after the round's cut. Before, the round waited until its deadline, and
+    any contribution that arrived whole, even after its round closed, ended the lateness, so a
+    just-in-time member cost every round a deadline. A stream that begins by the cut ends it,
+    even when the round closed without waiting for it (an honest member that was slow once), and
+    the next round waits for x until its cut again."""
     clock = ManualClock()
     book = RoundBook(first_round=0, clock=clock)
-    waited = []
-    for round_id in range(27):
+    members = {"a", "b", "c", "x"}
+    grace = GRACE * TIMEOUT_S
+
+    def collecting(round_id: int) -> asyncio.Future[dict[str, object]]:
+        for sender in "abc":
+            if sender != "a":
+                book.begin(round_id, sender)
+                book.finish(record(sender, round_id))  # type: ignore[arg-type]
         book.add_own(record("a", round_id))  # type: ignore[arg-type]
-        closing = asyncio.ensure_future(book.collect(round_id, expected=lambda: {"a", "c"}, timeout_s=TIMEOUT_S))
-        await until(f"round {round_id} to close or wait", lambda c=closing: c.done() or clock.waiting == 1)
-        if not closing.done():
-            waited.append(round_id)
-            clock.advance(TIMEOUT_S)
-            await until(f"round {round_id} to close at its deadline", closing.done)
-        assert set(closing.result()) == {"a"}
-    assert waited == [0, 9, 26]
-    assert LATE_ROUNDS == 8
+        return asyncio.ensure_future(book.collect(round_id, expected=lambda: members, timeout_s=TIMEOUT_S))
+
+    started = clock.now()
+    closing = collecting(0)
+    await until("round 0 waiting for x until its cut", lambda: clock.waiting == 1)
+    clock.advance(grace - 0.01)
+    await until("round 0 still waiting", lambda: clock.waiting == 1)
+    assert not closing.done()
+    clock.advance(0.01)
+    await until("round 0 to close at its cut", closing.done)
+    assert set(closing.result()) == {"a", "b", "c"} and clock.now() - started == pytest.approx(grace)
+    assert book.excused(Phase.WHOLE) == {"x"}
+    for round_id in (1, 2, 3):  # x lands a second before each deadline: too late, every time
+        closing = collecting(round_id)
+        await until(f"round {round_id} to close without waiting", closing.done)
+        clock.advance(TIMEOUT_S - 1.0)
+        with pytest.raises(RoundClosed):
+            book.begin(round_id, "x")
+        assert book.excused(Phase.WHOLE) == {"x"}
+    closing = collecting(4)
+    await until("round 4 to close without waiting", closing.done)
+    clock.advance(grace - 1.0)  # x begins by round 4's cut (it was slow, not late): late no more
+    with pytest.raises(RoundClosed):
+        book.begin(4, "x")
+    assert book.excused(Phase.WHOLE) == set()
+    closing = collecting(5)
+    await until("round 5 waiting for x again", lambda: clock.waiting == 1)
+    assert not closing.done()
+    book.begin(5, "x")  # by the cut: the round waits for it while it streams
+    clock.advance(grace + 1.0)
+    await until("round 5 still waiting for x's stream", lambda: clock.waiting == 1)
+    assert not closing.done()
+    book.finish(record("x", 5))  # type: ignore[arg-type]
+    await until("round 5 to close", closing.done)
+    assert set(closing.result()) == members and not book.late
 
 
-def test_lateness_ends_when_the_member_delivers_even_too_late_or_comes_back() -> None:
-    """A late member that was not waited for delivers just after the round closed: its
-    contribution is refused, but rounds wait for it again (else it stays late for good while it
-    averages everyone's and everyone else leaves it out, and their replicas part: a healed
-    partition did that until the last round)."""
-    book = RoundBook(first_round=4)
+def test_lateness_ends_when_a_stream_begins_by_the_cut_or_the_member_comes_back() -> None:
+    """A late member that was not waited for begins its stream after the round closed, but by
+    the round's cut: its contribution is refused, but rounds wait for it again (else an honest
+    member slow once stays late for good while it averages everyone's and everyone else leaves
+    it out, and their replicas part: a healed partition did that until the last round)."""
+    clock = ManualClock()
+    book = RoundBook(first_round=4, clock=clock)
     book.late = {(Phase.WHOLE, "c"), (Phase.WHOLE, "d")}
-    book.begin(4, "c")
-    book.close(4)  # closed without waiting for c
+    book.begin(4, "c")  # the round is open: c is in time
+    assert book.late == {(Phase.WHOLE, "d")}
+    book.close(4)  # closed without waiting for c or d, and without a cut: none was in time
     with pytest.raises(RoundClosed):
         book.finish(record("c", 4))  # type: ignore[arg-type]
+    with pytest.raises(RoundClosed):
+        book.begin(4, "d")
     assert book.late == {(Phase.WHOLE, "d")}
     book.forgive("d")  # d was gone and is back (its first Hello since)
     assert book.late == set()
@@ -285,15 +325,18 @@ def test_lateness_ends_when_the_member_delivers_even_too_late_or_comes_back() ->
 
 async def test_a_contribution_others_hold_is_waited_for_while_its_own_push_streams() -> None:
     """x's contribution is listed as held by others, but its push to us is under way: we wait
-    for it past `fetch_after_s`. Once that stream breaks off, we close without it (the caller
-    fetches it), and x is not late. Without a stream, we close at `fetch_after_s`, not before."""
+    for it past the round's cut (a and b, two of three hosts, delivered). Once that stream
+    breaks off, we close without it (the caller fetches it), and x is not late. Without a
+    stream, we close at the cut, not before."""
     clock = ManualClock()
     book = RoundBook(first_round=0, clock=clock)
 
     def collecting(round_id: int) -> asyncio.Future[dict[str, object]]:
+        book.begin(round_id, "b")
+        book.finish(record("b", round_id))  # type: ignore[arg-type]
         book.add_own(record("a", round_id))  # type: ignore[arg-type]
-        return asyncio.ensure_future(book.collect(round_id, expected=lambda: {"a", "x"}, timeout_s=TIMEOUT_S,
-                                                  fetchable=lambda: {"x"}, fetch_after_s=10.0))
+        return asyncio.ensure_future(book.collect(round_id, expected=lambda: {"a", "b", "x"}, timeout_s=TIMEOUT_S,
+                                                  fetchable=lambda: {"x"}))
 
     book.begin(0, "x")
     closing = collecting(0)
@@ -303,15 +346,15 @@ async def test_a_contribution_others_hold_is_waited_for_while_its_own_push_strea
     assert not closing.done()
     book.abort(0, "x")  # the push broke off
     await until("the round to close", closing.done)
-    assert set(closing.result()) == {"a"} and not book.late
+    assert set(closing.result()) == {"a", "b"} and not book.late
     closing = collecting(1)
     await until("the collector waiting", lambda: clock.waiting == 1)
-    clock.advance(9.0)
+    clock.advance(GRACE * TIMEOUT_S - 1.0)
     await until("the collector waiting again", lambda: clock.waiting == 1)
     assert not closing.done()
     clock.advance(1.0)
     await until("the round to close", closing.done)
-    assert set(closing.result()) == {"a"} and not book.late and clock.now() - ManualClock().now() < TIMEOUT_S
+    assert set(closing.result()) == {"a", "b"} and not book.late and clock.now() - ManualClock().now() < TIMEOUT_S
 
 
 async def test_a_contribution_still_arriving_at_the_deadline_is_waited_for_while_it_moves() -> None:
@@ -450,8 +493,8 @@ async def test_a_contribution_two_other_members_hold_is_fetched_by_the_rest(pool
 
 async def test_a_push_lost_on_one_link_costs_a_short_grace_not_the_deadline(pools) -> None:  # noqa: ANN001
     """e's push to d is lost (a cut link, a session that ended): a, b and c hold e's contribution
-    and say so in their receipts, so d stops waiting for e's own push once it waited FETCH_AFTER
-    of a deadline, fetches it, and every member averages all five. e is not late at d (it
+    and say so in their receipts, so d stops waiting for e's own push at the round's cut (a
+    grace after a majority of hosts delivered), fetches it, and every member averages all five. e is not late at d (it
     delivered to everyone else). Before, d waited for e until its deadline."""
     swarm = Swarm(pools, AllToAll)
     for name in "abcde":
@@ -461,7 +504,7 @@ async def test_a_push_lost_on_one_link_costs_a_short_grace_not_the_deadline(pool
     d = swarm.local.members["d"]
     await until("d to see a's, b's and c's receipts list e",
                 lambda: "e" in listed(swarm.protocols["d"].transport.receipts(0, Phase.WHOLE)))
-    grace, start = FETCH_AFTER * TIMEOUT_S, swarm.clock.now()
+    grace, start = GRACE * TIMEOUT_S, swarm.clock.now()
     await step_until_closed(swarm, rounds, grace)  # d may take the receipts in only after a first step
     results = [r.result() for r in rounds]
     assert identical(results) and results[0].contributors == list("abcde")
@@ -483,8 +526,8 @@ async def test_a_contribution_only_one_other_member_holds_is_left_out_by_everyon
 
 async def test_a_contribution_that_reached_one_other_member_costs_a_grace_not_the_deadline(pools) -> None:  # noqa: ANN001
     """e's push reaches a only (a relay that never had it, a join race: seen in the relay test).
-    b, c and d see a's receipt list it, stop waiting for e's push once they waited FETCH_AFTER of
-    their deadline, and every member leaves it out alike (one listing does not count); before,
+    b, c and d see a's receipt list it, stop waiting for e's push at the round's cut (a grace after
+    a majority of hosts delivered), and every member leaves it out alike (one listing does not count); before,
     they waited until their deadline."""
     swarm = Swarm(pools, AllToAll)
     for name in "abcde":
@@ -494,7 +537,7 @@ async def test_a_contribution_that_reached_one_other_member_costs_a_grace_not_th
     await until("b to see a's receipt list e", lambda: "e" in listed(
         swarm.protocols["b"].transport.receipts(0, Phase.WHOLE), at_least=1))
     start = swarm.clock.now()
-    await step_until_closed(swarm, rounds, FETCH_AFTER * TIMEOUT_S)  # b, c, d: the same
+    await step_until_closed(swarm, rounds, GRACE * TIMEOUT_S)  # b, c, d: the same
     results = [r.result() for r in rounds]
     assert identical(results) and results[0].contributors == list("abcd")
     assert swarm.clock.now() - start < TIMEOUT_S and swarm.local.fetches == 0
@@ -679,7 +722,7 @@ async def test_a_shard_only_one_other_member_got_gets_no_update_on_any_member(po
 
 async def test_a_shard_two_other_members_got_is_fetched_by_the_one_that_missed_it(pools) -> None:  # noqa: ANN001
     """Four members, reducer d's averaged shard never reaches b: a and c list it, so it counts,
-    and b fetches it from one of them, once it waited FETCH_AFTER of its deadline (before, the
+    and b fetches it from one of them, at the round's cut (a grace after a majority delivered; before, the
     whole deadline); every member applies every shard, and d is not late at b."""
     swarm = Swarm(pools, ReduceScatter, min_contributors=4)
     for name in "abcd":
@@ -691,33 +734,46 @@ async def test_a_shard_two_other_members_got_is_fetched_by_the_one_that_missed_i
     await until("a, c and d waiting for b's receipt, b for d's shard",
                 lambda: swarm.clock.waiting == 4
                 and all((0, Phase.AVERAGED) in swarm.local.members[n].receipts for n in "acd"))
-    swarm.clock.advance(FETCH_AFTER * TIMEOUT_S)
+    swarm.clock.advance(GRACE * TIMEOUT_S)
     await until("every round to close", lambda: all(r.done() for r in rounds))
     results = [r.result() for r in rounds]
     assert identical(results) and results[0].fewest == 4
     assert swarm.local.fetches == 1 and not swarm.local.members["b"].book.late
 
 
-async def test_a_receipt_later_than_one_sync_timeout_still_counts(pools) -> None:  # noqa: ANN001
-    """A member that missed a shard publishes only at its own gather deadline, up to one
-    --sync-timeout after the others finished gathering; they wait for it (up to twice the
-    timeout) instead of deciding without it: here its receipt is what keeps c's shard, which
-    only a holds, out of the round."""
+async def test_a_receipt_within_the_receipts_grace_counts_and_one_after_it_is_not_waited_for(pools) -> None:  # noqa: ANN001
+    """A member that missed a shard publishes its receipt only once its own gather phase cut
+    (up to a grace after the others); a and c wait for it, twice that grace after a majority
+    of hosts published (RECEIPT_WAIT_TIMEOUTS x the grace), instead of deciding without it:
+    here b's receipt is what keeps c's shard, which only a holds, out of the round. A receipt
+    that misses that cut is not waited for: a member whose receipt lands just before the
+    receipts' deadline (a just-in-time member) costs the others the receipts' grace, not twice
+    the --sync-timeout."""
     swarm = Swarm(pools, ReduceScatter)
     a = swarm.join("a")
     for name in "bc":
         swarm.join(name)
+    grace = RECEIPT_WAIT_TIMEOUTS * GRACE * TIMEOUT_S
     c_shard = record("c", 3, Phase.AVERAGED)
     swarm.local.transports[2].publish_receipt(receipt_of(3, Phase.AVERAGED, "c", []))
     agreed = asyncio.ensure_future(a.agree(3, Phase.AVERAGED, {"c": c_shard}, lambda: "abc",  # type: ignore[arg-type]
                                            lineage=lineage_hash("", ()), publish=True))
     await until("a waiting for b's receipt", lambda: swarm.clock.waiting == 1)
-    swarm.clock.advance(1.5 * TIMEOUT_S)
-    await asyncio.sleep(0)
+    swarm.clock.advance(grace - 1.0)
+    await until("a waiting for b's receipt still", lambda: swarm.clock.waiting == 1)
     assert not agreed.done()
     swarm.local.transports[1].publish_receipt(receipt_of(3, Phase.AVERAGED, "b", []))  # b never got c's shard
     await until("a to agree", agreed.done)
     assert agreed.result() == {}  # c's shard reached a only: nobody applies it
+    started = swarm.clock.now()
+    agreed = asyncio.ensure_future(a.agree(4, Phase.AVERAGED, {}, lambda: "abc", lineage=lineage_hash("", ()),
+                                           publish=True))
+    swarm.local.transports[2].publish_receipt(receipt_of(4, Phase.AVERAGED, "c", []))
+    await until("a waiting for b's receipt of round 4", lambda: swarm.clock.waiting == 1)
+    swarm.clock.advance(grace)
+    await until("a to decide without b's receipt at the receipts' cut", agreed.done)
+    assert swarm.clock.now() - started == pytest.approx(grace) and grace < RECEIPT_WAIT_TIMEOUTS * TIMEOUT_S
+    assert "b" in a.late_receipts
 
 
 async def test_receipt_wait_ends_at_its_deadline_and_skips_members_that_left_or_moved_on(pools) -> None:  # noqa: ANN001

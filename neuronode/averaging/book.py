@@ -12,27 +12,29 @@ Rules (docs/protocol.md repeats them):
   parameters, which replaces the one it sent before while the round is open here (that one
   would count nowhere: only our lineage's contributions are averaged). A second one of the
   same lineage is refused (ALREADY_EXISTS).
-- A round closes when every expected peer's contribution has arrived, or at the deadline if at
-  least `min_contributors` have; with fewer the node keeps waiting (one more deadline at a time).
-  With `fetch_after_s`: once we waited that long, a missing contribution that another member
-  lists in its receipt as held (`reached`) is no longer waited for, unless its stream to us is
-  under way; the round closes without the maker's own push, and the caller fetches it from a
-  holder if it counts (two listings), else every member leaves it out alike. A push lost on
-  the way (a cut link, a session that ended, a relay that never had it) costs that grace, not
-  the deadline, and its maker is not late.
+- A round closes when every expected member's contribution has arrived, or at its *cut*, or at
+  its deadline if at least `min_contributors` have; with fewer the node keeps waiting (one more
+  deadline at a time). The cut: once a strict majority of the round's hosts (neuronode.quorum
+  voices, ours included) delivered, the round waits a grace more, the longest of GRACE x the
+  timeout, the time that majority took since we began collecting, and the longest time one of
+  the round's contributions took to stream in (it follows the contribution's size and the link
+  rates measured). At the cut, a missing member whose stream to us is under way is still waited
+  for (a slow uplink is slow, not late); one that other members list in their receipts as held
+  (`reached`) is no longer waited for and is not late (its push was lost on our link: the
+  caller fetches it if it counts, two listings, else every member leaves it out alike); any
+  other is late. What a minority of hosts does cannot move the cut: it follows the majority.
 - A contribution still arriving at the deadline is waited for while it keeps arriving (its
   stream sends a chunk at least every `idle_s`), one more timeout at most: on a slow link a
   contribution in flight is not left out (every member would leave it out alike, its maker
   too). One still streaming when its round closes is discarded: its stream is aborted and its
   buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
-- A sender whose contribution was missing when a round closed at its deadline is late: no round
-  waits for it again until a contribution of its arrives complete (it still counts if it arrives
-  before a round closes; one that comes after its round closed still ends the lateness), or it
-  comes back after it was gone (`forgive`), or LATE_ROUNDS x 2^(k-1) rounds passed, k counting
-  the deadlines it missed. One member that stalls while staying alive costs the swarm one
-  deadline, then one after 8 rounds, 16, 32...; an honest member that fell a round behind (its
-  contributions came after rounds that no longer waited for it) is waited for again, and
-  counts from then on.
+- Late is late, however it is timed: a sender missing at a round's cut or deadline is late, and
+  no round waits for it (it still counts if it arrives before a round closes). It stops being
+  late when a stream of its begins by a round's cut (or by the deadline of a round that never
+  had one), whether or not that round waited for it and whether or not it is still open, or
+  when it comes back after it was gone (`forgive`). A member whose contribution lands just
+  before each deadline is late every round and costs the swarm one grace, once; an honest
+  member on a slow link starts streaming as early as the others and is waited for.
 
 Memory (`buffered_bytes`): every stream reserves its whole payload (in its encoded form, P x
 bytes-per-parameter of its codec, or one shard of it) when it opens, and keeps it until its round
@@ -54,12 +56,19 @@ from dataclasses import dataclass
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
 from neuronode.events import fields
-from neuronode.quorum import VoiceOf, by_id
+from neuronode.quorum import VoiceOf, by_id, quorum, voices
 
 logger = logging.getLogger(__name__)
 
 Lineage = tuple[str, tuple[str, ...]]  # (base_digest, members): Contribution.lineage
-LATE_ROUNDS = 8  # rounds a member that missed a deadline is not waited for (doubling per relapse)
+GRACE = 0.25  # the least a round waits past its majority (the cut), as a fraction of its timeout
+
+
+def cut_grace(timeout_s: float, waited_s: float, took_s: float = 0.0) -> float:
+    """How long a wait goes on once a majority of hosts answered (the cut, module docstring):
+    GRACE x its timeout, or as long as that majority took (`waited_s`), or as long as the
+    slowest transfer that made it (`took_s`), whichever is longest."""
+    return max(GRACE * timeout_s, waited_s, took_s)
 
 
 class RoundRefused(Exception):
@@ -94,6 +103,7 @@ class Stream:
     reserved_bytes: int
     last_active: float
     abort: Abort | None = None
+    began: float = 0.0
 
 
 class RoundBook:
@@ -111,8 +121,9 @@ class RoundBook:
         self._held: dict[tuple[Phase, int, str], int] = {}  # complete contributions' reservations
         self._by_sender: dict[str, int] = {}
         self.late: set[tuple[Phase, str]] = set()
-        self.late_until: dict[tuple[Phase, str], int] = {}  # the round from which we wait for it again
-        self.strikes: dict[tuple[Phase, str], int] = {}  # deadlines it missed
+        self._cuts: dict[tuple[Phase, int], float] = {}  # a round's cut, once known (module docstring)
+        self._graces: dict[tuple[Phase, int], float] = {}  # and the grace it gave
+        self._took: dict[tuple[Phase, int], float] = {}  # the longest a contribution took to stream in
         self._changed = asyncio.Event()
 
     @property
@@ -162,7 +173,10 @@ class RoundBook:
               reserved_bytes: int = 0, abort: Abort | None = None, lineage: Lineage | None = None) -> None:
         """Open a stream's slot, reserving `reserved_bytes` (its whole payload); `abort` is
         called if the round closes, or the stream idles, before it finishes. A contribution of
-        `lineage` replaces one of another lineage the sender sent before (module docstring)."""
+        `lineage` replaces one of another lineage the sender sent before (module docstring). A late
+        sender whose stream begins by the round's cut is late no more, even if the round closed."""
+        if (phase, sender_id) in self.late and self._in_time(phase, round_id):
+            self.late.discard((phase, sender_id))
         self.check_open(round_id, sender_id, phase, lineage)
         old = self._complete.get((phase, round_id), {}).pop(sender_id, None)
         if old is not None:
@@ -174,8 +188,20 @@ class RoundBook:
         if self.max_sender_bytes and held + reserved_bytes > self.max_sender_bytes:
             raise BufferFull(f"round {round_id}: {sender_id} already has {held} bytes buffered here (at most "
                              f"{self.max_sender_bytes} per member); send the next contribution once a round closed")
-        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort)
+        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now())
         self._reserve(sender_id, reserved_bytes)
+
+    def grace(self, round_id: int, phase: Phase = Phase.WHOLE) -> float:
+        """The grace `round_id`'s cut gave here (0.0 if it had none)."""
+        return self._graces.get((phase, round_id), 0.0)
+
+    def _in_time(self, phase: Phase, round_id: int) -> bool:
+        """Whether a stream of `round_id` beginning now begins by the round's cut."""
+        below = self._closed_below[phase]
+        if round_id >= below + self.window:
+            return False
+        cut = self._cuts.get((phase, round_id))
+        return self.clock.now() <= cut if cut is not None else round_id >= below
 
     def touch(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
         """A chunk of the stream arrived: it is not idle."""
@@ -188,7 +214,7 @@ class RoundBook:
         stream = self._streaming.pop((phase, round_id, sender_id), None)
         if stream is not None:
             self._release(sender_id, stream.reserved_bytes)
-            self.notify()  # a collector may stop waiting for it (`fetch_after_s`)
+            self.notify()  # a collector past the round's cut stops waiting for it
 
     def finish(self, contribution: Contribution) -> None:
         """Store a complete contribution whose stream `begin` opened."""
@@ -196,18 +222,19 @@ class RoundBook:
         key = (c.phase, c.round_id, c.sender_id)
         stream = self._streaming.pop(key, None)
         reserved = stream.reserved_bytes if stream is not None else 0
-        self.late.discard((c.phase, c.sender_id))  # it delivers: wait for it again, even if this came late
         if c.round_id < self._closed_below[c.phase]:
             self._release(c.sender_id, reserved)
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
         self._complete.setdefault((c.phase, c.round_id), {})[c.sender_id] = c
         self._held[key] = reserved
+        if stream is not None:
+            took = self._took.get((c.phase, c.round_id), 0.0)
+            self._took[(c.phase, c.round_id)] = max(took, self.clock.now() - stream.began)
         self.notify()
 
-    def excused(self, round_id: int, phase: Phase) -> set[str]:
-        """Late senders that `round_id` does not wait for."""
-        return {sender for ph, sender in self.late
-                if ph == phase and self.late_until.get((ph, sender), round_id + 1) > round_id}
+    def excused(self, phase: Phase) -> set[str]:
+        """Late senders: no round of `phase` waits for them."""
+        return {sender for ph, sender in self.late if ph == phase}
 
     def forgive(self, sender_id: str) -> None:
         """`sender_id` is back after it was gone (a restart, a healed partition): wait for it again."""
@@ -228,6 +255,9 @@ class RoundBook:
 
     def _discard_below(self, phase: Phase | None, below: int) -> None:
         """Drop what is buffered for rounds below `below` (of `phase`, or all phases)."""
+        for old in (self._cuts, self._graces, self._took):  # a closed round's cut judges streams that begin after it closed
+            for key in [k for k in old if (phase is None or k[0] == phase) and k[1] < below - self.window]:
+                del old[key]
         for key in [k for k in self._complete if (phase is None or k[0] == phase) and k[1] < below]:
             for sender in self._complete.pop(key):
                 self._release(sender, self._held.pop((key[0], key[1], sender), 0))
@@ -255,38 +285,52 @@ class RoundBook:
     async def collect(
         self, round_id: int, *, phase: Phase = Phase.WHOLE, expected: Callable[[], set[str]], timeout_s: float,
         min_contributors: int = 1, on_extend: Callable[[], None] | None = None,
-        fetchable: Callable[[], set[str]] = set, fetch_after_s: float | None = None,
-        reached: Callable[[], set[str]] | None = None,
+        fetchable: Callable[[], set[str]] = set, reached: Callable[[], set[str]] | None = None,
+        voice: VoiceOf = by_id,
     ) -> dict[str, Contribution]:
-        """Wait until every expected sender contributed, or the deadline; then close the round.
-        `fetchable()`: senders whose contributions other members hold (their receipts say so),
-        which we will fetch: they count toward `min_contributors`. `reached()` (default
-        `fetchable`): senders whose contributions reached other members; once we waited
-        `fetch_after_s` we stop waiting for their own push (see the module docstring)."""
-        deadline = self.clock.now() + timeout_s
-        fetch_at = None if fetch_after_s is None else self.clock.now() + fetch_after_s
+        """Wait until every expected sender contributed, the round's cut, or the deadline (the
+        module docstring); then close the round. `fetchable()`: senders whose contributions other
+        members hold (their receipts say so), which we will fetch: they count toward
+        `min_contributors`. `reached()` (default `fetchable`): senders whose contributions reached
+        other members: at the cut, they are not waited for and not late. `voice`: the host of a
+        member, for the majority the cut follows."""
+        opened = self.clock.now()
+        deadline = opened + timeout_s
+        cut: float | None = None
+        grace = 0.0
         said = False
         while True:
             changed = self._changed
             have = self.contributors(round_id, phase)
-            missing = expected() - have - self.excused(round_id, phase)
-            now, wake, early = self.clock.now(), deadline, False
-            if fetch_at is not None and missing:  # not before: in a large swarm, checking receipts is not free
-                if now >= fetch_at:
-                    early = True
-                else:
-                    wake = min(deadline, fetch_at)
+            members = expected()
+            missing = members - have - self.excused(phase)
+            now, wake = self.clock.now(), deadline
+            if cut is None:
+                spoke = voices(members | have, voice)
+                if len(voices(have, voice) & spoke) >= quorum(len(spoke)) > 0:
+                    grace = cut_grace(timeout_s, now - opened, self._took.get((phase, round_id), 0.0))
+                    cut = now + grace
+                    self._cuts[(phase, round_id)], self._graces[(phase, round_id)] = cut, grace
             held = fetchable() if len(have) < min_contributors else set()
             counted = have if len(have) >= min_contributors else have | held
-            if early:
-                streaming = {s for ph, r, s in self._streaming if ph == phase and r == round_id}
-                elsewhere = (reached or fetchable)()
-                skipped = (missing & elsewhere) - streaming  # it reached others, and nothing of its push to us came
-                missing -= skipped
-                if skipped and not missing and len(counted) >= min_contributors:
-                    logger.info("round %d: closing without waiting for the pushes of %s: other members hold "
-                                "them; fetching those that count", round_id, ", ".join(sorted(skipped)),
-                                extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
+            if cut is not None and missing:
+                if now >= cut:  # no longer waited for: what is not streaming to us now
+                    gone = missing - {s for ph, r, s in self._streaming if ph == phase and r == round_id}
+                    skipped = gone & (reached or fetchable)()  # its push to us was lost: not late
+                    self._mark_late(phase, gone - skipped)
+                    missing -= gone
+                    if skipped:
+                        logger.info("round %d: not waiting for the pushes of %s: other members hold them; "
+                                    "fetching those that count", round_id, ", ".join(sorted(skipped)),
+                                    extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
+                    if gone - skipped:
+                        logger.warning("round %d: %s missed the round's cut (a majority of hosts delivered, and "
+                                       "the grace passed); they are late: no round waits for them until one of "
+                                       "their streams begins in time", round_id, ", ".join(sorted(gone - skipped)),
+                                       extra=fields("cut", round_id=round_id, late=sorted(gone - skipped),
+                                                    contributors=len(have), grace_s=round(grace, 3)))
+                else:
+                    wake = min(deadline, cut)
             if not missing and len(counted) >= min_contributors:
                 break
             arriving = missing & {s for ph, r, s in self._streaming if ph == phase and r == round_id}
@@ -300,14 +344,10 @@ class RoundBook:
                 continue
             if now >= deadline:
                 # Missing at a deadline: late, whether we close now or wait on for --min-peers.
-                for sender in missing:
-                    key = (phase, sender)
-                    self.strikes[key] = strikes = self.strikes.get(key, 0) + 1
-                    self.late.add(key)
-                    self.late_until[key] = round_id + 1 + LATE_ROUNDS * 2 ** min(strikes - 1, 20)
+                self._mark_late(phase, missing)
                 if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
-                                   "(no round waits for them again until one of their contributions arrives whole)",
+                                   "(no round waits for them until one of their streams begins in time)",
                                    round_id, ", ".join(sorted(missing)), len(have),
                                    extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have)))
                     break
@@ -319,7 +359,11 @@ class RoundBook:
                     on_extend()  # keep pushing our contribution to peers that join meanwhile
                 wake = deadline
             await self.clock.wait(changed, wake - now)
+        self._cuts.setdefault((phase, round_id), deadline)  # it had none: a stream begun by the deadline was in time
         return self.close(round_id, phase)
+
+    def _mark_late(self, phase: Phase, senders: set[str]) -> None:
+        self.late |= {(phase, sender) for sender in senders}
 
     def close(self, round_id: int, phase: Phase = Phase.WHOLE) -> dict[str, Contribution]:
         """Close `round_id` of `phase` (and everything before it); return its contributions."""

@@ -27,7 +27,7 @@ from neuronode.averaging.agreement import (
     receipt_of,
     statement_of,
 )
-from neuronode.averaging.book import majority_lineage
+from neuronode.averaging.book import cut_grace, majority_lineage
 from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
 from neuronode.codec import Contribution, ContributionEncoder, Phase
@@ -40,12 +40,8 @@ logger = logging.getLogger(__name__)
 # A member publishes its receipt when it closes the phase: up to one --sync-timeout after it
 # began collecting, which was no later than our own start (it sent us its contribution when it
 # began) or its previous phase's end. Waiting twice that long keeps us from giving up on a
-# receipt that is still coming.
+# receipt that is still coming (unless the receipts' cut comes first: `wait_for_receipts`).
 RECEIPT_WAIT_TIMEOUTS = 2
-
-# How long (a fraction of --sync-timeout) a phase waits for a contribution's own push before
-# one that other members hold is fetched instead (RoundBook.collect, `fetch_after_s`).
-FETCH_AFTER = 0.25
 
 
 @dataclass(frozen=True)
@@ -112,14 +108,10 @@ class Averaging:
         """For RoundBook.collect, in a phase whose contributions go to every member: the senders
         whose contributions other members list as held: by as many makers as `decide` needs
         (`at_least` None, `fetchable`), they count toward --min-peers; by one
-        (`reached`), their makers reached other members, so after `fetch_after_s` we stop waiting
+        (`reached`), their makers reached other members, so at the round's cut we stop waiting
         for their push to us: what counts of them is fetched, and the rest counts nowhere, on
         every member alike."""
         return lambda: listed(self.transport.receipts(round_id, phase), lineage, at_least=at_least)
-
-    @property
-    def fetch_after_s(self) -> float:
-        return FETCH_AFTER * self.cfg.sync_timeout_s
 
     async def exchange(self, prepared: Prepared) -> Average:
         raise NotImplementedError
@@ -144,7 +136,7 @@ class Averaging:
                     round_id, phase.label, round_id + 1, extra=fields("listening", round_id=round_id, phase=phase.name.lower()))
         got = await self.transport.book.collect(round_id, phase=phase, timeout_s=self.cfg.sync_timeout_s,
                                                 expected=lambda: self.transport.round_peers(round_id),
-                                                min_contributors=0)
+                                                min_contributors=0, voice=self.transport.voice)
         return majority_lineage(got, base_digest, self.transport.voice)
 
     async def agree(self, round_id: int, phase: Phase, held: dict[str, Contribution],
@@ -160,7 +152,7 @@ class Averaging:
             # Our word on a round is the first receipt we published of it (a round run again after
             # a repair keeps it: a second one would be equivocation), and we decide on that word.
             ours = transport.publish_receipt(ours)
-        await self.wait_for_receipts(round_id, phase, members)
+        await self.wait_for_receipts(round_id, phase, members, ours=publish)
         receipts = [*transport.receipts(round_id, phase), *([ours] if ours is not None else [])]
         if ours is None and not self.decided_by_quorum(round_id, receipts, members()):
             return {}
@@ -201,33 +193,49 @@ class Averaging:
                                     deciding=len(deciding)))
         return False
 
-    async def wait_for_receipts(self, round_id: int, phase: Phase, members: Callable[[], Iterable[str]]) -> None:
-        """Until every member still in the round published its receipt, or the deadline. A member
-        whose receipt did not come is late: no round waits for its receipt again until one comes
-        in time. Nor do we wait for a member whose contribution missed this phase's deadline (in
-        a swarm of two or three whose links fail both ways, members may then decide on
-        different sets of receipts and part; the repair rule reconciles them)."""
-        book = self.transport.book
-        deadline = self.clock.now() + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s
+    async def wait_for_receipts(self, round_id: int, phase: Phase, members: Callable[[], Iterable[str]], *,
+                                ours: bool = True) -> None:
+        """Until every member still in the round published its receipt, the receipts' cut, or the
+        deadline. The cut is the contributions' rule (neuronode.averaging.book): once receipts of
+        a strict majority of the round's hosts are in (ours included, when `ours`: we published
+        one), a grace more. A member whose receipt missed the cut or the deadline is late: no round
+        waits for its receipt until one comes while we wait. Nor do we wait for a member whose
+        contribution was late to this phase (its receipt counts if it comes). The grace is twice
+        the contributions' (RECEIPT_WAIT_TIMEOUTS, as for the deadline): a member that waited out
+        its own cut for a contribution it lacked publishes within it. Deciding without a
+        receipt is safe where the receipt would not change what counts: every honest member
+        lists what it holds, so a missing receipt matters only for a contribution that reached
+        a bare two members (in a swarm of two or three whose links fail both ways, members may
+        then decide on different sets of receipts and part; the repair rule reconciles them)."""
+        book, voice_of = self.transport.book, self.transport.voice
+        opened = self.clock.now()
+        deadline, cut = opened + RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s, None
         while True:
             changed = book.changed()
             views = self.transport.member_views(round_id, phase, members())
             self.late_receipts -= {v.member for v in views if v.has_receipt}  # it came in time
-            # A member whose contribution missed this phase's deadline is slow or silent: waiting
-            # for its receipt too would cost a second deadline (its receipt counts if it comes).
-            late = self.late_receipts | {sender for ph, sender in book.late if ph == phase}
+            late = self.late_receipts | book.excused(phase)
             waiting = sorted(v.member for v in views if v.present and not v.has_receipt and not v.past_round
                              and v.member not in late)
             now = self.clock.now()
             if not waiting:
                 return
-            if now >= deadline:
-                logger.warning("round %d: no receipt from %s by the deadline; deciding on the receipts we "
-                               "have (no round waits for theirs again until one comes)", round_id,
-                               ", ".join(waiting), extra=fields("receipt_deadline", round_id=round_id, waiting=waiting))
+            if cut is None:
+                me = [self.cfg.node_id] if ours else []
+                spoke = voices([*me, *(v.member for v in views if v.present or v.has_receipt)], voice_of)
+                said = voices([*me, *(v.member for v in views if v.has_receipt)], voice_of)
+                if len(said & spoke) >= quorum(len(spoke)) > 0:  # twice a phase's grace, as for the deadline
+                    grace = max(cut_grace(self.cfg.sync_timeout_s, now - opened), book.grace(round_id, phase))
+                    cut = now + RECEIPT_WAIT_TIMEOUTS * grace
+            end = deadline if cut is None else min(cut, deadline)
+            if now >= end:
+                logger.warning("round %d: no receipt from %s by the %s; deciding on the receipts we have (no "
+                               "round waits for theirs again until one comes in time)", round_id, ", ".join(waiting),
+                               "deadline" if end == deadline else "receipts' cut",
+                               extra=fields("receipt_deadline", round_id=round_id, waiting=waiting, cut=end < deadline))
                 self.late_receipts |= set(waiting)
                 return
-            await self.clock.wait(changed, deadline - now)
+            await self.clock.wait(changed, end - now)
 
     async def fetch_missing(self, round_id: int, missing: list[Statement], decision: Decision) -> dict[str, Contribution]:
         """The agreed contributions we lack, each from a member that holds it, within one --sync-timeout."""

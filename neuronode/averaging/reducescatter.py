@@ -146,7 +146,7 @@ class ReduceScatter(Averaging):
             round_id, phase=own.phase, expected=lambda: ((set(expect) - {me}) & self.transport.alive()) | {me},
             timeout_s=self.cfg.sync_timeout_s, min_contributors=1, on_extend=sending.extend,
             fetchable=self.held_elsewhere(round_id, own.phase, lineage_hash(*own.lineage)) if gather else set,
-            fetch_after_s=self.fetch_after_s if gather else None)
+            voice=self.transport.voice)
         return same_lineage(got, own.lineage)
 
     async def hear(self, prepared: Prepared, reducers: tuple[str, ...]) -> dict[str, Contribution]:
@@ -161,7 +161,7 @@ class ReduceScatter(Averaging):
             round_id, phase=Phase.AVERAGED, expected=lambda: set(reducers) & self.transport.alive(),
             timeout_s=self.cfg.sync_timeout_s, min_contributors=0, on_extend=sending.extend,
             fetchable=self.held_elsewhere(round_id, Phase.AVERAGED, lineage_hash(prepared.parts[0].base_digest, reducers)),
-            fetch_after_s=self.fetch_after_s)
+            voice=self.transport.voice)
         return same_lineage(got, prepared.parts[0].lineage)
 
     async def listen(self, round_id: int, *, base_digest: str | None) -> Average:
