@@ -20,8 +20,10 @@ would from one machine. Every node listens on 0.0.0.0 without --advertise (as in
     too: the joiner refuses both ids, adopts an honest member's state once, and finishes with
     the swarm.
 (c) a just-in-time member: its contribution and its receipt land just before each deadline, so
-    it is never late. The honest members' median round seconds should stay within 1.5x of the
-    swarm without it (xfail: issue 26 item 5, "late is late", is not built).
+    it was never late, and every round waited about 3 x --sync-timeout for it (16.5-17.6 s vs
+    1.2-3.2 s without it). Now a round closes a grace after a majority of hosts delivered (its
+    cut): the member misses the cut once, is late from then on, and the honest members' median
+    round seconds stay within 1.5x of the swarm without it.
 
 Each comparison is with the four honest members alone, run in the same session with the same
 flags on a network of their own. Every node trains with one torch thread (helpers.NODE_DEFAULTS).
@@ -67,6 +69,7 @@ class Attacker:
     # The honest members' --min-peers counts its ids. Not for a member that is late on purpose: a
     # swarm that asks for its contribution in every round (--min-peers) waits for it by choice.
     awaited: bool = True
+    extra: tuple[str, ...] = ()  # flags of its own, after the swarm's
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dic
             fault.write_text(json.dumps(dict(attacker.fault)))
             for port, name in enumerate(attacker.ids, start=PORT):
                 nodes[name] = HostNode(tmp, host, name, *args, "--peers", bootstrap, "--fault-file", str(fault),
-                                       port=port, behaviour=attacker.behaviour).start()
+                                       *attacker.extra, port=port, behaviour=attacker.behaviour).start()
             if attacker.joiner:
                 first = nodes[HONEST[0]]
                 poll(f"{HONEST[0]} to finish round {JOIN_AT}",
@@ -247,7 +250,14 @@ def test_two_ids_on_one_host_flipping_their_updates_cost_the_honest_members_unde
 
 
 # (c): one id whose contribution, then receipt, land JUST_IN_TIME_S before each deadline.
-JUST_IN_TIME = Attacker("just-in-time", ("a-jit",), awaited=False)
+# It trains 0.1 s a round: every host here shares two cores, and a fifth member training as hard
+# as the four honest ones would slow each of them by about a quarter (1.22x and 1.39x measured),
+# which is not what its timing costs a swarm whose members run on hosts of their own.
+JUST_IN_TIME = Attacker("just-in-time", ("a-jit",), awaited=False, extra=("--round-seconds", "0.1"))
+# Rounds of about two seconds (0.8 s at TRAINING): what the member that trains little still costs
+# the two shared cores each round (it replays the rounds it falls behind on) is not lost in them,
+# nor is the noise of two loaded cores (the reference's median round varied 0.75-1.0 s at TRAINING).
+LONG_ROUNDS = 400
 TRAINING = 150  # inner steps: rounds of a few seconds, so a round's cost is not lost in noise
 
 
@@ -257,8 +267,8 @@ def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_fac
     never late). The honest members' median round seconds stay within 1.5x of the swarm
     without it."""
     base = base_dir(tmp_path_factory)
-    ref = reference(base, TRAINING)
-    nodes, got = attacked(base, JUST_IN_TIME, TRAINING)
+    ref = reference(base, LONG_ROUNDS)
+    nodes, got = attacked(base, JUST_IN_TIME, LONG_ROUNDS)
     assert all(any(e["peer_id"] == "a-jit" for e in nodes[n].events("peer_joined")) for n in HONEST)
     assert got.round_s <= 1.5 * ref.round_s, (got, ref)
 
