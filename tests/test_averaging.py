@@ -303,6 +303,52 @@ async def test_late_is_late_however_it_is_timed() -> None:
     assert set(closing.result()) == members and not book.late
 
 
+async def test_a_relays_stall_is_charged_to_the_relay_not_to_the_maker() -> None:
+    """Issue 26 item 5. m (a member nobody can dial) reaches us through relay r, which stalls
+    m's stream every round. Round 0: the stream is under way at the cut, so it is waited for
+    until the deadline and idles out; the stall is r's: m is not late (the next round waits for
+    m again), r is a late relay. Round 1: a stream r relays is not waited for past the cut, so
+    the round closes at its cut, and m is still not late. Round 2: r relays m's stream whole by
+    the cut: it is a late relay no more. Before, m was late after round 0 (a relay could get a
+    member it carries left out of every round) and round 1 waited for r's stream until the
+    deadline."""
+    clock = ManualClock()
+    book = RoundBook(first_round=0, clock=clock, idle_s=20.0)
+    members = {"a", "b", "c", "r", "m"}
+    grace = GRACE * TIMEOUT_S
+
+    def collecting(round_id: int) -> asyncio.Future[dict[str, object]]:
+        for sender in "bcr":
+            book.begin(round_id, sender)
+            book.finish(record(sender, round_id))  # type: ignore[arg-type]
+        book.add_own(record("a", round_id))  # type: ignore[arg-type]
+        book.begin(round_id, "m", via="r")
+        return asyncio.ensure_future(book.collect(round_id, expected=lambda: members, timeout_s=TIMEOUT_S))
+
+    started = clock.now()
+    closing = collecting(0)
+    await until("round 0 waiting", lambda: clock.waiting == 1)
+    clock.advance(grace + 1.0)
+    await until("round 0 waiting for m's relayed stream past the cut", lambda: clock.waiting == 1)
+    assert not closing.done()
+    clock.advance(TIMEOUT_S - grace)  # the deadline: m's stream sent nothing for longer than idle_s
+    assert book.expire() == 1
+    await until("round 0 to close", closing.done)
+    assert set(closing.result()) == {"a", "b", "c", "r"} and clock.now() - started > TIMEOUT_S - 1.0
+    assert book.late == set() and book.late_relays == {(Phase.WHOLE, "r")}
+    started = clock.now()
+    closing = collecting(1)
+    await until("round 1 waiting for m until its cut", lambda: clock.waiting == 1)
+    clock.advance(grace)
+    await until("round 1 to close at its cut", closing.done)
+    assert set(closing.result()) == {"a", "b", "c", "r"} and clock.now() - started == pytest.approx(grace)
+    assert book.late == set() and book.late_relays == {(Phase.WHOLE, "r")}
+    closing = collecting(2)
+    book.finish(record("m", 2))  # type: ignore[arg-type]
+    await until("round 2 to close", closing.done)
+    assert set(closing.result()) == members and book.late == set() and book.late_relays == set()
+
+
 def test_lateness_ends_when_a_stream_begins_by_the_cut_or_the_member_comes_back() -> None:
     """A late member that was not waited for begins its stream after the round closed, but by
     the round's cut: its contribution is refused, but rounds wait for it again (else an honest

@@ -35,6 +35,10 @@ Rules (docs/protocol.md repeats them):
   when it comes back after it was gone (`forgive`). A member whose contribution lands just
   before each deadline is late every round and costs the swarm one grace, once; an honest
   member on a slow link starts streaming as early as the others and is waited for.
+- A relay's stall is charged to the relay (`via`: neuronode.swarm.links.relay forwards whole
+  contributions it holds, so a relayed stream that stalls is the relay's doing): a maker whose
+  relayed stream missed the cut or the deadline is not late; the relay is a late relay, and no
+  stream it relays is waited for past a cut until one it relays arrives whole by a cut.
 
 Memory (`buffered_bytes`): every stream reserves its whole payload (in its encoded form, P x
 bytes-per-parameter of its codec, or one shard of it) when it opens, and keeps it until its round
@@ -52,6 +56,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
@@ -104,6 +109,7 @@ class Stream:
     last_active: float
     abort: Abort | None = None
     began: float = 0.0
+    via: str = ""  # the member that relays it (neuronode.swarm.links.relay), if not its maker
 
 
 class RoundBook:
@@ -121,6 +127,8 @@ class RoundBook:
         self._held: dict[tuple[Phase, int, str], int] = {}  # complete contributions' reservations
         self._by_sender: dict[str, int] = {}
         self.late: set[tuple[Phase, str]] = set()
+        self.late_relays: set[tuple[Phase, str]] = set()  # relays that stalled a stream they carried
+        self._via: dict[tuple[Phase, int, str], str] = {}  # the relay that carried a maker's stream of a round
         self._cuts: dict[tuple[Phase, int], float] = {}  # a round's cut, once known (module docstring)
         self._graces: dict[tuple[Phase, int], float] = {}  # and the grace it gave
         self._took: dict[tuple[Phase, int], float] = {}  # the longest a contribution took to stream in
@@ -170,11 +178,13 @@ class RoundBook:
             raise DuplicateContribution(f"round {round_id} already has a contribution from {sender_id}")
 
     def begin(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE, *,
-              reserved_bytes: int = 0, abort: Abort | None = None, lineage: Lineage | None = None) -> None:
+              reserved_bytes: int = 0, abort: Abort | None = None, lineage: Lineage | None = None,
+              via: str = "") -> None:
         """Open a stream's slot, reserving `reserved_bytes` (its whole payload); `abort` is
         called if the round closes, or the stream idles, before it finishes. A contribution of
         `lineage` replaces one of another lineage the sender sent before (module docstring). A late
-        sender whose stream begins by the round's cut is late no more, even if the round closed."""
+        sender whose stream begins by the round's cut is late no more, even if the round closed.
+        `via`: the member relaying it (its stalls are charged to it, not to the maker)."""
         if (phase, sender_id) in self.late and self._in_time(phase, round_id):
             self.late.discard((phase, sender_id))
         self.check_open(round_id, sender_id, phase, lineage)
@@ -188,7 +198,10 @@ class RoundBook:
         if self.max_sender_bytes and held + reserved_bytes > self.max_sender_bytes:
             raise BufferFull(f"round {round_id}: {sender_id} already has {held} bytes buffered here (at most "
                              f"{self.max_sender_bytes} per member); send the next contribution once a round closed")
-        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now())
+        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now(),
+                                                               via if via != sender_id else "")
+        if via and via != sender_id:
+            self._via[(phase, round_id, sender_id)] = via
         self._reserve(sender_id, reserved_bytes)
 
     def grace(self, round_id: int, phase: Phase = Phase.WHOLE) -> float:
@@ -227,6 +240,8 @@ class RoundBook:
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
         self._complete.setdefault((c.phase, c.round_id), {})[c.sender_id] = c
         self._held[key] = reserved
+        if stream is not None and stream.via and self.clock.now() <= self._cuts.get((c.phase, c.round_id), float("inf")):
+            self.late_relays.discard((c.phase, stream.via))  # it relayed a stream whole by the cut
         if stream is not None:
             took = self._took.get((c.phase, c.round_id), 0.0)
             self._took[(c.phase, c.round_id)] = max(took, self.clock.now() - stream.began)
@@ -238,6 +253,7 @@ class RoundBook:
 
     def forgive(self, sender_id: str) -> None:
         """`sender_id` is back after it was gone (a restart, a healed partition): wait for it again."""
+        self.late_relays = {(phase, relay) for phase, relay in self.late_relays if relay != sender_id}
         self.late = {(phase, sender) for phase, sender in self.late if sender != sender_id}
 
     def expire(self) -> int:
@@ -255,7 +271,8 @@ class RoundBook:
 
     def _discard_below(self, phase: Phase | None, below: int) -> None:
         """Drop what is buffered for rounds below `below` (of `phase`, or all phases)."""
-        for old in (self._cuts, self._graces, self._took):  # a closed round's cut judges streams that begin after it closed
+        kept: list[dict[Any, Any]] = [self._cuts, self._graces, self._took, self._via]
+        for old in kept:  # a closed round's cut judges streams that begin after it closed
             for key in [k for k in old if (phase is None or k[0] == phase) and k[1] < below - self.window]:
                 del old[key]
         for key in [k for k in self._complete if (phase is None or k[0] == phase) and k[1] < below]:
@@ -314,10 +331,11 @@ class RoundBook:
             held = fetchable() if len(have) < min_contributors else set()
             counted = have if len(have) >= min_contributors else have | held
             if cut is not None and missing:
-                if now >= cut:  # no longer waited for: what is not streaming to us now
-                    gone = missing - {s for ph, r, s in self._streaming if ph == phase and r == round_id}
+                if now >= cut:  # no longer waited for: what is not streaming to us now (but through a late relay)
+                    gone = missing - {s for (ph, r, s), st in self._streaming.items()
+                                      if ph == phase and r == round_id and (ph, st.via) not in self.late_relays}
                     skipped = gone & (reached or fetchable)()  # its push to us was lost: not late
-                    self._mark_late(phase, gone - skipped)
+                    relays = self._mark_late(phase, round_id, gone - skipped)
                     missing -= gone
                     if skipped:
                         logger.info("round %d: not waiting for the pushes of %s: other members hold them; "
@@ -328,7 +346,7 @@ class RoundBook:
                                        "the grace passed); they are late: no round waits for them until one of "
                                        "their streams begins in time", round_id, ", ".join(sorted(gone - skipped)),
                                        extra=fields("cut", round_id=round_id, late=sorted(gone - skipped),
-                                                    contributors=len(have), grace_s=round(grace, 3)))
+                                                    contributors=len(have), grace_s=round(grace, 3), relays=relays))
                 else:
                     wake = min(deadline, cut)
             if not missing and len(counted) >= min_contributors:
@@ -344,12 +362,13 @@ class RoundBook:
                 continue
             if now >= deadline:
                 # Missing at a deadline: late, whether we close now or wait on for --min-peers.
-                self._mark_late(phase, missing)
+                relays = self._mark_late(phase, round_id, missing)
                 if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
                                    "(no round waits for them until one of their streams begins in time)",
                                    round_id, ", ".join(sorted(missing)), len(have),
-                                   extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have)))
+                                   extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have),
+                                                relays=relays))
                     break
                 logger.warning("round %d: %d of --min-peers %d contributors; waiting %.0f s more",
                                round_id, len(have), min_contributors, timeout_s,
@@ -362,8 +381,15 @@ class RoundBook:
         self._cuts.setdefault((phase, round_id), deadline)  # it had none: a stream begun by the deadline was in time
         return self.close(round_id, phase)
 
-    def _mark_late(self, phase: Phase, senders: set[str]) -> None:
-        self.late |= {(phase, sender) for sender in senders}
+    def _mark_late(self, phase: Phase, round_id: int, senders: set[str]) -> dict[str, str]:
+        """`senders` missed `round_id`'s cut or deadline: each is late, unless a relay carried
+        its stream of the round, which then stalled it: the relay is charged (`late_relays`: no
+        stream it relays is waited for past a cut until one it relays arrives whole by a cut),
+        not the maker. Returns {maker: relay} for those."""
+        relays = {s: via for s in senders if (via := self._via.get((phase, round_id, s)))}
+        self.late |= {(phase, s) for s in senders - set(relays)}
+        self.late_relays |= {(phase, via) for via in relays.values()}
+        return relays
 
     def close(self, round_id: int, phase: Phase = Phase.WHOLE) -> dict[str, Contribution]:
         """Close `round_id` of `phase` (and everything before it); return its contributions."""

@@ -137,11 +137,12 @@ class Inbound:
                 header = chunk.header if isinstance(chunk, ChunkView) else chunk
                 if first is None:
                     if fetched is None:
-                        if carrier and header.sender_id != carrier:
+                        relayed = bool(carrier) and header.sender_id != carrier
+                        if relayed:
                             self.check_relayed(header, carrier)
                         else:
                             self.check_sender(header, proven_id, certified_id)
-                        assembler = self.open_stream(header, abort)
+                        assembler = self.open_stream(header, abort, via=carrier if relayed else "")
                     else:
                         assembler = self.open_fetched(header, fetched)
                     first, first_key = header, stream_key(header)
@@ -230,9 +231,10 @@ class Inbound:
                           f"{chunk.sender_id[:MAX_ID_CHARS]}, which peers dial themselves; relays carry the "
                           "contributions of members nobody can dial only")
 
-    def open_stream(self, chunk: Any, abort: Abort | None = None) -> Assembler:
+    def open_stream(self, chunk: Any, abort: Abort | None = None, via: str = "") -> Assembler:
         """Check the header of a new stream and open its slot in the round book (reserving its
-        whole payload; `abort` stops the stream if its round closes first or it idles)."""
+        whole payload; `abort` stops the stream if its round closes first or it idles; `via`: the
+        member relaying it, charged if it stalls)."""
         self.check_swarm(chunk)
         peer = self.ctx.table.peers.get(chunk.sender_id)
         if peer is None or peer.left:  # it may have learned us by peer exchange before its Hello came: it retries
@@ -247,7 +249,7 @@ class Inbound:
         self.check_signature(header_statement(chunk), peer.public_key)  # what the header says is the sender's word
         self.ctx.book.begin(chunk.round_id, chunk.sender_id, Phase(chunk.phase),
                             reserved_bytes=assembler.size_bytes, abort=abort,
-                            lineage=(chunk.base_digest, tuple(chunk.members)))
+                            lineage=(chunk.base_digest, tuple(chunk.members)), via=via)
         peer.last_seen = self.ctx.clock.now()
         return assembler
 
