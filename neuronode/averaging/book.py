@@ -29,16 +29,19 @@ Rules (docs/protocol.md repeats them):
   too). One still streaming when its round closes is discarded: its stream is aborted and its
   buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
 - Late is late, however it is timed: a sender missing at a round's cut or deadline is late, and
-  no round waits for it (it still counts if it arrives before a round closes). It stops being
-  late when a stream of its begins by a round's cut (or by the deadline of a round that never
-  had one), whether or not that round waited for it and whether or not it is still open, or
-  when it comes back after it was gone (`forgive`). A member whose contribution lands just
-  before each deadline is late every round and costs the swarm one grace, once; an honest
-  member on a slow link starts streaming as early as the others and is waited for.
+  no round waits for it (it still counts if it arrives before a round closes). Past the cut a
+  stream is waited for while it moves (a chunk within the grace), so a stream that begins in
+  time and stalls is late too. A late sender stops being late when a contribution of its that
+  began by a round's cut arrives whole: a stream it begins by the cut of a round that closed
+  without waiting for it (or that the round's close would cut off) runs to its end to show it,
+  and is then dropped. Or when it comes back after it was gone (`forgive`). So a member whose
+  contribution lands just before each deadline, or that stalls its streams, is late every round
+  and costs the swarm one grace, once; an honest member that was slow once (its stream, begun by
+  the cut, arrives whole) is waited for again from the next round.
 - A relay's stall is charged to the relay (`via`: neuronode.swarm.links.relay forwards whole
   contributions it holds, so a relayed stream that stalls is the relay's doing): a maker whose
   relayed stream missed the cut or the deadline is not late; the relay is a late relay, and no
-  stream it relays is waited for past a cut until one it relays arrives whole by a cut.
+  stream it relays is waited for past a cut until one it relays, begun by a cut, arrives whole.
 
 Memory (`buffered_bytes`): every stream reserves its whole payload (in its encoded form, P x
 bytes-per-parameter of its codec, or one shard of it) when it opens, and keeps it until its round
@@ -182,12 +185,17 @@ class RoundBook:
               via: str = "") -> None:
         """Open a stream's slot, reserving `reserved_bytes` (its whole payload); `abort` is
         called if the round closes, or the stream idles, before it finishes. A contribution of
-        `lineage` replaces one of another lineage the sender sent before (module docstring). A late
-        sender whose stream begins by the round's cut is late no more, even if the round closed.
-        `via`: the member relaying it (its stalls are charged to it, not to the maker)."""
-        if (phase, sender_id) in self.late and self._in_time(phase, round_id):
-            self.late.discard((phase, sender_id))
-        self.check_open(round_id, sender_id, phase, lineage)
+        `lineage` replaces one of another lineage the sender sent before (module docstring).
+        `via`: the member relaying it (its stalls are charged to it, not to the maker). A late
+        sender (or relay) may stream for a round that closed without waiting for it, if it
+        begins by that round's cut: its stream runs to its end to show it was in time (`finish`
+        then drops it), else RoundClosed."""
+        proof = (round_id < self._closed_below[phase] and self._owes_proof(phase, sender_id, via)
+                 and self.clock.now() <= self._cuts.get((phase, round_id), float("-inf")))
+        if not proof:
+            self.check_open(round_id, sender_id, phase, lineage)
+        elif (phase, round_id, sender_id) in self._streaming:
+            raise DuplicateContribution(f"round {round_id} already has a contribution from {sender_id}")
         old = self._complete.get((phase, round_id), {}).pop(sender_id, None)
         if old is not None:
             self._release(sender_id, self._held.pop((phase, round_id, sender_id), 0))
@@ -208,13 +216,13 @@ class RoundBook:
         """The grace `round_id`'s cut gave here (0.0 if it had none)."""
         return self._graces.get((phase, round_id), 0.0)
 
-    def _in_time(self, phase: Phase, round_id: int) -> bool:
-        """Whether a stream of `round_id` beginning now begins by the round's cut."""
-        below = self._closed_below[phase]
-        if round_id >= below + self.window:
-            return False
-        cut = self._cuts.get((phase, round_id))
-        return self.clock.now() <= cut if cut is not None else round_id >= below
+    def _owes_proof(self, phase: Phase, sender_id: str, via: str) -> bool:
+        """Whether the sender, or the relay carrying its stream, is late in `phase`."""
+        return (phase, sender_id) in self.late or (bool(via) and (phase, via) in self.late_relays)
+
+    def _in_time(self, phase: Phase, round_id: int, stream: Stream) -> bool:
+        """Whether `stream` began by its round's cut (any time before a cut is known)."""
+        return stream.began <= self._cuts.get((phase, round_id), float("inf"))
 
     def touch(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
         """A chunk of the stream arrived: it is not idle."""
@@ -235,13 +243,14 @@ class RoundBook:
         key = (c.phase, c.round_id, c.sender_id)
         stream = self._streaming.pop(key, None)
         reserved = stream.reserved_bytes if stream is not None else 0
+        if stream is not None and self._in_time(c.phase, c.round_id, stream):  # it delivered in time
+            self.late.discard((c.phase, c.sender_id))
+            self.late_relays.discard((c.phase, stream.via))
         if c.round_id < self._closed_below[c.phase]:
             self._release(c.sender_id, reserved)
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
         self._complete.setdefault((c.phase, c.round_id), {})[c.sender_id] = c
         self._held[key] = reserved
-        if stream is not None and stream.via and self.clock.now() <= self._cuts.get((c.phase, c.round_id), float("inf")):
-            self.late_relays.discard((c.phase, stream.via))  # it relayed a stream whole by the cut
         if stream is not None:
             took = self._took.get((c.phase, c.round_id), 0.0)
             self._took[(c.phase, c.round_id)] = max(took, self.clock.now() - stream.began)
@@ -280,6 +289,8 @@ class RoundBook:
                 self._release(sender, self._held.pop((key[0], key[1], sender), 0))
         for (ph, round_id, sender), stream in list(self._streaming.items()):
             if (phase is None or ph == phase) and round_id < below:
+                if self._owes_proof(ph, sender, stream.via) and self._in_time(ph, round_id, stream):
+                    continue  # a late sender's stream begun in time: it runs to its end (`begin`)
                 self._stop(ph, round_id, sender, stream, "its round closed before it finished")
 
     def add_own(self, contribution: Contribution) -> None:
@@ -331,9 +342,10 @@ class RoundBook:
             held = fetchable() if len(have) < min_contributors else set()
             counted = have if len(have) >= min_contributors else have | held
             if cut is not None and missing:
-                if now >= cut:  # no longer waited for: what is not streaming to us now (but through a late relay)
-                    gone = missing - {s for (ph, r, s), st in self._streaming.items()
-                                      if ph == phase and r == round_id and (ph, st.via) not in self.late_relays}
+                if now >= cut:  # past it, a stream is waited for while it moves (not through a late relay)
+                    moving = {s: st.last_active for (ph, r, s), st in self._streaming.items() if ph == phase
+                              and r == round_id and (ph, st.via) not in self.late_relays and now - st.last_active < grace}
+                    gone = missing - set(moving)
                     skipped = gone & (reached or fetchable)()  # its push to us was lost: not late
                     relays = self._mark_late(phase, round_id, gone - skipped)
                     missing -= gone
@@ -344,9 +356,12 @@ class RoundBook:
                     if gone - skipped:
                         logger.warning("round %d: %s missed the round's cut (a majority of hosts delivered, and "
                                        "the grace passed); they are late: no round waits for them until one of "
-                                       "their streams begins in time", round_id, ", ".join(sorted(gone - skipped)),
+                                       "their contributions, begun by a round's cut, arrives whole", round_id,
+                                       ", ".join(sorted(gone - skipped)),
                                        extra=fields("cut", round_id=round_id, late=sorted(gone - skipped),
                                                     contributors=len(have), grace_s=round(grace, 3), relays=relays))
+                    if missing:  # look again when the stalest of them would have stalled for a grace
+                        wake = min(deadline, min(moving[s] for s in missing) + grace)
                 else:
                     wake = min(deadline, cut)
             if not missing and len(counted) >= min_contributors:
@@ -365,7 +380,8 @@ class RoundBook:
                 relays = self._mark_late(phase, round_id, missing)
                 if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
-                                   "(no round waits for them until one of their streams begins in time)",
+                                   "(no round waits for them until one of their contributions, begun by a round's cut, "
+                                   "arrives whole)",
                                    round_id, ", ".join(sorted(missing)), len(have),
                                    extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have),
                                                 relays=relays))
@@ -383,9 +399,8 @@ class RoundBook:
 
     def _mark_late(self, phase: Phase, round_id: int, senders: set[str]) -> dict[str, str]:
         """`senders` missed `round_id`'s cut or deadline: each is late, unless a relay carried
-        its stream of the round, which then stalled it: the relay is charged (`late_relays`: no
-        stream it relays is waited for past a cut until one it relays arrives whole by a cut),
-        not the maker. Returns {maker: relay} for those."""
+        its stream of the round, which then stalled it: the relay is charged (`late_relays`, module
+        docstring), not the maker. Returns {maker: relay} for those."""
         relays = {s: via for s in senders if (via := self._via.get((phase, round_id, s)))}
         self.late |= {(phase, s) for s in senders - set(relays)}
         self.late_relays |= {(phase, via) for via in relays.values()}
