@@ -69,7 +69,7 @@ from neuronode.quorum import VoiceOf, by_id, quorum, voices
 logger = logging.getLogger(__name__)
 
 Lineage = tuple[str, tuple[str, ...]]  # (base_digest, members): Contribution.lineage
-GRACE = 0.25  # the least a round waits past its majority (the cut), as a fraction of its timeout
+GRACE = 0.5  # the least a round waits past its majority (the cut), as a fraction of its timeout
 
 
 def cut_grace(timeout_s: float, waited_s: float, took_s: float = 0.0) -> float:
