@@ -57,3 +57,9 @@ def voices(ids: Iterable[str], voice_of: VoiceOf) -> set[str]:
 def quorum(spoke: int) -> int:
     """How many of `spoke` voices must agree: a strict majority (none of none)."""
     return spoke // 2 + 1 if spoke > 0 else 0
+
+
+def majority(said: Iterable[str], of: Iterable[str], voice_of: VoiceOf) -> bool:
+    """Whether the ids in `said` are a strict majority of the voices of `of` (and `of` has one)."""
+    spoke = voices(of, voice_of)
+    return len(voices(said, voice_of) & spoke) >= quorum(len(spoke)) > 0

@@ -17,7 +17,7 @@ from test_averaging import TIMEOUT_S, Swarm, pools, until  # noqa: F401 - `pools
 from neuronode.averaging import AllToAll
 from neuronode.averaging.agreement import Receipt, Statement, decide, listed
 from neuronode.codec.contribution import Phase
-from neuronode.quorum import by_id, quorum, voice
+from neuronode.quorum import by_id, majority, quorum, voice
 from neuronode.swarm.lineage import believable, lineages, plan_catch_up
 from neuronode.swarm.membership import Peer, PeerTable
 from neuronode.swarm.trust import agreed_host, closed_without_us, reachability, witnesses
@@ -48,6 +48,21 @@ def test_a_voice_is_a_host_and_loopback_counts_per_id() -> None:
     assert voice("a", "2001:db8:1:2::5") == voice("b", "2001:db8:1:2:ffff::9") != voice("c", "2001:db8:1:3::5")
     assert voice("a", "::ffff:203.0.113.7") == voice("b", "203.0.113.7")
     assert [quorum(n) for n in range(6)] == [0, 1, 2, 2, 3, 3]
+
+
+def test_a_majority_counts_the_hosts_that_spoke_not_ids() -> None:
+    host = {"h1": "198.51.100.1", "h2": "198.51.100.2", "h3": "198.51.100.3", "s1": "203.0.113.7",
+            "s2": "203.0.113.7", "s3": "203.0.113.7"}
+
+    def voice_of(node_id: str) -> str:
+        return voice(node_id, host[node_id])
+
+    members = set(host)  # four hosts: three honest, one with three ids
+    assert not majority({"s1", "s2", "s3"}, members, voice_of)  # three ids, one voice of four
+    assert not majority({"h1", "s1", "s2"}, members, voice_of)  # two of four
+    assert majority({"h1", "h2", "s1"}, members, voice_of)  # three of four
+    assert majority({"h1", "h2"}, {"h1", "h2", "h3"}, voice_of)
+    assert not majority({"h1", "x"}, {"h1", "h2", "h3"}, by_id) and not majority(set(), set(), by_id)
 
 
 def test_two_ids_on_one_host_claiming_our_round_closed_do_not_make_us_stand_aside() -> None:
@@ -179,7 +194,7 @@ def test_one_home_per_rule() -> None:
 
 def test_quorum_function_is_the_one_the_votes_import() -> None:
     for module in ("swarm/trust.py", "swarm/lineage.py", "averaging/agreement.py", "swarm/receipts.py",
-                   "averaging/protocol.py"):
+                   "averaging/protocol.py", "averaging/book.py"):
         assert "from neuronode.quorum import" in (PKG / module).read_text(), module
 
 

@@ -64,7 +64,7 @@ from typing import Any
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
 from neuronode.events import fields
-from neuronode.quorum import VoiceOf, by_id, quorum, voices
+from neuronode.quorum import VoiceOf, by_id, majority
 
 logger = logging.getLogger(__name__)
 
@@ -334,8 +334,7 @@ class RoundBook:
             missing = members - have - self.excused(phase)
             now, wake = self.clock.now(), deadline
             if cut is None:
-                spoke = voices(members | have, voice)
-                if len(voices(have, voice) & spoke) >= quorum(len(spoke)) > 0:
+                if majority(have, members | have, voice):
                     grace = cut_grace(timeout_s, now - opened, self._took.get((phase, round_id), 0.0))
                     cut = now + grace
                     self._cuts[(phase, round_id)], self._graces[(phase, round_id)] = cut, grace

@@ -33,7 +33,7 @@ from neuronode.clock import Clock
 from neuronode.codec import Contribution, ContributionEncoder, Phase
 from neuronode.codec.contribution import Aggregate
 from neuronode.events import fields
-from neuronode.quorum import quorum, voices
+from neuronode.quorum import majority, quorum, voices
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +222,9 @@ class Averaging:
                 return
             if cut is None:
                 me = [self.cfg.node_id] if ours else []
-                spoke = voices([*me, *(v.member for v in views if v.present or v.has_receipt)], voice_of)
-                said = voices([*me, *(v.member for v in views if v.has_receipt)], voice_of)
-                if len(said & spoke) >= quorum(len(spoke)) > 0:  # twice a phase's grace, as for the deadline
+                said = [*me, *(v.member for v in views if v.has_receipt)]
+                if majority(said, [*me, *(v.member for v in views if v.present or v.has_receipt)], voice_of):
+                    # twice a phase's grace, as for the deadline
                     grace = max(cut_grace(self.cfg.sync_timeout_s, now - opened), book.grace(round_id, phase))
                     cut = now + RECEIPT_WAIT_TIMEOUTS * grace
             end = deadline if cut is None else min(cut, deadline)
