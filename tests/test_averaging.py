@@ -351,8 +351,8 @@ async def test_a_relays_stall_is_charged_to_the_relay_not_to_the_maker() -> None
     stream of m's contribution stalls, so at the cut it is not waited for; the stall is r's: m
     is not late (the next round waits for m again), r is a late relay. Round 1: the stream r
     relays moves, but r is a late relay: not waited for past the cut, and m is still not late.
-    Round 2: r relays m's contribution whole: it is a late relay no more. Before, m was late after
-    round 0 (a relay could get a member it carries left out of every round)."""
+    Round 2: r relays m's contribution whole: it is a late relay no more. Round 3: a stall of
+    m's own stream, after r's broke off, is m's."""
     clock = ManualClock()
     book = RoundBook(first_round=0, clock=clock, idle_s=20.0)
     members = {"a", "b", "c", "r", "m"}
@@ -382,6 +382,16 @@ async def test_a_relays_stall_is_charged_to_the_relay_not_to_the_maker() -> None
     book.finish(record("m", 2))  # type: ignore[arg-type]
     await until("round 2 to close", closing.done)
     assert set(closing.result()) == members and book.late == set() and book.late_relays == set()
+    # Round 3: r's stream of m breaks off and m streams to us itself (it became dialable), and
+    # stalls: the stall is m's now, not the relay's that carried its first try.
+    closing = collecting(3)
+    book.abort(3, "m")
+    book.begin(3, "m")
+    await until("round 3 waiting for m until its cut", lambda: clock.waiting == 1)
+    clock.advance(grace)
+    await until("round 3 to close at its cut", closing.done)
+    assert set(closing.result()) == {"a", "b", "c", "r"}
+    assert book.late == {(Phase.WHOLE, "m")} and book.late_relays == set()
 
 
 async def test_a_contribution_others_hold_is_waited_for_while_its_own_push_streams() -> None:

@@ -112,7 +112,6 @@ class Stream:
     last_active: float
     abort: Abort | None = None
     began: float = 0.0
-    via: str = ""  # the member that relays it (neuronode.swarm.links.relay), if not its maker
 
 
 class RoundBook:
@@ -206,10 +205,11 @@ class RoundBook:
         if self.max_sender_bytes and held + reserved_bytes > self.max_sender_bytes:
             raise BufferFull(f"round {round_id}: {sender_id} already has {held} bytes buffered here (at most "
                              f"{self.max_sender_bytes} per member); send the next contribution once a round closed")
-        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now(),
-                                                               via if via != sender_id else "")
+        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now())
         if via and via != sender_id:
             self._via[(phase, round_id, sender_id)] = via
+        else:  # the latest stream of a maker's round says who carried it
+            self._via.pop((phase, round_id, sender_id), None)
         self._reserve(sender_id, reserved_bytes)
 
     def grace(self, round_id: int, phase: Phase = Phase.WHOLE) -> float:
@@ -245,7 +245,7 @@ class RoundBook:
         reserved = stream.reserved_bytes if stream is not None else 0
         if stream is not None and self._in_time(c.phase, c.round_id, stream):  # it delivered in time
             self.late.discard((c.phase, c.sender_id))
-            self.late_relays.discard((c.phase, stream.via))
+            self.late_relays.discard((c.phase, self._via.get(key, "")))
         if c.round_id < self._closed_below[c.phase]:
             self._release(c.sender_id, reserved)
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
@@ -289,7 +289,7 @@ class RoundBook:
                 self._release(sender, self._held.pop((key[0], key[1], sender), 0))
         for (ph, round_id, sender), stream in list(self._streaming.items()):
             if (phase is None or ph == phase) and round_id < below:
-                if self._owes_proof(ph, sender, stream.via) and self._in_time(ph, round_id, stream):
+                if self._owes_proof(ph, sender, self._via.get((ph, round_id, sender), "")) and self._in_time(ph, round_id, stream):
                     continue  # a late sender's stream begun in time: it runs to its end (`begin`)
                 self._stop(ph, round_id, sender, stream, "its round closed before it finished")
 
@@ -342,8 +342,8 @@ class RoundBook:
             counted = have if len(have) >= min_contributors else have | held
             if cut is not None and missing:
                 if now >= cut:  # past it, a stream is waited for while it moves (not through a late relay)
-                    moving = {s: st.last_active for (ph, r, s), st in self._streaming.items() if ph == phase
-                              and r == round_id and (ph, st.via) not in self.late_relays and now - st.last_active < grace}
+                    moving = {s: st.last_active for (ph, r, s), st in self._streaming.items() if ph == phase and r == round_id
+                              and (ph, self._via.get((ph, r, s), "")) not in self.late_relays and now - st.last_active < grace}
                     gone = missing - set(moving)
                     skipped = gone & (reached or fetchable)()  # its push to us was lost: not late
                     relays = self._mark_late(phase, round_id, gone - skipped)
