@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
@@ -205,7 +206,7 @@ def attacked(base: Path, attacker: Attacker, inner_steps: int) -> tuple[dict[str
     with open_net("atk") as net:
         nodes = run(net, base / attacker.behaviour, inner_steps, attacker)
     figures = check_honest(nodes)
-    print(f"{attacker}: {figures} (without it {reference(base, inner_steps)})")
+    print(f"{attacker}: {figures}")
     return nodes, figures
 
 
@@ -265,10 +266,14 @@ def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_fac
     """Issue 26, "Done when" (c): a member whose contribution lands just before the round's
     deadline and whose receipt lands just before the receipts' deadline, every round (it is
     never late). The honest members' median round seconds stay within 1.5x of the swarm
-    without it."""
+    without it. The two swarms run at the same time, each on a network of its own, so the
+    load on the two cores (other tests' nodes included) falls on both alike: run one after the
+    other, a round no attack touched once took 1.45x the reference's median (CI load)."""
     base = base_dir(tmp_path_factory)
-    ref = reference(base, LONG_ROUNDS)
-    nodes, got = attacked(base, JUST_IN_TIME, LONG_ROUNDS)
+    with ThreadPoolExecutor(2) as runs:  # nodes fork from the forkserver, not from these threads
+        ref_run = runs.submit(reference, base, LONG_ROUNDS)
+        nodes, got = runs.submit(attacked, base, JUST_IN_TIME, LONG_ROUNDS).result()
+        ref = ref_run.result()
     assert all(any(e["peer_id"] == "a-jit" for e in nodes[n].events("peer_joined")) for n in HONEST)
     assert got.round_s <= 1.5 * ref.round_s, (got, ref)
 
