@@ -20,7 +20,8 @@ Two measures, one run:
   stack; what such a call returns is marked in turn when it carries a payload (a tensor of at
   least 1024 elements, at least 512 bytes, or a record holding one), so the mark follows Δ
   through error feedback, the codec, frames, the wire (by content: a receiver sees new bytes),
-  the book, the aggregator and the outer step. Digests, receipts and counters are not payloads.
+  the book and the aggregator (the ends are added as above). Digests, receipts and counters
+  are not payloads.
 
 Usage: PYTHONPATH=. python scripts/happy_path.py   (prints JSON: count, swarm, modules, path)
 """
