@@ -267,8 +267,7 @@ def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_fac
     deadline and whose receipt lands just before the receipts' deadline, every round (it is
     never late). The honest members' median round seconds stay within 1.5x of the swarm
     without it. The two swarms run at the same time, each on a network of its own, so the
-    load on the two cores (other tests' nodes included) falls on both alike: run one after the
-    other, a round no attack touched once took 1.45x the reference's median (CI load)."""
+    load on the two cores (other tests' nodes included) falls on both alike."""
     base = base_dir(tmp_path_factory)
     with ThreadPoolExecutor(2) as runs:  # nodes fork from the forkserver, not from these threads
         ref_run = runs.submit(reference, base, LONG_ROUNDS)
