@@ -36,7 +36,8 @@ Rules (docs/protocol.md repeats them):
   without waiting for it (or that the round's close would cut off) runs to its end to show it,
   and is then dropped. Or when it comes back after it was gone (`forgive`). So a member whose
   contribution lands just before each deadline, or that stalls its streams, is late every round
-  and costs the swarm one grace, once; an honest member that was slow once (its stream, begun by
+  and costs the swarm one grace each time it falls late (which takes a delivery in time in
+  between); an honest member that was slow once (its stream, begun by
   the cut, arrives whole) is waited for again from the next round.
 - A relay's stall is charged to the relay (`via`: neuronode.swarm.links.relay forwards whole
   contributions it holds, so a relayed stream that stalls is the relay's doing): a maker whose
@@ -185,10 +186,10 @@ class RoundBook:
         """Open a stream's slot, reserving `reserved_bytes` (its whole payload); `abort` is
         called if the round closes, or the stream idles, before it finishes. A contribution of
         `lineage` replaces one of another lineage the sender sent before (module docstring).
-        `via`: the member relaying it (its stalls are charged to it, not to the maker). A late
-        sender (or relay) may stream for a round that closed without waiting for it, if it
-        begins by that round's cut: its stream runs to its end to show it was in time (`finish`
-        then drops it), else RoundClosed."""
+        `via`: the member relaying it, "" when the maker sends it itself (a relay's stalls are
+        charged to it, not to the maker). A late sender (or relay) may stream for a round that
+        closed without waiting for it, if it begins by that round's cut: its stream runs to its
+        end to show it was in time (`finish` then drops it), else RoundClosed."""
         proof = (round_id < self._closed_below[phase] and self._owes_proof(phase, sender_id, via)
                  and self.clock.now() <= self._cuts.get((phase, round_id), float("-inf")))
         if not proof:
@@ -206,7 +207,7 @@ class RoundBook:
             raise BufferFull(f"round {round_id}: {sender_id} already has {held} bytes buffered here (at most "
                              f"{self.max_sender_bytes} per member); send the next contribution once a round closed")
         self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now())
-        if via and via != sender_id:
+        if via:
             self._via[(phase, round_id, sender_id)] = via
         else:  # the latest stream of a maker's round says who carried it
             self._via.pop((phase, round_id, sender_id), None)
@@ -215,6 +216,10 @@ class RoundBook:
     def grace(self, round_id: int, phase: Phase = Phase.WHOLE) -> float:
         """The grace `round_id`'s cut gave here (0.0 if it had none)."""
         return self._graces.get((phase, round_id), 0.0)
+
+    def _relay(self, phase: Phase, round_id: int, sender_id: str) -> str:
+        """The member that relayed `sender_id`'s latest stream of the round ("" if it sent itself)."""
+        return self._via.get((phase, round_id, sender_id), "")
 
     def _owes_proof(self, phase: Phase, sender_id: str, via: str) -> bool:
         """Whether the sender, or the relay carrying its stream, is late in `phase`."""
@@ -245,7 +250,7 @@ class RoundBook:
         reserved = stream.reserved_bytes if stream is not None else 0
         if stream is not None and self._in_time(c.phase, c.round_id, stream):  # it delivered in time
             self.late.discard((c.phase, c.sender_id))
-            self.late_relays.discard((c.phase, self._via.get(key, "")))
+            self.late_relays.discard((c.phase, self._relay(*key)))
         if c.round_id < self._closed_below[c.phase]:
             self._release(c.sender_id, reserved)
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
@@ -289,7 +294,7 @@ class RoundBook:
                 self._release(sender, self._held.pop((key[0], key[1], sender), 0))
         for (ph, round_id, sender), stream in list(self._streaming.items()):
             if (phase is None or ph == phase) and round_id < below:
-                if self._owes_proof(ph, sender, self._via.get((ph, round_id, sender), "")) and self._in_time(ph, round_id, stream):
+                if self._owes_proof(ph, sender, self._relay(ph, round_id, sender)) and self._in_time(ph, round_id, stream):
                     continue  # a late sender's stream begun in time: it runs to its end (`begin`)
                 self._stop(ph, round_id, sender, stream, "its round closed before it finished")
 
@@ -343,7 +348,7 @@ class RoundBook:
             if cut is not None and missing:
                 if now >= cut:  # past it, a stream is waited for while it moves (not through a late relay)
                     moving = {s: st.last_active for (ph, r, s), st in self._streaming.items() if ph == phase and r == round_id
-                              and (ph, self._via.get((ph, r, s), "")) not in self.late_relays and now - st.last_active < grace}
+                              and (ph, self._relay(ph, r, s)) not in self.late_relays and now - st.last_active < grace}
                     gone = missing - set(moving)
                     skipped = gone & (reached or fetchable)()  # its push to us was lost: not late
                     relays = self._mark_late(phase, round_id, gone - skipped)
@@ -400,7 +405,7 @@ class RoundBook:
         """`senders` missed `round_id`'s cut or deadline: each is late, unless a relay carried
         its stream of the round, which then stalled it: the relay is charged (`late_relays`, module
         docstring), not the maker. Returns {maker: relay} for those."""
-        relays = {s: via for s in senders if (via := self._via.get((phase, round_id, s)))}
+        relays = {s: via for s in senders if (via := self._relay(phase, round_id, s))}
         self.late |= {(phase, s) for s in senders - set(relays)}
         self.late_relays |= {(phase, via) for via in relays.values()}
         return relays
