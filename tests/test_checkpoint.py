@@ -79,28 +79,33 @@ def test_trainer_resume_gives_same_next_loss(tmp_path: Path) -> None:
     assert torch.equal(b.engine.pseudo_gradient(), expected_delta)
 
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint-v0.1"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_FLAGS = dict(rounds=2, inner_steps=2, d_model=8, n_layers=1, n_heads=2, batch_size=2, seq_len=8,
-                     codec="int8", threads=1, task_option=("corpus_mb=1", "val_windows=4"),
+                     threads=1, task_option=("corpus_mb=1", "val_windows=4"),
                      node_id="fixture-node", swarm_id="fixture")
-FIXTURE_DIGEST = "08ea91195e34efa93569aa00a4f6413c9d5cc86b9667098e39fc3e7e83df62e3"
+# folder, codec, param_digest at round 2 (each folder's README says how it was made)
+RELEASES = [
+    ("checkpoint-v0.1", "int8", "08ea91195e34efa93569aa00a4f6413c9d5cc86b9667098e39fc3e7e83df62e3"),
+    ("checkpoint-v0.4", "sparse", "f8ed7e98b3a65ebe2c6fc1314b52b8e0297f1f2ec1e066da540e8dcf4ec03437"),
+]
 
 
-def test_a_checkpoint_of_release_0_1_restores(tmp_path: Path) -> None:
-    """A checkpoint the previous release wrote (tests/fixtures/checkpoint-v0.1) restores: its
-    round, its parameters (param_digest) and its int8 error feedback."""
+@pytest.mark.parametrize(("folder", "codec", "digest"), RELEASES, ids=[r[0] for r in RELEASES])
+def test_a_checkpoint_of_an_earlier_release_restores(tmp_path: Path, folder: str, codec: str, digest: str) -> None:
+    """A checkpoint an earlier release wrote (tests/fixtures/checkpoint-*) restores: its round,
+    its parameters (param_digest) and its codec's error feedback."""
     from neuronode.node.daemon import Daemon
 
-    folder = checkpoint.checkpoint_dir(tmp_path)
-    folder.mkdir(parents=True)
-    (folder / "round-00000002.ckpt").write_bytes((FIXTURE / "round-00000002.ckpt").read_bytes())
-    cfg = NodeConfig(data_dir=str(tmp_path), **FIXTURE_FLAGS)
+    target = checkpoint.checkpoint_dir(tmp_path)
+    target.mkdir(parents=True)
+    (target / "round-00000002.ckpt").write_bytes((FIXTURES / folder / "round-00000002.ckpt").read_bytes())
+    cfg = NodeConfig(data_dir=str(tmp_path), codec=codec, **FIXTURE_FLAGS)  # type: ignore[arg-type]
     stored = checkpoint.load_latest(tmp_path)
     assert stored is not None
     daemon = Daemon(cfg, trainer=Trainer(cfg, node_id="fixture-node"), node_id="fixture-node", data_dir=tmp_path)
     daemon.restore()
     assert daemon.engine.round == 2
-    assert daemon.engine.param_digest() == FIXTURE_DIGEST
+    assert daemon.engine.param_digest() == digest
     feedback = daemon.pools.encode.submit(daemon.encoder.state_dict).result()  # the encoder's own thread
     assert feedback is not None
     assert torch.equal(feedback["residual"], stored.state["feedback"]["residual"])

@@ -13,7 +13,7 @@ from neuronode.v1 import node_pb2 as pb
 # --max-weight (SwarmSettings.max_weight),
 # the sparse codec and its settings, state transfer by verified chunks, resumable
 # (StateHeader.chunk_digests, StateRequest.resume_from), ...: docs/protocol.md)
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # Chunks are at most 4 MiB of payload (config bounds --chunk-bytes); messages get headroom so a
 # legal chunk never trips the limit, and anything bigger is refused by gRPC before we read it.
 MAX_MESSAGE_BYTES = 8 << 20
