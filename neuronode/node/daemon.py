@@ -20,7 +20,7 @@ from typing import Any
 from neuronode.averaging import PROTOCOLS, Averaging, AveragingConfig, NodePhase, RoundState
 from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.config import NodeConfig
-from neuronode.errors import CheckpointError
+from neuronode.errors import CheckpointError, ConfigError
 from neuronode.events import fields
 from neuronode.node import checkpoint
 from neuronode.node.catchup import CatchUp
@@ -242,6 +242,8 @@ class Daemon:
             await asyncio.gather(contact, stop_wait, return_exceptions=True)
             if stopped.is_set():
                 return
+            if why := self.swarm.refused():  # training alone, or waiting for --min-peers forever, helps nobody
+                raise ConfigError(f"every bootstrap peer refused this node, so it cannot join: {why}")
             await self.rounds.maybe_catch_up(stopped)
             if stopped.is_set():
                 return

@@ -62,6 +62,8 @@ class Peers:
         self._mark = 0  # what the latest node_info(to=...) told its peer (Receipts.fill)
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
+        self.refusals: dict[str, str] = {}  # address -> why the peer there refused us, or we it (until it answers)
+        self._refused = asyncio.Event()  # every bootstrap peer refused us before any contact: joining ends
         for address in ctx.cfg.peers:
             ctx.table.add_address(address, bootstrap=True)
 
@@ -229,7 +231,8 @@ class Peers:
                        if self._backoff.get(a, (0.0, 0.0))[0] <= now]
             results = await asyncio.gather(*(self.hello(a, to=live.get(a)) for a in targets))
             bootstrap_ok = any(ok for a, ok in zip(targets, results, strict=True) if a in ctx.cfg.peers)
-            if ctx.cfg.peers and not bootstrap_ok and not ctx.table.alive():
+            silent = [a for a in ctx.cfg.peers if a not in self.refusals]  # a refusal said why already
+            if silent and not bootstrap_ok and not ctx.table.alive():
                 unanswered_since = unanswered_since or now
                 # Say it plainly once a peer had time to start, then every few minutes.
                 if now - unanswered_since > 10 and now - warned_at > 300:
@@ -238,7 +241,8 @@ class Peers:
                         "no bootstrap peer answered for %.0f s (tried %s); check the address and "
                         "port, that the peer is running, firewalls between you, and that it was "
                         "started with an --advertise address you can reach",
-                        now - unanswered_since, ", ".join(ctx.cfg.peers))
+                        now - unanswered_since, ", ".join(silent),
+                        extra=fields("bootstrap_unanswered", peers=silent, seconds=round(now - unanswered_since)))
             else:
                 unanswered_since, warned_at = None, 0.0
             self.on_news()  # liveness may have changed: collectors and pushes re-evaluate
@@ -246,12 +250,17 @@ class Peers:
             await ctx.clock.sleep(ctx.cfg.heartbeat_s * random.uniform(0.8, 1.2))
 
     async def wait_first_contact(self, timeout_s: float) -> bool:
-        """With bootstrap peers, give the first heartbeats time to tell us where the swarm is."""
+        """With bootstrap peers, give the first heartbeats time to tell us where the swarm is;
+        False at once when every bootstrap peer refused us (SwarmNode.refused says why)."""
         if not self.ctx.cfg.peers:
             return False
+        contact, refused = (asyncio.ensure_future(e.wait()) for e in (self._contact, self._refused))
         try:
-            await asyncio.wait_for(self._contact.wait(), timeout=timeout_s)
-        except TimeoutError:
+            await asyncio.wait({contact, refused}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (contact, refused):
+                task.cancel()
+        if not self._contact.is_set():
             return False
         await self.ctx.clock.sleep(self.ctx.cfg.heartbeat_s * 1.5)  # one more round of hellos: learn the rest
         return True
@@ -271,6 +280,15 @@ class Peers:
             return
         delay = min(cap, max(ctx.cfg.heartbeat_s, delay * 2))
         self._backoff[address] = (ctx.clock.now() + delay * random.uniform(0.5, 1.0), delay)
+
+    def refused_by(self, address: str, why: str) -> None:
+        """A refusal that will not change by itself (another swarm, model, setting or secret):
+        kept until that peer answers; once every bootstrap peer refused us before any contact,
+        joining ends (the node stops with the reasons rather than train alone)."""
+        self.refusals[address] = why
+        peers = self.ctx.cfg.peers
+        if peers and not self._contact.is_set() and all(p in self.refusals for p in peers):
+            self._refused.set()
 
     def forget(self, address: str) -> None:
         self.ctx.table.addresses.discard(address)
@@ -293,6 +311,7 @@ class Peers:
             refused = exc.code() in FINAL_CODES
             self.dial_failed(address, refused=refused)
             if refused:
+                self.refused_by(address, exc.details() or exc.code().name)
                 ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details(),
                         extra=fields("refused_by", address=address, code=exc.code().name, detail=exc.details()))
             elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retried, but say why: a limit may need raising
@@ -303,6 +322,7 @@ class Peers:
                 logger.debug("hello to %s failed: %s", address, exc.code().name)
             return False
         self._backoff.pop(address, None)
+        self.refusals.pop(address, None)
         ctx.counters.control(sent=req.ByteSize(), received=resp.ByteSize())
         if to is not None and resp.info.node_id == to:
             self.delivered(to, mark)
@@ -326,6 +346,7 @@ class Peers:
                        verified=verified, dialed=address, said_at=resp.timestamp_s)
         except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
+            self.refused_by(address, str(exc))
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
                     extra=fields("refusing_peer", address=address, detail=str(exc)))
             return False
