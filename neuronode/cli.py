@@ -25,7 +25,13 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a mistake as one line (no usage dump)."""
+    """argparse that reports a mistake as one line (no usage dump) and takes no abbreviation of
+    a flag: `--inner-step 5` is an unknown flag, as the same key in a TOML file is, never
+    `--inner-steps 5`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
@@ -63,6 +69,9 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     start = sub.add_parser("start", help=start_help, description=start_help)
     add_config_flags(start)
+    start.add_argument("--print-params", action="store_true",
+                       help="build the task (model, tokenizer, data) as these flags say, print its parameter "
+                            "count and tokens per round as JSON, and exit")
     status = sub.add_parser("status", help="print a node's status (JSON when piped or with --json)")
     where = status.add_mutually_exclusive_group()
     where.add_argument("--data-dir", help="read a (stopped) node's last checkpoint in DIR")
@@ -97,6 +106,8 @@ def add_model_parsers(sub: Any) -> None:
     train.add_argument("--vocab", required=True, type=int, metavar="N", help="vocabulary size (at least 257)")
     train.add_argument("--out", required=True, metavar="DIR", help="folder to write the tokenizer to")
     train.add_argument("--text-field", default="text", help="column holding the text (default: text)")
+    train.add_argument("--threads", type=int, default=0, metavar="N",
+                       help="threads to train with (default: 0, every core)")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -172,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_start(args: argparse.Namespace, argv: Sequence[str]) -> int:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(NodeConfig)}
     cfg = build_config(flags, config_file=args.config)
+    if args.print_params:
+        from neuronode.node.describe import describe
+
+        print(json.dumps(describe(cfg), sort_keys=True))
+        return 0
     from neuronode.node.member import launched  # heavy imports (torch) only when starting
 
     if cfg.local_workers > 1 and not launched():
@@ -217,11 +233,14 @@ def run_export(args: argparse.Namespace) -> int:
 def run_tokenizer(args: argparse.Namespace) -> int:
     if args.tokenizer != "train":
         raise UsageError("neuronode tokenizer: choose an action: train")
+    if args.threads < 0:
+        raise UsageError("neuronode tokenizer train: --threads must be 0 (every core) or more")
     from neuronode.training import TaskError
     from neuronode.training.tokenizer import train_tokenizer
 
     try:
-        result = train_tokenizer(args.data, vocab_size=args.vocab, out=args.out, text_field=args.text_field)
+        result = train_tokenizer(args.data, vocab_size=args.vocab, out=args.out, text_field=args.text_field,
+                                 threads=args.threads)
     except TaskError as exc:
         raise ConfigError(f"tokenizer train: {exc}") from None
     print(json.dumps(result, sort_keys=True))

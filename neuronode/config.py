@@ -72,6 +72,14 @@ class NodeConfig:
     peers: tuple[str, ...] = opt((), "comma list of bootstrap peers; one live peer is enough", metavar="HOST:PORT,...")
     task: str = opt("bytelm", "built-in task name or a plug-in 'package.module:factory'")
     task_option: tuple[str, ...] = opt((), "comma list of KEY=VALUE options passed to the task", metavar="K=V,...")
+    model: str = opt("", "--task hf: folder with the model's config.json (and weights to start from); "
+                     "the same as --task-option model=DIR", metavar="DIR")
+    tokenizer: str = opt("", "--task hf: tokenizer folder (from `neuronode tokenizer train`), or 'bytes'; "
+                         "the same as --task-option tokenizer=DIR", metavar="DIR")
+    data: str = opt("", "--task hf: training text: a folder, a glob of .txt/.jsonl/.parquet shards, or @FILE "
+                    "listing them; the same as --task-option data=...", metavar="GLOB")
+    val_data: str = opt("", "--task hf: validation shards instead of a held-out share of --data; the same "
+                        "as --task-option val_data=...", metavar="GLOB")
     rounds: int = opt(0, "stop after this many completed rounds in total (0: run until stopped)")
     inner_steps: int = opt(50, "inner optimizer steps per round (H)")
     round_seconds: float = opt(0.0, "also end a round's training after this many seconds (0: steps only)")
@@ -141,6 +149,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             validate_field(f.name, getattr(self, f.name), f.metadata)
+        object.__setattr__(self, "task_option", fold_task_flags(self))
         check_averaging(self.codec, self.averaging)
         if self.sparse_k > self.sparse_block:
             raise ConfigError(f"--sparse-k {self.sparse_k} must be at most --sparse-block {self.sparse_block}")
@@ -153,6 +162,14 @@ class NodeConfig:
         if self.max_restarts and self.local_workers == 1:
             raise ConfigError("--max-restarts restarts a member of --local-workers 2 or more; a single "
                               "process is restarted by its service manager (systemd, docker)")
+
+    def task_options(self) -> dict[str, str]:
+        """--task-option as the task gets it (--model, --tokenizer, --data, --val-data folded in)."""
+        return dict(kv.split("=", 1) for kv in self.task_option)
+
+    def tokens_per_round(self, tokens_per_batch: int) -> int:
+        """Tokens one member trains on in a round: inner steps x micro-batches x processes."""
+        return tokens_per_batch * self.inner_steps * self.grad_accum * self.local_workers
 
     def check_local_workers(self, workers: int, *, how: str = "--local-workers") -> None:
         """A member may train with at most --max-local-workers processes (the swarm's setting)."""
@@ -236,6 +253,26 @@ RANGES: dict[str, tuple[Any, str]] = {
     "sparse_block": (lambda v: 64 <= v <= 65536, "between 64 and 65536"),
     "sparse_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
 }
+
+
+# Flags that are task options of --task hf: `--model DIR` is `--task-option model=DIR`.
+TASK_FLAGS = ("model", "tokenizer", "data", "val_data")
+
+
+def fold_task_flags(cfg: NodeConfig) -> tuple[str, ...]:
+    """--task-option with --model, --tokenizer, --data and --val-data added (a value may hold
+    commas here, unlike in --task-option); the same option given both ways must agree."""
+    given = {name: getattr(cfg, name) for name in TASK_FLAGS if getattr(cfg, name)}
+    if given and cfg.task in ("bytelm", "builtin"):
+        raise ConfigError(f"{', '.join(flag_name(n) for n in given)}: options of --task hf (the built-in "
+                          "task takes none); add --task hf")
+    options = cfg.task_options()
+    for name, value in given.items():
+        if options.get(name, value) != value:
+            raise ConfigError(f"{flag_name(name)} {value} and --task-option {name}={options[name]} disagree; "
+                              "give one of them")
+    return tuple(kv for kv in cfg.task_option if kv.split("=", 1)[0] not in given) + tuple(
+        f"{name}={value}" for name, value in given.items())
 
 
 def check_averaging(codec: str, averaging: str) -> None:

@@ -19,7 +19,7 @@ from neuronode.node.export import ExportError, export
 from neuronode.node.trainer import Trainer
 from neuronode.swarm.context import Settings
 from neuronode.training import TaskConfig, TaskError, create_task
-from neuronode.training.textdata import Corpus, TokenStream, expand_shards, held_out
+from neuronode.training.textdata import Corpus, TokenStream, expand_shards, held_out, share_below
 
 MARK = 10_000  # token id of "document k begins" is MARK + k
 
@@ -43,7 +43,7 @@ def encode(text: str) -> list[int]:
 
 
 def stream(paths: list[str], seed: int, *, share: float = 0.0) -> TokenStream:
-    corpus = Corpus(shards=tuple(paths), holdout_share=share)
+    corpus = Corpus(shards=tuple(paths), holdout_below=share_below(share))
     return TokenStream(corpus, encode=encode, eos_id=1, batch_size=3, seq_len=16, seed=seed, shuffle_docs=8)
 
 

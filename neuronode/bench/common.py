@@ -106,7 +106,7 @@ def entry_points(name: str, help: str, configure: Callable[[argparse.ArgumentPar
 def module_main(prog: str, configure: Callable[[argparse.ArgumentParser], None],
                 run: Callable[[argparse.Namespace], dict[str, Any]], argv: Sequence[str] | None) -> int:
     """`python -m neuronode.bench.X ...`: the flags of `neuronode bench X`, one JSON object out."""
-    parser = argparse.ArgumentParser(prog=prog)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     configure(parser)
     args = parser.parse_args(argv)
     try:

@@ -2,7 +2,8 @@
 newest checkpoint that verifies, as a model directory.
 
 Written: ``model.safetensors`` (the global parameters by name, float32) and the task's files
-(``config.json``, the tokenizer's files). For ``--task hf`` the directory loads with
+(``config.json``, ``generation_config.json``, the tokenizer's files), all with the mode a new
+file gets here. For ``--task hf`` the directory loads with
 ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``; for the built-in
 ``bytelm`` with ``neuronode.training.bytelm.load_exported``. Needs safetensors, not transformers.
 
@@ -71,6 +72,13 @@ def newest_verified(data_dir: Path, *, say: Callable[[str], None]) -> tuple[Path
     raise ExportError(f"--data-dir {data_dir}: no checkpoint verifies ({len(paths)} refused); nothing exported")
 
 
+def file_mode() -> int:
+    """The mode a new file gets here (0644 under the usual umask 022)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def export(data_dir: str, out: str, *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Write the newest verified checkpoint's global parameters and the task's files to `out`."""
     from safetensors.torch import save_file
@@ -93,6 +101,7 @@ def export(data_dir: str, out: str, *, say: Callable[[str], None] = print) -> di
         save_file(tensors, str(tmp), metadata={"format": "pt", "neuronode_task": str(info["task"]),
                                               "round": str(meta.get("round")),
                                               "param_digest": str(meta.get("param_digest"))})
+        os.chmod(tmp, file_mode())  # safetensors writes 0600 whatever the umask: as the other files
         os.replace(tmp, out_dir / "model.safetensors")
         for name, blob in info["files"].items():
             if "/" in name or name.startswith("."):

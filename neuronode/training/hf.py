@@ -6,10 +6,14 @@ Options (``--task-option k=v,...``; docs/models.md has the walk-through):
   directory's ``model.safetensors`` (or sharded safetensors) when present, else transformers'
   own initialisation drawn under the swarm seed (bit-identical on every node).
 - ``tokenizer=DIR`` (a directory AutoTokenizer loads) or ``tokenizer=bytes`` (256 byte tokens).
-- ``data=GLOB`` of .txt / .jsonl / .parquet shards, or ``data=@FILE`` listing paths or globs one a
-  line (for a path with a comma, which --task-option splits on); ``text_field=`` (default text).
-- ``val_data=GLOB`` (or ``@FILE``), or ``val_share=F`` (default 0.01): a share of the documents,
-  chosen by a hash of their text, held out on every node alike; ``val_windows=N`` (default 16).
+- ``data=GLOB`` of .txt / .jsonl / .parquet shards, a folder of them, or ``data=@FILE`` listing
+  paths or globs one a line (for a path with a comma, which --task-option splits on; ``--data``
+  takes one whole); ``text_field=`` (default text).
+- ``val_data=GLOB`` (or a folder, or ``@FILE``), or ``val_share=F`` (default 0.01): a share of the
+  documents, chosen by a hash of their text, held out on every node alike, and at least enough of
+  them for one validation window (neuronode.training.holdout); ``val_windows=N`` (default 16).
+
+``--model``, ``--tokenizer``, ``--data`` and ``--val-data`` are these options as flags.
 - ``gradient_checkpointing=true``; ``shuffle_docs=N`` (shuffle buffer, default 1024 documents).
 
 Nothing is ever downloaded: the Hugging Face libraries run in offline mode.
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from neuronode.training.holdout import validation_split
 from neuronode.training.task import Task, TaskConfig, TaskError, next_token_objective, task_device
 from neuronode.training.textdata import (
     Corpus,
@@ -38,7 +43,13 @@ from neuronode.training.textdata import (
     validation_documents,
     validation_windows,
 )
-from neuronode.training.tokenizer import encoder, load_tokenizer, tokenizer_files, tokenizer_hash
+from neuronode.training.tokenizer import (
+    encoder,
+    load_tokenizer,
+    special_ids,
+    tokenizer_files,
+    tokenizer_hash,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,17 +172,37 @@ def settings(config: Any, *, seq_len: int, tok_hash: str, init: str) -> dict[str
     return out
 
 
-def export_config(config: Any) -> bytes:
-    """config.json as exported: the swarm's config, weights in float32."""
-    data = config.to_dict()
+def export_files(config: Any, tok: Any) -> dict[str, bytes]:
+    """config.json, generation_config.json and the tokenizer's files, as exported: the swarm's
+    config with weights in float32 and the special token ids of the tokenizer the swarm trained
+    with (not the architecture's defaults: Llama's say eos 2, which a trained tokenizer gives to
+    some other token, and generate() would never stop at the end of a text)."""
+    transformers = require("transformers", "--task hf")
+    ids = special_ids(tok)
+    data = {**config.to_dict(), **ids, "dtype": "float32"}
     data.pop("torch_dtype", None)
-    data["dtype"] = "float32"
-    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    generation = transformers.GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
+    return {"config.json": (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(),
+            "generation_config.json": generation.to_json_string(use_diff=True).encode(),
+            **tokenizer_files(tok)}
 
 
 def logits(model: nn.Module, x: Tensor) -> Tensor:
     """A Hugging Face causal LM's next-token logits for the token ids `x` (B, T, vocab)."""
     return model(input_ids=x, use_cache=False).logits
+
+
+def validation(opts: Options, shards: list[str], *, encode: Any, eos_id: int | None,
+               seq_len: int) -> tuple[int, Tensor]:
+    """(hash bound of the documents held out of training, validation windows): from val_data
+    (nothing held out), or from the held-out share of the training shards."""
+    if opts.val_data:
+        documents = validation_documents(expand_shards(opts.val_data, option="val_data"),
+                                         text_field=opts.text_field, below=None)
+        return 0, validation_windows(documents, encode=encode, eos_id=eos_id, seq_len=seq_len,
+                                     n_windows=opts.val_windows)
+    return validation_split(shards, text_field=opts.text_field, share=opts.val_share, encode=encode,
+                            eos_id=eos_id, seq_len=seq_len, n_windows=opts.val_windows)
 
 
 def factory(cfg: TaskConfig) -> Task:
@@ -187,7 +218,6 @@ def factory(cfg: TaskConfig) -> Task:
     if max_pos is not None and cfg.seq_len > max_pos:
         raise TaskError(f"--seq-len {cfg.seq_len} is longer than the model's max_position_embeddings {max_pos}")
     shards = expand_shards(opts.data, option="data")
-    val_shards = expand_shards(opts.val_data, option="val_data") if opts.val_data else shards
     device = task_device(cfg.device)
     model = build_model(config, model_dir=opts.model, seed=cfg.seed)
     init = weights_digest(model)
@@ -196,14 +226,13 @@ def factory(cfg: TaskConfig) -> Task:
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = model.to(device)
     encode = encoder(tok)
-    corpus = Corpus(shards=tuple(shards), text_field=opts.text_field,
-                    holdout_share=0.0 if opts.val_data else opts.val_share)
-    batches = TokenStream(corpus, encode=encode, eos_id=tok.eos_token_id, batch_size=cfg.batch_size,
+    eos = tok.eos_token_id
+    below, val = validation(opts, shards, encode=encode, eos_id=eos, seq_len=cfg.seq_len)
+    val = val.to(device)
+    corpus = Corpus(shards=tuple(shards), text_field=opts.text_field, holdout_below=below)
+    batches = TokenStream(corpus, encode=encode, eos_id=eos, batch_size=cfg.batch_size,
                           seq_len=cfg.seq_len, seed=cfg.data_seed, device=device, shuffle_docs=opts.shuffle_docs)
     batches.state_dict()  # reads the first documents now: an empty or unreadable corpus stops the start
-    val = validation_windows(
-        validation_documents(val_shards, text_field=opts.text_field, share=None if opts.val_data else opts.val_share),
-        encode=encode, eos_id=tok.eos_token_id, seq_len=cfg.seq_len, n_windows=opts.val_windows).to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     logger.info("hf task: %s, %d parameters, %s initial weights, tokenizer of %d tokens, %d shard(s), %d validation windows",
                 config.model_type, sum(p.numel() for p in model.parameters()),
@@ -214,4 +243,4 @@ def factory(cfg: TaskConfig) -> Task:
     return Task(model=model, batches=batches, loss_fn=loss_fn, validate=validate,
                 samples_per_batch=cfg.batch_size, tokens_per_batch=cfg.batch_size * cfg.seq_len,
                 settings=settings(config, seq_len=cfg.seq_len, tok_hash=tokenizer_hash(tok), init=init),
-                files={"config.json": export_config(config), **tokenizer_files(tok)})
+                files=export_files(config, tok))

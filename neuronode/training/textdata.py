@@ -23,6 +23,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import logging
+import math
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,8 +41,7 @@ logger = logging.getLogger(__name__)
 # Hugging Face libraries read these at import: set before any of them is imported, so nothing
 # is ever downloaded (a hub name given where a local path belongs fails instead of fetching).
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_DOCS = 1024
@@ -52,6 +52,9 @@ def go_offline() -> None:
     """Set the offline switches (before transformers, tokenizers or datasets is imported)."""
     for key, value in OFFLINE_ENV.items():
         os.environ[key] = value
+    # A node tokenizes one document at a time beside its training threads: no pool of tokenizers'
+    # own, unless set before (`neuronode tokenizer train --threads`).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def require(module: str, what: str) -> Any:
@@ -64,8 +67,9 @@ def require(module: str, what: str) -> Any:
 
 
 def expand_shards(spec: str, *, option: str) -> list[str]:
-    """Shard files named by a glob (``data=corpus/*.jsonl``) or, with ``@FILE``, by a file that
-    lists paths or globs one a line (relative to that file; how to pass a path with a comma,
+    """Shard files named by a glob (``data=corpus/*.jsonl``), a folder (its .txt, .jsonl, .json
+    and .parquet files, in subfolders too; hidden ones left out) or, with ``@FILE``, by a file
+    that lists any of these one a line (relative to that file; how to pass a path with a comma,
     which --task-option would split). Sorted, each checked readable; one line naming what is
     wrong."""
     if spec.startswith("@"):
@@ -79,6 +83,9 @@ def expand_shards(spec: str, *, option: str) -> list[str]:
         patterns = [spec]
     files: list[str] = []
     for pattern in patterns:
+        if os.path.isdir(os.path.expanduser(pattern)):
+            files += shards_in(os.path.expanduser(pattern), option=option)
+            continue
         matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matched:
             raise TaskError(f"{option}: no file matches {pattern}")
@@ -94,6 +101,16 @@ def expand_shards(spec: str, *, option: str) -> list[str]:
     if not files:
         raise TaskError(f"{option}: {spec} names no file")
     return sorted(dict.fromkeys(files))
+
+
+def shards_in(folder: str, *, option: str) -> list[str]:
+    """The shard files under `folder` (any depth), by suffix; others (a README, an index) are
+    not text to train on and are left out."""
+    found = sorted(str(p) for p in Path(folder).rglob("*") if p.suffix.lower() in BUILDERS and p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if not found:
+        raise TaskError(f"{option}: the folder {folder} holds no .txt, .jsonl, .json or .parquet file")
+    return found
 
 
 def read_documents(path: str, *, text_field: str = "text") -> Iterator[str]:
@@ -123,13 +140,20 @@ def read_documents(path: str, *, text_field: str = "text") -> Iterator[str]:
         raise TaskError(f"cannot read {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
+def doc_hash(text: str) -> int:
+    """A document's place in the hold-out order: a 64-bit hash of its text, so every node holds
+    out the same documents whatever the order it reads them in."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def share_below(share: float) -> int:
+    """The hash bound of a share: documents hashing below it are that share of a corpus."""
+    return math.ceil(share * 2**64) if share > 0 else 0
+
+
 def held_out(text: str, share: float) -> bool:
-    """Whether a document belongs to the validation share: a hash of its text, so every node
-    holds out the same documents whatever the order it reads them in."""
-    if share <= 0:
-        return False
-    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-    return h < share * 2**64
+    """Whether a document belongs to the validation share."""
+    return doc_hash(text) < share_below(share)
 
 
 @dataclass(frozen=True)
@@ -138,11 +162,11 @@ class Corpus:
 
     shards: tuple[str, ...]
     text_field: str = "text"
-    holdout_share: float = 0.0  # documents held out for validation are never trained on
+    holdout_below: int = 0  # documents hashing below this are held out for validation, never trained on
 
     def documents(self, path: str) -> Iterator[str]:
         for text in read_documents(path, text_field=self.text_field):
-            if not held_out(text, self.holdout_share):
+            if doc_hash(text) >= self.holdout_below:
                 yield text
 
 
@@ -336,16 +360,16 @@ def validation_windows(documents: Iterator[str], *, encode: Callable[[str], list
             break
     count = min(n_windows, (len(tokens) - 1) // seq_len)
     if count < 1:
-        raise TaskError(f"validation: the held-out documents have {len(tokens)} tokens, fewer than "
-                        f"--seq-len + 1 ({seq_len + 1}); raise val_share or give val_data=GLOB")
+        raise TaskError(f"validation: the validation documents have {len(tokens)} tokens, fewer than "
+                        f"--seq-len + 1 ({seq_len + 1}); give more text in val_data")
     rows = [tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(count)]
     return torch.tensor(rows, dtype=torch.long)
 
 
-def validation_documents(shards: Sequence[str], *, text_field: str, share: float | None) -> Iterator[str]:
+def validation_documents(shards: Sequence[str], *, text_field: str, below: int | None) -> Iterator[str]:
     """Validation documents in file order: every document of ``shards`` (``val_data``), or,
-    with ``share``, only those held out of training (``val_share``)."""
+    with ``below``, only those held out of training (hashing below it: ``val_share``)."""
     for path in shards:
         for text in read_documents(path, text_field=text_field):
-            if share is None or held_out(text, share):
+            if below is None or doc_hash(text) < below:
                 yield text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -92,20 +93,60 @@ def tokenizer_hash(tok: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+# What from_pretrained records about how it was called, which save_pretrained writes back: not
+# part of the tokenizer (an exported tokenizer_config.json saying local_files_only binds its users).
+LOAD_KEYS = frozenset({"local_files_only", "is_local", "cache_dir", "force_download", "proxies", "token",
+                       "use_auth_token", "revision", "subfolder", "_commit_hash", "trust_remote_code"})
+
+
+def special_ids(tok: Any) -> dict[str, int | None]:
+    """bos, eos and pad token ids as an exported model's config says them: the tokenizer's own;
+    a tokenizer without a pad token pads with end-of-text (what generate() and batching need)."""
+    eos = tok.eos_token_id
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": eos,
+            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else eos}
+
+
 def tokenizer_files(tok: Any) -> dict[str, bytes]:
-    """The files save_pretrained writes (tokenizer.json, tokenizer_config.json, ...), by name."""
+    """The files save_pretrained writes (tokenizer.json, tokenizer_config.json, ...), by name, as
+    exported: without the keys of how it was loaded, with end-of-text as the pad token when the
+    tokenizer has none."""
     with tempfile.TemporaryDirectory() as tmp:
         tok.save_pretrained(tmp)
-        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+    if "tokenizer_config.json" in files:
+        config = {k: v for k, v in json.loads(files["tokenizer_config.json"]).items() if k not in LOAD_KEYS}
+        if config.get("pad_token") is None and tok.eos_token is not None:
+            config["pad_token"] = tok.eos_token
+        files["tokenizer_config.json"] = (json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False)
+                                          + "\n").encode()
+    return files
 
 
-def train_tokenizer(data: str, *, vocab_size: int, out: str, text_field: str = "text") -> dict[str, Any]:
+def use_threads(threads: int) -> None:
+    """Bound the threads of tokenizers' and Arrow's pools to `threads` (0: every core). Before
+    either library made its pool: rayon reads RAYON_RS_NUM_CPUS once, when it first runs."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false" if threads == 1 else "true"
+    if threads:
+        os.environ["RAYON_RS_NUM_CPUS"] = str(threads)
+        try:
+            import pyarrow
+        except ImportError:
+            return
+        pyarrow.set_cpu_count(threads)
+        pyarrow.set_io_thread_count(threads)
+
+
+def train_tokenizer(data: str, *, vocab_size: int, out: str, text_field: str = "text",
+                    threads: int = 0) -> dict[str, Any]:
     """``neuronode tokenizer train``: a byte-level BPE tokenizer of ``vocab_size`` tokens (one of
-    them ``<|endoftext|>``) trained on the documents of the ``data`` glob; saved to ``out`` as a
-    directory AutoTokenizer loads. Returns a summary for the CLI."""
+    them ``<|endoftext|>``) trained on the documents of the ``data`` glob (a folder, a glob or
+    @FILE) with ``threads`` threads (0: every core); saved to ``out`` as a directory
+    AutoTokenizer loads. Returns a summary for the CLI."""
     if vocab_size < 257:
         raise TaskError(f"--vocab {vocab_size}: a byte-level BPE tokenizer needs at least 257 tokens "
                         "(256 bytes and end-of-text)")
+    use_threads(threads)
     tokenizers = require("tokenizers", "neuronode tokenizer train")
     transformers = require("transformers", "neuronode tokenizer train")
     shards = expand_shards(data, option="--data")
@@ -132,4 +173,4 @@ def train_tokenizer(data: str, *, vocab_size: int, out: str, text_field: str = "
     except OSError as exc:
         raise TaskError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
     return {"out": str(out_dir), "vocab": len(fast), "documents": count[0], "shards": len(shards),
-            "tokenizer_hash": tokenizer_hash(fast), "seconds": round(time.perf_counter() - t0, 3)}
+            "threads": threads, "tokenizer_hash": tokenizer_hash(fast), "seconds": round(time.perf_counter() - t0, 3)}
