@@ -24,7 +24,13 @@ from neuronode.errors import CheckpointError, ConfigError
 from neuronode.events import fields
 from neuronode.node import checkpoint
 from neuronode.node.catchup import CatchUp
-from neuronode.node.console import Progress, attach_progress, download_line, progress_line
+from neuronode.node.console import (
+    Progress,
+    attach_progress,
+    download_line,
+    progress_line,
+    round_seconds,
+)
 from neuronode.node.history import History, RoundRecord
 from neuronode.node.member import MemberLost
 from neuronode.node.metrics import Metrics, Snapshot
@@ -72,6 +78,8 @@ class Daemon:
         self.events = WarningEvents()  # the status page's recent warnings (with --metrics-port)
         self.swarm: SwarmNode | None = None
         self.rounds: Rounds | None = None
+        self.tokens_per_round = cfg.tokens_per_round(trainer.task.tokens_per_batch)  # the live line, the page
+        self.round_s = 0.0  # a whole round's wall time, measured over the last rounds (the live line's ETA)
 
     @property
     def engine(self) -> Any:
@@ -166,7 +174,8 @@ class Daemon:
         """--metrics-port: /metrics and the status page (neuronode.node.web)."""
         host = self.cfg.listen.rpartition(":")[0].strip("[]")
         page = Page(cfg=self.cfg, swarm=swarm, state=self.state, history=self.history,
-                    show_addresses=shows_addresses(self.cfg, host), events=self.events)
+                    show_addresses=shows_addresses(self.cfg, host), events=self.events,
+                    tokens_per_round=self.tokens_per_round)
         loop = asyncio.get_running_loop()
         self.metrics.serve(host, self.cfg.metrics_port, shows_addresses=page.show_addresses,
                            api={"/api/status": on_loop(loop, page.status), "/api/history": on_loop(loop, page.history_json)})
@@ -189,6 +198,7 @@ class Daemon:
             bytes_sent=max(0, sent - self.round_bytes[0]), bytes_received=max(0, received - self.round_bytes[1]),
             contributors=len(rounds.last_contributors), contributor_ids=tuple(rounds.last_contributors)))
         self.round_bytes = (sent, received)
+        self.round_s = round_seconds([r.time_s for r in self.history.records()])
         await self.flush_history()
         self.history_writing = asyncio.get_running_loop().run_in_executor(
             self.pools.writer, save_history, self.history, self.history.records())
@@ -262,7 +272,8 @@ class Daemon:
             round_id=eng.round, rounds=self.cfg.rounds, step=eng.steps_this_round, inner_steps=self.cfg.inner_steps,
             loss=trainer.loss, lr=eng.inner_config.lr_at(max(eng.inner_steps_total - 1, 0)),
             tokens_per_s=trainer.tokens_per_s, tokens_per_batch=trainer.task.tokens_per_batch,
-            peers=self.swarm.alive_count() if self.swarm is not None else 0))
+            peers=self.swarm.alive_count() if self.swarm is not None else 0,
+            tokens_per_round=self.tokens_per_round, round_s=self.round_s))
 
     def on_download(self, progress: TransferProgress) -> None:
         """A state download moved: live progress on a TTY."""

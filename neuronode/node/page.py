@@ -22,6 +22,7 @@ from typing import Any
 from neuronode.averaging import RoundState
 from neuronode.config import NodeConfig, is_loopback_host
 from neuronode.events import record_fields
+from neuronode.node.console import round_seconds
 from neuronode.node.history import History, RoundRecord
 from neuronode.swarm.lineage import same_lineage
 from neuronode.swarm.membership import PeerTable
@@ -132,6 +133,7 @@ class Page:
     show_addresses: bool
     events: WarningEvents = field(default_factory=WarningEvents)
     started_s: float = field(default_factory=time.monotonic)
+    tokens_per_round: int = 0  # what one round trains on here (NodeConfig.tokens_per_round); 0: not known
 
     def status(self) -> dict[str, Any]:
         """`/api/status`: the fields of `neuronode status --peer`, then the page's own."""
@@ -140,7 +142,8 @@ class Page:
         if not self.show_addresses:
             for peer in status["peers"]:
                 peer["address"] = ""
-        recent = [r for r in self.history.records() if r.contributor_ids][-RECENT_ROUNDS:]
+        records = self.history.records()
+        recent = [r for r in records if r.contributor_ids][-RECENT_ROUNDS:]
         late = {sender for _, sender in self.swarm.book.late}
         status.update({
             "uptime_s": round(time.monotonic() - self.started_s, 1), "codec": self.cfg.codec,
@@ -151,8 +154,20 @@ class Page:
             "members": member_rows(self.swarm.table, status, own_digests=dict(self.state.digests), late=late,
                                    recent=recent, show_addresses=self.show_addresses),
             "events": self.events.recent(with_messages=self.show_addresses),
+            **self.schedule(status, [r.time_s for r in records]),
         })
         return json_safe(status)
+
+    def schedule(self, status: dict[str, Any], end_times: list[float]) -> dict[str, Any]:
+        """tokens_per_round, round_s (a whole round's measured wall time, 0 before two rounds
+        ended) and rounds_eta_s (seconds until --rounds ends: the rounds left at round_s, or
+        before it is known at their training time by tokens/s; None without --rounds or a rate)."""
+        round_s = round_seconds(end_times)
+        rate = float(status.get("tokens_per_s") or 0.0)
+        per_round = round_s or (self.tokens_per_round / rate if rate and self.tokens_per_round else 0.0)
+        left = max(self.cfg.rounds - int(status.get("round", 0)), 0)
+        eta = round(left * per_round, 1) if self.cfg.rounds and per_round else None
+        return {"tokens_per_round": self.tokens_per_round, "round_s": round(round_s, 3), "rounds_eta_s": eta}
 
     def history_json(self) -> dict[str, Any]:
         """`/api/history`: the node's per-round records, oldest first."""

@@ -107,6 +107,9 @@
       ["agreement", "replica agreement", status.agreement],
       ["loss", "loss / val_loss", fmtNum(status.loss) + " / " + fmtNum(status.val_loss)],
       ["tokens", "tokens per second", fmtNum(status.tokens_per_s, 0)],
+      ["round-tokens", "tokens per round", status.tokens_per_round ? fmtNum(status.tokens_per_round, 0) : "–"],
+      ["eta", "rounds end in", status.rounds_eta_s == null ? (status.rounds_target ? "not known yet" : "runs until stopped")
+        : "about " + fmtDuration(status.rounds_eta_s)],
       ["contributors", "contributors last round", status.last_round_contributors],
       ["peers", "peers alive", (status.peers || []).filter((p) => p.alive).length + " of " + (status.peers || []).length],
       ["codec", "codec", status.codec],
