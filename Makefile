@@ -1,8 +1,11 @@
 # The two commands of the README: `make run` (a local swarm) and `make test`.
 # Both create .venv and install what they need on first use.
 PYTHON ?= python3
-# The CPU build of torch; pick another build by overriding TORCH (e.g. TORCH=torch).
+# torch from PyTorch's CPU index (pip's own index gives Linux the CUDA build, several GB). A CUDA
+# build: TORCH_INDEX=https://download.pytorch.org/whl/cu128; pip's own index: TORCH_INDEX= ; another
+# torch: TORCH=...
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -12,7 +15,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/pip install -q -e '.[dev,hf]'
 	touch $(STAMP)
 

@@ -343,3 +343,19 @@ def llama(folder: Path, *, hidden: int = 64, vocab: int = 512) -> Path:
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         "intermediate_size": 2 * hidden, "vocab_size": vocab, "max_position_embeddings": 256}))
     return folder
+
+
+class Script:
+    """A transformers logits processor that makes generate() emit `tokens`, one a step, then the
+    last one again: what a trained model would say, without training one long enough to say it
+    (to check where generation stops)."""
+
+    def __init__(self, prompt_len: int, tokens: list[int]) -> None:
+        self.prompt_len = prompt_len
+        self.tokens = tokens
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        step = input_ids.shape[1] - self.prompt_len
+        forced = scores.new_full(scores.shape, -float("inf"))
+        forced[:, self.tokens[min(step, len(self.tokens) - 1)]] = 0.0
+        return forced

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import documents, llama
+from helpers import Script, documents, llama
 
 from neuronode.config import NodeConfig
 from neuronode.node import checkpoint
@@ -22,21 +22,6 @@ from neuronode.node.trainer import Trainer
 from neuronode.training.tokenizer import LOAD_KEYS, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
-
-
-class Script:
-    """A logits processor that makes generate() emit `tokens`, one a step: what a model would
-    say, without training one long enough to say it."""
-
-    def __init__(self, prompt_len: int, tokens: list[int]) -> None:
-        self.prompt_len = prompt_len
-        self.tokens = tokens
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        step = input_ids.shape[1] - self.prompt_len
-        forced = torch.full_like(scores, -float("inf"))
-        forced[:, self.tokens[min(step, len(self.tokens) - 1)]] = 0.0
-        return forced
 
 
 def exported(tmp: Path) -> Path:

@@ -163,7 +163,7 @@ def test_hf_task_weights_from_the_seed_and_one_line_errors(tmp_path: Path) -> No
 
 def test_hf_task_without_the_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # as if not installed
-    with pytest.raises(TaskError, match=r"needs the hf extra .*pip install 'neuronode\[hf\]'"):
+    with pytest.raises(TaskError, match=r"needs the hf extra .*pip install '\.\[hf\]' in a clone"):
         create_task("hf", hf_config(tmp_path))
 
 

@@ -45,7 +45,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_DOCS = 1024
-HF_EXTRA = "pip install 'neuronode[hf]'"
+HF_EXTRA = "pip install '.[hf]' in a clone of neuronode (not 'neuronode' from PyPI, another project)"
 
 
 def go_offline() -> None:
