@@ -197,6 +197,14 @@ class SwarmNode:
     async def check_reachable(self, *, again: bool = False) -> None:
         await self.reach.step(again=again)
 
+    def refused(self) -> str:
+        """Why we cannot join: every bootstrap peer refused us (or we it: another swarm, model or
+        setting), one line per peer; "" while any may still take us."""
+        peers, refusals = self.cfg.peers, self.peers.refusals
+        if not peers or any(p not in refusals for p in peers) or self.table.alive():
+            return ""
+        return "; ".join(f"{p}: {refusals[p]}" for p in peers)
+
     def catch_up_plan(self) -> CatchUp | None:
         return plan_catch_up(self.cfg.node_id, self.state.round, self.state.digests, self.table.alive())
 

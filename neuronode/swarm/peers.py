@@ -62,6 +62,7 @@ class Peers:
         self._mark = 0  # what the latest node_info(to=...) told its peer (Receipts.fill)
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
+        self.refusals: dict[str, str] = {}  # address -> why the peer there refused us, or we it (until it answers)
         for address in ctx.cfg.peers:
             ctx.table.add_address(address, bootstrap=True)
 
@@ -293,6 +294,7 @@ class Peers:
             refused = exc.code() in FINAL_CODES
             self.dial_failed(address, refused=refused)
             if refused:
+                self.refusals[address] = exc.details() or exc.code().name
                 ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details(),
                         extra=fields("refused_by", address=address, code=exc.code().name, detail=exc.details()))
             elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retried, but say why: a limit may need raising
@@ -303,6 +305,7 @@ class Peers:
                 logger.debug("hello to %s failed: %s", address, exc.code().name)
             return False
         self._backoff.pop(address, None)
+        self.refusals.pop(address, None)
         ctx.counters.control(sent=req.ByteSize(), received=resp.ByteSize())
         if to is not None and resp.info.node_id == to:
             self.delivered(to, mark)
@@ -326,6 +329,7 @@ class Peers:
                        verified=verified, dialed=address, said_at=resp.timestamp_s)
         except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
+            self.refusals[address] = str(exc)
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
                     extra=fields("refusing_peer", address=address, detail=str(exc)))
             return False
