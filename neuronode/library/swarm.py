@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 # optimizer of one's own have their own settings.
 TRAINER_ONLY = ("task_option", "seq_len", "d_model", "n_layers", "n_heads", "inner_lr", "weight_decay",
                 "warmup_steps", "schedule_steps", "min_lr_ratio", "grad_clip", "seed", "threads", "device",
-                "local_workers", "max_restarts", "log_format", "log_level")
+                "max_restarts", "log_format", "log_level")
 
 
 class SwarmError(NeuronodeError):
@@ -92,15 +92,18 @@ class Swarm:
         self._launch(replica, identity=identify(cfg), stop=None, progress=False)
 
     @classmethod
-    def around(cls, replica: Replica, *, identity: Identity, stop: threading.Event | None,
-               progress: bool) -> Swarm:
+    def around(cls, replica: Replica, *, identity: Identity, stop: threading.Event | None, progress: bool,
+               launched: Callable[[Swarm], None] = lambda _: None) -> Swarm:
         """The node around a replica built elsewhere: `neuronode start`'s trainer (its task and
-        the built-in optimizer), whose loop then steps through `step` as any other."""
+        the built-in optimizer), whose loop then steps through `step` as any other.
+        `launched` gets the swarm as soon as its node runs (before it joined: a signal handler
+        can then ask it to stop)."""
         swarm = cls.__new__(cls)
-        swarm._launch(replica, identity=identity, stop=stop, progress=progress)
+        swarm._launch(replica, identity=identity, stop=stop, progress=progress, launched=launched)
         return swarm
 
-    def _launch(self, replica: Replica, *, identity: Identity, stop: threading.Event | None, progress: bool) -> None:
+    def _launch(self, replica: Replica, *, identity: Identity, stop: threading.Event | None, progress: bool,
+                launched: Callable[[Swarm], None] = lambda _: None) -> None:
         cfg = replica.cfg
         self._replica, self._cfg = replica, cfg
         self._closed = False
@@ -117,6 +120,7 @@ class Swarm:
         self._thread = threading.Thread(target=self._run, name=f"neuronode-node-{identity.node_id[:16]}", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
+        launched(self)
         try:  # the node starts, resumes, joins and catches up, running its model work on this thread
             self._handoff.wait_turn()
         except BaseException:
@@ -244,6 +248,11 @@ class Swarm:
     def round(self) -> int:
         """Rounds completed (outer steps applied) so far."""
         return self._daemon.state.round
+
+    @property
+    def steps_this_round(self) -> int:
+        """Inner steps taken in the round now training."""
+        return self._replica.engine.steps_this_round
 
     @property
     def param_digest(self) -> str:

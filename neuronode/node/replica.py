@@ -93,7 +93,8 @@ class Replica:
 
     @property
     def local_workers(self) -> int:
-        return 1
+        """Processes this member trains with (data-parallel; --local-workers)."""
+        return self.cfg.local_workers
 
     @property
     def rank_tokens_per_s(self) -> list[float]:

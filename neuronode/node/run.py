@@ -75,9 +75,8 @@ def run_node(cfg: NodeConfig, *, member: Member | None, identity: Identity, stop
         logger.info("rank 0 of member %s ready (%d processes, pid %d)", node_id, member.world, os.getpid(),
                     extra=fields("rank_ready", rank=0, local_workers=member.world, pid=os.getpid(),
                                  restarts=member.restarts))
-    swarm = Swarm.around(trainer, identity=identity, stop=stop,
+    swarm = Swarm.around(trainer, identity=identity, stop=stop, launched=swarms.append,
                          progress=sys.stderr.isatty() and cfg.log_format == "text")
-    swarms.append(swarm)
     try:
         trainer.train(swarm.step, stop=stop, finished=lambda: swarm.finished)
     except BaseException:

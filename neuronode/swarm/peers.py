@@ -257,6 +257,13 @@ class Peers:
         await self.ctx.clock.sleep(self.ctx.cfg.heartbeat_s * 1.5)  # one more round of hellos: learn the rest
         return True
 
+    def refused(self, address: str, why: str) -> None:
+        """The peer at `address` refused us, or we it; every bootstrap peer doing so is an answer
+        to the wait for first contact too (the node cannot join: it stops on it)."""
+        self.refusals[address] = why
+        if self.ctx.cfg.peers and all(p in self.refusals for p in self.ctx.cfg.peers):
+            self._contact.set()
+
     def dial_failed(self, address: str, *, refused: bool) -> None:
         """Redial with exponential backoff and jitter: up to 30 s when unreachable, 5 min when
         the peer refused us (another swarm or model will not change by itself)."""
@@ -294,7 +301,7 @@ class Peers:
             refused = exc.code() in FINAL_CODES
             self.dial_failed(address, refused=refused)
             if refused:
-                self.refusals[address] = exc.details() or exc.code().name
+                self.refused(address, exc.details() or exc.code().name)
                 ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details(),
                         extra=fields("refused_by", address=address, code=exc.code().name, detail=exc.details()))
             elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retried, but say why: a limit may need raising
@@ -329,7 +336,7 @@ class Peers:
                        verified=verified, dialed=address, said_at=resp.timestamp_s)
         except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
-            self.refusals[address] = str(exc)
+            self.refused(address, str(exc))
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
                     extra=fields("refusing_peer", address=address, detail=str(exc)))
             return False
