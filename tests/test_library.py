@@ -185,3 +185,21 @@ def test_the_node_runs_its_model_work_on_the_loops_thread(tmp_path: Path) -> Non
     train(swarm, model, optimizer, steps=10)
     swarm.close()
     assert seen == {threading.current_thread().name}
+
+
+@pytest.mark.timeout(60)
+def test_the_status_page_and_metrics_serve_a_library_member(tmp_path: Path) -> None:
+    import json
+    import urllib.request
+
+    from helpers import free_port
+
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    port = free_port()
+    with neuronode.Swarm(model, optimizer, data_dir=str(tmp_path), inner_steps=2, metrics_port=port, **QUIET) as swarm:
+        train(swarm, model, optimizer, steps=4)
+        page = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10).read())
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert page["round"] == 2 and page["param_digest"] == swarm.param_digest
+    assert "neuronode_rounds_total 2.0" in metrics and "neuronode_inner_steps_total 4.0" in metrics, metrics[:2000]
