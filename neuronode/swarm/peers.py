@@ -62,7 +62,7 @@ class Peers:
         self._mark = 0  # what the latest node_info(to=...) told its peer (Receipts.fill)
         self._backoff: dict[str, tuple[float, float]] = {}  # address -> (next dial, delay)
         self._contact = asyncio.Event()  # set by the first successful hello either way
-        self.refusals: dict[str, str] = {}  # address -> why the peer there refused us, or we it (until it answers)
+        self.refusals: dict[str, str] = {}  # address -> how the peer there differs from us (until it answers)
         for address in ctx.cfg.peers:
             ctx.table.add_address(address, bootstrap=True)
 
@@ -258,8 +258,10 @@ class Peers:
         return True
 
     def refused(self, address: str, why: str) -> None:
-        """The peer at `address` refused us, or we it; every bootstrap peer doing so is an answer
-        to the wait for first contact too (the node cannot join: it stops on it)."""
+        """The peer at `address` runs another swarm, protocol, setting or model than ours (it
+        refused us, or we it); every bootstrap peer doing so is an answer to the wait for first
+        contact too: the node cannot join, and stops on it. (A credential refused trains alone,
+        as it always did: a clock or a certificate may be fixed meanwhile.)"""
         self.refusals[address] = why
         if self.ctx.cfg.peers and all(p in self.refusals for p in self.ctx.cfg.peers):
             self._contact.set()
@@ -300,8 +302,9 @@ class Peers:
         except grpc.aio.AioRpcError as exc:
             refused = exc.code() in FINAL_CODES
             self.dial_failed(address, refused=refused)
-            if refused:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # another swarm, protocol, setting or model
                 self.refused(address, exc.details() or exc.code().name)
+            if refused:
                 ctx.say(f"refused-by:{address}", logging.ERROR, "peer at %s refused us: %s", address, exc.details(),
                         extra=fields("refused_by", address=address, code=exc.code().name, detail=exc.details()))
             elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retried, but say why: a limit may need raising
@@ -336,7 +339,8 @@ class Peers:
                        verified=verified, dialed=address, said_at=resp.timestamp_s)
         except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
-            self.refused(address, str(exc))
+            if isinstance(exc, Refusal) and exc.code == "FAILED_PRECONDITION":
+                self.refused(address, str(exc))
             ctx.say(f"refusing:{address}", logging.ERROR, "refusing peer at %s: %s", address, exc,
                     extra=fields("refusing_peer", address=address, detail=str(exc)))
             return False
