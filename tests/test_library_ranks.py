@@ -52,7 +52,8 @@ def member_rank(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo on loopback")
 def test_two_processes_are_one_member_and_end_with_rank_0s_parameters(tmp_path: Path) -> None:
-    mp.start_processes(member_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(member_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="forkserver")  # forked from a clean server: never from a process using gRPC
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [r["steps"] for r in ranks] == [6, 6]  # both stop when rank 0's swarm ran its 2 rounds
     assert ranks[0]["round"] == 2 and ranks[0]["local_workers"] == 2
