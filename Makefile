@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/pip install -q -e '.[dev,hf]'
+	$(BIN)/pip install -q -e '.[dev,hf,hf-trainer,lightning]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,7 +6,7 @@ receive, collect, receipts, agreement) and averages (the aggregator). Every Pyth
 called meanwhile, on every thread, is recorded by module (sys.setprofile); the nodes' background
 loops (heartbeats, reachability checks, sessions, the stream watch) are stopped first, so what is
 left is what the round itself runs, both ends of each push included. The path's two ends, which
-run in the node's training thread (node/trainer.py: `pseudo_gradient`, `apply_average`;
+run in the node's training thread (node/replica.py: `pseudo_gradient`, `apply_average`;
 diloco/engine.py: the outer step) and its caller (node/rounds.py), are added as they are.
 Generated code (neuronode.v1) does not count.
 
@@ -37,7 +37,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-ENDS = {"neuronode.node.trainer", "neuronode.node.rounds", "neuronode.diloco.engine"}
+ENDS = {"neuronode.node.replica", "neuronode.node.rounds", "neuronode.diloco.engine"}
 N = 50_000
 MIN_ELEMENTS, MIN_BYTES, PRINT_BYTES = 1024, 512, 64
 

@@ -168,3 +168,17 @@ def test_settings_flags_reach_every_node_and_the_report() -> None:
     assert quality.settings_report(args) == {"outer_lr": 1.0, "outer_momentum": 0.0, "sparse_k": 32,
                                              "sparse_bits": 4, "sparse_block": 4096, "sparse_decay": 0.95}
     assert quality.settings_report(parse(quality, "--codec", "int8")).keys() == {"outer_lr", "outer_momentum"}
+
+
+@pytest.mark.timeout(120)
+def test_api_tiny() -> None:
+    """`neuronode bench api`: both loops timed in one run, the call itself measured."""
+    out = run_neuronode("bench", "api", "--steps", "4", "--block", "2", "--warmup", "1", *TINY_MODEL, "--json",
+                        timeout_s=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 4 and result["n_params"] > 0
+    assert result["reference_step_s"] > 0 and result["api_step_s"] > 0
+    assert result["ratio"] == pytest.approx(result["api_step_s"] / result["reference_step_s"], rel=1e-3)
+    assert 0 < result["step_call_us"] <= result["step_call_max_us"]
+    assert result["within_target"] is (result["step_share"] <= result["target_share"])

@@ -18,6 +18,7 @@ FORBIDDEN_IN_AVERAGING = ("grpc", "neuronode.swarm", "neuronode.node", "neuronod
                           "torch.nn")
 FORBIDDEN_IN_SWARM = ("torch.nn", "neuronode.training", "neuronode.diloco", "neuronode.node")
 FORBIDDEN_IN_BENCH = ("neuronode.node.daemon", "neuronode.node.rounds")
+FORBIDDEN_IN_LIBRARY = ("grpc", "neuronode.swarm", "neuronode.averaging", "neuronode.codec", "neuronode.v1")
 ARCHITECTURE = PKG.parent / "docs" / "architecture.md"
 
 
@@ -60,12 +61,17 @@ def test_bench_drives_the_protocols_not_the_daemon() -> None:
     assert offending("bench", FORBIDDEN_IN_BENCH) == []
 
 
+def test_library_talks_to_the_node_not_the_wire() -> None:
+    """neuronode.library drives a node (neuronode.node) around a model; the network is the node's."""
+    assert offending("library", FORBIDDEN_IN_LIBRARY) == []
+
+
 def test_architecture_page_states_this_table() -> None:
     """docs/architecture.md's table says exactly what these tests enforce."""
     text = ARCHITECTURE.read_text()
     rows = {
         "`diloco`, `codec`, `training`": FORBIDDEN_IN_PURE, "`averaging`": FORBIDDEN_IN_AVERAGING,
-        "`swarm`": FORBIDDEN_IN_SWARM, "`bench`": FORBIDDEN_IN_BENCH,
+        "`swarm`": FORBIDDEN_IN_SWARM, "`bench`": FORBIDDEN_IN_BENCH, "`library`": FORBIDDEN_IN_LIBRARY,
     }
     for package, forbidden in rows.items():
         line = next(ln for ln in text.splitlines() if ln.startswith(f"| {package} |"))

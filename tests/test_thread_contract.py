@@ -5,7 +5,6 @@ reducer's averaged shard is encoded while the next round's contribution is."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +33,8 @@ def recording(fn: Callable[..., Any], seen: set[str]) -> Callable[..., Any]:
 @pytest.mark.timeout(120)
 def test_encoder_and_error_feedback_run_on_one_thread_per_node(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from neuronode.node.daemon import Daemon
-    from neuronode.node.run import build_security, run_async
+    from neuronode.library import Swarm
+    from neuronode.node.startup import Identity
     from neuronode.node.trainer import Trainer
     from neuronode.security.identity import NodeKey
 
@@ -44,20 +43,30 @@ def test_encoder_and_error_feedback_run_on_one_thread_per_node(tmp_path: Path,
     for name in ("compensate", "update_parts", "reset"):
         monkeypatch.setattr(ErrorFeedback, name, recording(getattr(ErrorFeedback, name), seen))
     ports = {"a": free_port(), "b": free_port()}
-    daemons = []
-    for name, other in (("a", "b"), ("b", "a")):
-        cfg = NodeConfig(data_dir=str(tmp_path / name), listen=f"127.0.0.1:{ports[name]}",
-                         peers=(f"127.0.0.1:{ports[other]}",), node_id=f"node-{name}", **TINY)
-        (tmp_path / name).mkdir()
-        daemon = Daemon(cfg, trainer=Trainer(cfg, node_id=cfg.node_id), node_id=cfg.node_id,
-                        data_dir=tmp_path / name)
-        daemon.security = build_security(cfg, cfg.node_id, NodeKey.generate())
-        daemons.append(daemon)
+    trainers: list[Trainer] = []
+    failures: list[BaseException] = []
 
-    async def both() -> list[int]:
-        return list(await asyncio.gather(*(d.run() for d in daemons)))
+    def member(name: str, other: str) -> None:
+        """One node as `neuronode start` runs it: its trainer's loop, the node beside it."""
+        try:
+            cfg = NodeConfig(data_dir=str(tmp_path / name), listen=f"127.0.0.1:{ports[name]}",
+                             peers=(f"127.0.0.1:{ports[other]}",), node_id=f"node-{name}", **TINY)
+            (tmp_path / name).mkdir()
+            trainer = Trainer(cfg, node_id=cfg.node_id)
+            trainers.append(trainer)
+            identity = Identity(node_id=cfg.node_id, key=NodeKey.generate(), data_dir=tmp_path / name)
+            swarm = Swarm.around(trainer, identity=identity, stop=None, progress=False)
+            trainer.train(swarm.step, stop=threading.Event(), finished=lambda: swarm.finished)
+            swarm.close()
+        except BaseException as exc:
+            failures.append(exc)
 
-    assert run_async(both, use_uvloop=False) == [0, 0]
-    assert all(d.engine.round == 3 for d in daemons)
+    threads = [threading.Thread(target=member, args=pair) for pair in (("a", "b"), ("b", "a"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert [t.engine.round for t in trainers] == [3, 3]
     # One thread name per node's encoder; both nodes' pools share their names, so one name in all.
     assert len(seen) == 1, f"encoder and error feedback ran on several threads: {sorted(seen)}"

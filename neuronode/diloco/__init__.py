@@ -10,7 +10,8 @@ from neuronode.diloco.aggregate import (
     average,
     get_aggregator,
 )
-from neuronode.diloco.engine import DiLoCo, InnerConfig, OuterConfig, StateMismatchError
+from neuronode.diloco.engine import DiLoCo, OuterConfig, StateMismatchError
+from neuronode.diloco.inner import InnerConfig
 from neuronode.diloco.schedule import lr_at
 
 __all__ = [

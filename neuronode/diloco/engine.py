@@ -1,4 +1,5 @@
-"""The DiLoCo engine: inner AdamW steps on the model, outer Nesterov SGD on global params.
+"""The DiLoCo engine: the global parameters and their outer Nesterov SGD step, around a model
+trained by an inner optimizer (the built-in AdamW of neuronode.diloco.inner, or any other).
 
 Pure torch, no networking: how pseudo-gradients travel between peers is someone else's job.
 The engine is also meant for a person's own training loop::
@@ -14,14 +15,15 @@ The engine is also meant for a person's own training loop::
         contributions = exchange(round_id, delta, engine.samples_this_round)  # your transport
         engine.outer_step(average(contributions))  # every peer applies the same vector
 
-After ``outer_step`` the model holds the new global parameters and the next round starts.
+With an optimizer of one's own, ``DiLoCo(model, inner_optimizer=opt, outer=...)``: step it as
+usual and call ``engine.count(samples)`` after each step instead of ``inner_step``. After
+``outer_step`` the model holds the new global parameters and the next round starts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from neuronode.diloco.schedule import lr_at
+from neuronode.diloco.inner import InnerConfig, adamw, inner_step
+from neuronode.diloco.saved import capture_rng, cpu_copy, restore_rng
 from neuronode.errors import NeuronodeError
 from neuronode.memory import empty_floats
 
@@ -41,57 +44,6 @@ STATE_VERSION = 1
 
 class StateMismatchError(NeuronodeError, ValueError):
     """A state dict or flat vector does not fit this engine's model."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class InnerConfig:
-    """Inner (local) optimiser: AdamW with warm-up + cosine schedule and clipping.
-
-    ``total_steps`` is the schedule horizon in global inner steps and has no default on
-    purpose: a silently wrong horizon decays the rate too early or never. ``grad_clip=0``
-    turns clipping off. ``grad_accum`` is how many micro-batches a training loop should pass
-    to :meth:`DiLoCo.inner_step`; the engine itself averages over whatever it is given.
-    """
-
-    total_steps: int
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"inner lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"inner weight_decay must be >= 0, got {self.weight_decay}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"inner betas must be two numbers in [0, 1), got {self.betas}")
-        if self.total_steps < 1:
-            raise ValueError(f"inner total_steps must be >= 1, got {self.total_steps}")
-        if not 0 <= self.warmup_steps <= self.total_steps:
-            raise ValueError(
-                f"inner warmup_steps must be in [0, total_steps={self.total_steps}], "
-                f"got {self.warmup_steps}"
-            )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"inner min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
-            raise ValueError(f"inner grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        if self.grad_accum < 1:
-            raise ValueError(f"inner grad_accum must be >= 1, got {self.grad_accum}")
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate for global inner step ``step`` under this config."""
-        return lr_at(
-            step,
-            base_lr=self.lr,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.total_steps,
-            min_lr_ratio=self.min_lr_ratio,
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,9 +73,12 @@ class OuterConfig:
 class DiLoCo:
     """One replica's DiLoCo state: working model, global params and both optimisers.
 
-    The model's own parameters are the working (local) weights trained by AdamW. The global
-    parameters ``θ_g`` are a detached float32 copy on ``outer_device``, one tensor per
-    parameter in ``model.named_parameters()`` order, stepped by ``torch.optim.SGD``.
+    The model's own parameters are the working (local) weights, trained by the inner
+    optimizer: the built-in AdamW (``inner=InnerConfig(...)``, stepped by :meth:`inner_step`)
+    or one of the caller's (``inner_optimizer=``, stepped by the caller, who calls
+    :meth:`count` after each step). The global parameters ``θ_g`` are a detached float32 copy
+    on ``outer_device``, one tensor per parameter in ``model.named_parameters()`` order,
+    stepped by ``torch.optim.SGD``.
 
     Counters: ``round`` (completed outer steps), ``inner_steps_total`` (drives the inner
     schedule, persists across rounds), ``steps_this_round`` and ``samples_this_round``.
@@ -133,10 +88,13 @@ class DiLoCo:
         self,
         model: nn.Module,
         *,
-        inner: InnerConfig,
+        inner: InnerConfig | None = None,
         outer: OuterConfig,
         outer_device: str | torch.device = "cpu",
+        inner_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
+        if (inner is None) == (inner_optimizer is None):
+            raise ValueError("give DiLoCo either inner=InnerConfig(...) (the built-in AdamW) or inner_optimizer=")
         self.model = model
         self.inner_config = inner
         self.outer_config = outer
@@ -153,9 +111,9 @@ class DiLoCo:
         self.num_elements = sum(self._numels)
         # --overlap lookahead: this round started at θ_g − start_offset (None: at θ_g).
         self.start_offset: Tensor | None = None
-        self.inner_optimizer = torch.optim.AdamW(
-            self._params, lr=inner.lr, betas=inner.betas, weight_decay=inner.weight_decay
-        )
+        if inner_optimizer is not None:
+            check_optimizer(inner_optimizer, named)
+        self.inner_optimizer = inner_optimizer if inner_optimizer is not None else adamw(self._params, inner)  # type: ignore[arg-type]
         self.outer_optimizer = torch.optim.SGD(
             self.global_params,
             lr=outer.lr,
@@ -176,37 +134,26 @@ class DiLoCo:
         *,
         samples: int | None = None,
     ) -> float:
-        """One AdamW step over ``micro_batches`` with gradient accumulation.
-
-        Each micro-batch's loss is divided by their count before ``backward`` so the step
-        sees the mean gradient. Gradients are clipped (if ``grad_clip > 0``), the rate is
-        taken from the schedule at ``inner_steps_total``, and the mean loss is returned.
-        ``samples`` (default: number of micro-batches) is added to ``samples_this_round``,
-        the weight this replica's pseudo-gradient gets in the average. The model's
-        train/eval mode is the caller's business and is left as it is.
+        """One step of the built-in AdamW over ``micro_batches`` (neuronode.diloco.inner.
+        inner_step: accumulation, clipping, the schedule at ``inner_steps_total``), counted;
+        the mean loss. ``samples`` (default: number of micro-batches) is added to
+        ``samples_this_round``, the weight this replica's pseudo-gradient gets in the average.
         """
-        if not micro_batches:
-            raise ValueError("inner_step needs at least one micro-batch")
+        if self.inner_config is None:
+            raise ValueError("inner_step steps the built-in AdamW; with inner_optimizer= step "
+                             "your optimizer and call count()")
         if samples is not None and samples < 0:
             raise ValueError(f"samples must be >= 0, got {samples}")
-        self.inner_optimizer.zero_grad(set_to_none=True)
-        loss_sum: Tensor | None = None
-        for batch in micro_batches:
-            loss = loss_fn(self.model, batch) / len(micro_batches)
-            loss.backward()
-            # Summed as a tensor so a GPU is synchronised once per step, not per micro-batch.
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        if self.inner_config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self._params, self.inner_config.grad_clip)
-        lr = self.inner_config.lr_at(self.inner_steps_total)
-        for group in self.inner_optimizer.param_groups:
-            group["lr"] = lr
-        self.inner_optimizer.step()
+        loss = inner_step(self.model, self.inner_optimizer, self.inner_config, micro_batches, loss_fn,
+                          step=self.inner_steps_total)
+        self.count(len(micro_batches) if samples is None else samples)
+        return loss
+
+    def count(self, samples: int) -> None:
+        """One inner step was taken, on ``samples`` samples (what the contribution weighs)."""
         self.inner_steps_total += 1
         self.steps_this_round += 1
-        self.samples_this_round += len(micro_batches) if samples is None else samples
-        assert loss_sum is not None
-        return float(loss_sum)
+        self.samples_this_round += samples
 
     # ----------------------------------------------------------------- outer step
 
@@ -355,16 +302,16 @@ class DiLoCo:
             "version": STATE_VERSION,
             "manifest_hash": self.manifest_hash(),
             "global_params": [g.detach().cpu().clone() for g in self.global_params],
-            "model": _cpu_copy(self.model.state_dict()),
-            "inner_optimizer": _cpu_copy(self.inner_optimizer.state_dict()),
-            "outer_optimizer": _cpu_copy(self.outer_optimizer.state_dict()),
+            "model": cpu_copy(self.model.state_dict()),
+            "inner_optimizer": cpu_copy(self.inner_optimizer.state_dict()),
+            "outer_optimizer": cpu_copy(self.outer_optimizer.state_dict()),
             "counters": {
                 "round": self.round,
                 "inner_steps_total": self.inner_steps_total,
                 "steps_this_round": self.steps_this_round,
                 "samples_this_round": self.samples_this_round,
             },
-            "rng": _capture_rng(),
+            "rng": capture_rng(),
             "start_offset": None if self.start_offset is None else self.start_offset.clone(),
         }
 
@@ -396,15 +343,16 @@ class DiLoCo:
         self.inner_steps_total = int(counters["inner_steps_total"])
         self.steps_this_round = int(counters["steps_this_round"])
         self.samples_this_round = int(counters["samples_this_round"])
-        _restore_rng(state["rng"])
+        restore_rng(state["rng"])
         offset = state.get("start_offset")
         self.start_offset = None if offset is None else offset.clone()
 
     # ------------------------------------------------------------------- helpers
 
     def _apply_config_hyperparameters(self) -> None:
-        for group in self.inner_optimizer.param_groups:
-            group.update(betas=self.inner_config.betas, weight_decay=self.inner_config.weight_decay)
+        if self.inner_config is not None:  # the built-in AdamW's; another optimizer's are its own
+            for group in self.inner_optimizer.param_groups:
+                group.update(betas=self.inner_config.betas, weight_decay=self.inner_config.weight_decay)
         for group in self.outer_optimizer.param_groups:
             group.update(
                 lr=self.outer_config.lr,
@@ -428,32 +376,14 @@ class DiLoCo:
             )
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """Deep copy of a (nested) state dict with every tensor cloned to CPU."""
-    if isinstance(obj, Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: _cpu_copy(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_cpu_copy(value) for value in obj)
-    return obj
-
-
-def _capture_rng() -> dict[str, Any]:
-    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    # numpy's state holds an ndarray, which weights_only loading rejects; store plain ints.
-    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    rng["numpy"] = (kind, [int(k) for k in key], int(pos), int(has_gauss), float(gauss))
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
-def _restore_rng(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "numpy" in rng:
-        kind, key, pos, has_gauss, gauss = rng["numpy"]
-        np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+def check_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]]) -> None:
+    """An inner optimizer must step the model's own parameters (the working weights the outer
+    step reads and overwrites), and nothing else."""
+    ours = {id(p) for _, p in named}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in stepped if id(p) not in ours]
+    if foreign:
+        raise StateMismatchError(
+            f"the inner optimizer steps {len(foreign)} of its {len(stepped)} tensors that are not "
+            "parameters of the model (was it built over another model, or a copy?); build it from "
+            "this model's parameters, e.g. torch.optim.AdamW(model.parameters())")

@@ -15,7 +15,7 @@ from neuronode.codec import ContributionEncoder
 from neuronode.config import NodeConfig
 from neuronode.events import Throttled, fields
 from neuronode.node.pools import Pools
-from neuronode.node.trainer import Trainer
+from neuronode.node.replica import Replica
 from neuronode.state import GlobalState
 from neuronode.swarm.lineage import CatchUp as Plan
 from neuronode.swarm.node import SwarmNode
@@ -63,7 +63,7 @@ class CatchUp:
     last_repair_round: int = -(10**9)  # repairs (not catch-ups) wait --repair-cooldown rounds
     say: Throttled = field(default_factory=lambda: Throttled(logger))
     cfg: NodeConfig
-    trainer: Trainer
+    trainer: Replica
     encoder: ContributionEncoder
     """Its error feedback restarts at zero once we adopt a state (on the encoder's own thread)."""
     state: RoundState

@@ -1,8 +1,11 @@
-"""The composition root of a running node: wires the trainer, the encoder, the swarm and the
-averaging protocol; owns the worker pools, signals, checkpoints, status and metrics.
+"""The composition root of a running node: wires the replica, the encoder, the swarm and the
+averaging protocol; owns the worker pools, checkpoints, status and metrics.
 
-One asyncio process. Training, encoding, averaging, hashing and checkpoint writes run in
-worker threads (neuronode.node.pools), so the event loop keeps answering RPCs during inner steps.
+It runs on an event loop of its own (neuronode.library.Swarm gives it a thread), beside a
+training loop that steps the model on its own thread and hands the node its turns
+(neuronode.node.handoff): that loop is a person's, or `neuronode start`'s. Encoding, averaging,
+hashing and checkpoint writes run in worker threads (neuronode.node.pools), so the event loop
+keeps answering RPCs during inner steps.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,13 +32,15 @@ from neuronode.node.console import (
     progress_line,
     round_seconds,
 )
+from neuronode.node.handoff import Handoff
 from neuronode.node.history import History, RoundRecord
 from neuronode.node.member import MemberLost
 from neuronode.node.metrics import Metrics, Snapshot
 from neuronode.node.page import Page, WarningEvents, shows_addresses
 from neuronode.node.pools import Pools
+from neuronode.node.replica import Replica
 from neuronode.node.rounds import Rounds, finite
-from neuronode.node.trainer import Trainer, make_aggregator
+from neuronode.node.trainer import make_aggregator
 from neuronode.node.web import on_loop
 from neuronode.swarm.context import Settings
 from neuronode.swarm.node import SwarmConfig, SwarmNode
@@ -50,16 +53,18 @@ logger = logging.getLogger(__name__)
 class Daemon:
     """Runs rounds until --rounds or a stop: join, then train, average, outer step, checkpoint."""
 
-    def __init__(self, cfg: NodeConfig, *, trainer: Trainer, node_id: str, data_dir: Path) -> None:
+    def __init__(self, cfg: NodeConfig, *, trainer: Replica, node_id: str, data_dir: Path,
+                 security: Security | None = None, progress: bool = False) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.node_id = node_id
         self.data_dir = data_dir
         self.state = RoundState()
-        self.security = Security(node_id=node_id, swarm_id=cfg.swarm_id)  # run_daemon sets the real one
-        self.pools = Pools()
-        self.settings = Settings.from_config(cfg, task=tuple(trainer.task.settings.items()),
-                                             samples_per_batch=trainer.task.samples_per_batch)
+        self.security = security or Security(node_id=node_id, swarm_id=cfg.swarm_id)
+        self.handoff = Handoff()  # the training loop's thread: it trains, and runs our training-thread work
+        self.pools = Pools(train=self.handoff)
+        self.settings = Settings.from_config(cfg, task=tuple(trainer.settings.items()),
+                                             samples_per_batch=trainer.samples_per_batch)
         self.encoder = ContributionEncoder(
             EncoderConfig(codec=self.settings.codec_spec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
                           byte_shuffle=cfg.byte_shuffle, capped=cfg.max_upload_mbps > 0,
@@ -68,9 +73,11 @@ class Daemon:
         self.restored_meta: dict[str, Any] = {}
         self.last_contributors: list[str] = []
         self.metrics = Metrics(self.metrics_snapshot)
-        self.stop_flag = threading.Event()  # seen by the training thread between steps
-        self.progress = Progress(enabled=sys.stderr.isatty() and cfg.log_format == "text")
-        attach_progress(self.progress)
+        self.stop_flag = threading.Event()  # a stop was requested (from any thread: request_stop)
+        self.stopped: asyncio.Event | None = None  # the same, on our loop once it runs
+        self.progress = Progress(enabled=progress)  # the live line on a terminal (`neuronode start`)
+        if progress:
+            attach_progress(self.progress)
         self.writing: asyncio.Future[Any] | None = None
         self.history = History(data_dir)  # restore() loads the one in the data dir
         self.history_writing: asyncio.Future[Any] | None = None
@@ -78,7 +85,7 @@ class Daemon:
         self.events = WarningEvents()  # the status page's recent warnings (with --metrics-port)
         self.swarm: SwarmNode | None = None
         self.rounds: Rounds | None = None
-        self.tokens_per_round = cfg.tokens_per_round(trainer.task.tokens_per_batch)  # the live line, the page
+        self.tokens_per_round = cfg.tokens_per_round(trainer.tokens_per_batch)  # the live line, the page
         self.round_s = 0.0  # a whole round's wall time, measured over the last rounds (the live line's ETA)
 
     @property
@@ -105,20 +112,19 @@ class Daemon:
                     extra=fields("resumed", round_id=self.engine.round, checkpoint=loaded.path.name,
                                  data_pass=progress.get("data_pass", 0), data_documents=progress.get("data_documents", 0)))
 
+    def request_stop(self) -> None:
+        """Stop soon (on our loop): the round in flight is abandoned, pushes get a short grace."""
+        if self.stopped is not None and not self.stopped.is_set():
+            logger.info("stop requested; finishing cleanly", extra=fields("stopping"))
+            self.stopped.set()
+        self.stop_flag.set()
+
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        stopped = asyncio.Event()
-
-        def request_stop() -> None:
-            if not stopped.is_set():
-                logger.info("stop requested; finishing cleanly", extra=fields("stopping"))
-            stopped.set()
-            self.stop_flag.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, request_stop)
-        if self.stop_flag.is_set():  # a signal while we started up (run_daemon)
-            request_stop()
+        """Join, then run rounds as the training loop finishes them, until --rounds, the loop
+        leaves (Handoff.leave) or a stop; then checkpoint, let the last pushes go, leave."""
+        stopped = self.stopped = asyncio.Event()
+        if self.stop_flag.is_set():  # asked before we ran
+            self.request_stop()
         self.state.start(self.engine.round, await self.pools.run(self.pools.train, self.engine.param_digest),
                          self.trainer.momentum_digest)
         if self.engine.round == 0:
@@ -145,10 +151,10 @@ class Daemon:
                 if not await rounds.one(stopped):
                     break
             if self.stop_flag.is_set():  # another rank of our member was told to stop
-                request_stop()
+                self.request_stop()
             await rounds.flush(stopped)
         except MemberLost:
-            request_stop()  # at once: our peers must not wait for a member that lost a process
+            self.request_stop()  # at once: our peers must not wait for a member that lost a process
             raise
         finally:
             await rounds.cancel_pending()
@@ -167,8 +173,9 @@ class Daemon:
         catch_up = CatchUp(cfg=cfg, trainer=self.trainer, encoder=self.encoder, state=self.state, swarm=swarm,
                            pools=self.pools, save=self.save_checkpoint)
         return Rounds(cfg=cfg, trainer=self.trainer, state=self.state, swarm=swarm, averaging=averaging,
-                      catch_up=catch_up, pools=self.pools, stop=self.stop_flag, save=self.save_checkpoint,
-                      on_step=self.on_step, on_sync=self.metrics.sync_seconds.observe, on_round=self.record_round)
+                      catch_up=catch_up, pools=self.pools, stop=self.stop_flag, train=self.handoff.train,
+                      save=self.save_checkpoint, on_sync=self.metrics.sync_seconds.observe,
+                      on_round=self.record_round)
 
     def serve_page(self, swarm: SwarmNode) -> None:
         """--metrics-port: /metrics and the status page (neuronode.node.web)."""
@@ -222,6 +229,7 @@ class Daemon:
         await self.swarm.stop()
         self.close_page()
         self.pools.shutdown()
+        self.state.phase = NodePhase.STOPPED
 
     async def drain(self, stopped: asyncio.Event) -> None:
         """Let our last pushes finish: up to --sync-timeout after a normal finish, at most 5 s
@@ -260,18 +268,19 @@ class Daemon:
             await self.swarm.check_reachable()  # at once: whether peers dial us, or we open sessions
         await self.swarm.set_serving(True)
         logger.info("node %s: %d parameters, task %s, codec %s, round %d%s", self.node_id,
-                    self.trainer.n_params, self.cfg.task, self.settings.codec_spec, self.state.round,
+                    self.trainer.n_params, self.trainer.task_name, self.settings.codec_spec, self.state.round,
                     f" of {self.cfg.rounds}" if self.cfg.rounds else "", extra=fields("joined", n_params=self.trainer.n_params))
 
-    def on_step(self, trainer: Trainer) -> None:
+    def on_step(self) -> None:
         """Called in the training thread after each inner step: live progress on a TTY."""
         if not self.progress.enabled:
             return
+        trainer = self.trainer
         eng = trainer.engine
         self.progress.show(progress_line(
             round_id=eng.round, rounds=self.cfg.rounds, step=eng.steps_this_round, inner_steps=self.cfg.inner_steps,
-            loss=trainer.loss, lr=eng.inner_config.lr_at(max(eng.inner_steps_total - 1, 0)),
-            tokens_per_s=trainer.tokens_per_s, tokens_per_batch=trainer.task.tokens_per_batch,
+            loss=trainer.loss, lr=float(eng.inner_optimizer.param_groups[0]["lr"]),
+            tokens_per_s=trainer.tokens_per_s, tokens_per_batch=trainer.tokens_per_batch,
             peers=self.swarm.alive_count() if self.swarm is not None else 0,
             tokens_per_round=self.tokens_per_round, round_s=self.round_s))
 
@@ -310,8 +319,8 @@ class Daemon:
             "utilization": rounds.utilization if rounds is not None else 0.0,
             "local_workers": self.trainer.local_workers, "rank_tokens_per_s": rates,
             "rank_param_digests": list(self.trainer.rank_digests) or [self.state.param_digest],
-            "task": self.cfg.task, "n_params": self.trainer.n_params,
-            "task_settings": dict(self.trainer.task.settings), **self.trainer.data_progress(),
+            "task": self.trainer.task_name, "n_params": self.trainer.n_params,
+            "task_settings": dict(self.trainer.settings), **self.trainer.data_progress(),
             "codec": self.settings.codec_spec, "feedback_norm": self.encoder.residual_norm,
         }
 

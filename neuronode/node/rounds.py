@@ -26,7 +26,7 @@ from neuronode.config import NodeConfig
 from neuronode.events import fields
 from neuronode.node.catchup import CatchUp, until_stopped
 from neuronode.node.pools import Pools
-from neuronode.node.trainer import Trainer
+from neuronode.node.replica import Replica
 from neuronode.swarm.node import SwarmNode
 
 logger = logging.getLogger(__name__)
@@ -47,15 +47,15 @@ def byzantine(scale: float, noise: float) -> Drill | None:
 @dataclass(kw_only=True)
 class Rounds:
     cfg: NodeConfig
-    trainer: Trainer
+    trainer: Replica
     state: RoundState
     swarm: SwarmNode
     averaging: Averaging
     catch_up: CatchUp
     pools: Pools
-    stop: threading.Event  # the training thread checks it between steps
+    stop: threading.Event  # a stop was requested (our contribution's encoding gives up)
+    train: Callable[[], Awaitable[None]]  # the training loop trains until the round's steps are done
     save: Callable[[], Awaitable[None]]  # a checkpoint after every outer step
-    on_step: Callable[[Trainer], None] | None = None
     on_sync: Callable[[float], None] = lambda _: None
     on_round: Callable[[], Awaitable[None]] | None = None  # after a round's outer step and checkpoint
     pending: asyncio.Task[Average] | None = None  # --overlap: the exchange of state.pending
@@ -78,7 +78,8 @@ class Rounds:
         round_id = self.state.training_round
         started = time.monotonic()
         self.state.phase = NodePhase.TRAINING
-        await self.pools.run(self.pools.train, self.trainer.train_round, self.stop, self.on_step)
+        if not self.trainer.round_complete():  # (a checkpoint may hold a round already trained)
+            await self.train()
         train_s = time.monotonic() - started
         if not self.trainer.round_complete():
             return False

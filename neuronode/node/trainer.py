@@ -1,17 +1,16 @@
-"""The training side of a node: the task and the DiLoCo engine, all synchronous.
+"""`neuronode start`'s training side: the task (model, data, loss), the built-in inner AdamW,
+and the training loop that steps them and hands every step to the node (neuronode.library's
+Swarm.step, as a person's own loop does), all synchronous on the training thread.
 
-The daemon runs every method here in its single training thread, never on the event loop
-(`snapshot` excepted: a donor reads the global state under `global_lock` from another thread).
-The pseudo-gradient leaves through `pseudo_gradient()` and its average comes back through
-`apply_average()`; encoding and error feedback belong to the node's encoder
-(neuronode.codec.ContributionEncoder), on a thread of its own.
+In a member of several processes every rank has a Trainer; rank 0's leads the others through
+each round (neuronode.node.member says how). What the rounds need of a replica (pseudo-gradient,
+outer step, adoption, checkpoints) is neuronode.node.replica's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -24,9 +23,10 @@ from torch.nn.utils import parameters_to_vector
 
 from neuronode.config import NodeConfig
 from neuronode.diloco import DiLoCo, InnerConfig, OuterConfig, get_aggregator
+from neuronode.diloco.inner import inner_step
 from neuronode.errors import ConfigError
 from neuronode.node.member import Member
-from neuronode.state import GlobalState, state_digest
+from neuronode.node.replica import Replica
 from neuronode.training import TaskConfig, TaskError, create_task
 
 logger = logging.getLogger(__name__)
@@ -83,14 +83,13 @@ def make_aggregator(cfg: NodeConfig) -> Any:
 
 
 
-class Trainer:
-    """Owns the task and the DiLoCo engine. Not thread-safe: one thread only.
+class Trainer(Replica):
+    """Owns the task and the built-in inner optimizer. Not thread-safe: one thread only.
 
     In a member of several processes (`member`), every rank has one; rank 0's leads the others'
     through each round (neuronode.node.member says how)."""
 
     def __init__(self, cfg: NodeConfig, *, node_id: str, member: Member | None = None) -> None:
-        self.cfg = cfg
         self.member = member
         self.rank = member.rank if member is not None else 0
         torch.set_num_threads(cfg.threads or default_threads())
@@ -111,67 +110,68 @@ class Trainer:
                             total_steps=total, min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip,
                             grad_accum=cfg.grad_accum)
         lr, momentum = cfg.outer()
-        outer = OuterConfig(lr=lr, momentum=momentum)
-        self.engine = DiLoCo(self.task.model, inner=inner, outer=outer)
-        self.loss_fn = self.task.loss_fn if member is None else member.data_parallel(
-            self.task.model, self.task.loss_fn, grad_accum=cfg.grad_accum)
-        self.moved = False  # rank 0 of a member: our state changed since the other ranks got it
-        self.rank_digests: list[str] = []  # a member's ranks' param_digests at the last report
-        self.loss = math.nan
-        self.val_loss = math.nan
-        self.tokens_per_s = 0.0
-        # Guards the global parameters and momentum: the outer step and adopting a downloaded
-        # state change them; a donor snapshots them from another thread while we train.
-        self.global_lock = threading.Lock()
-        self.param_digest = self.state_digest = self.momentum_digest = ""
-        with self.global_lock:
-            self.digests()
+        task, self.inner = self.task, inner
+        super().__init__(cfg, DiLoCo(task.model, inner=inner, outer=OuterConfig(lr=lr, momentum=momentum)),
+                         task=cfg.task, settings=task.settings, samples_per_batch=task.samples_per_batch,
+                         tokens_per_batch=task.tokens_per_batch, validate=task.validate, files=task.files)
+        self.loss_fn = task.loss_fn if member is None else member.data_parallel(
+            task.model, task.loss_fn, grad_accum=cfg.grad_accum)
 
-    @property
-    def n_params(self) -> int:
-        return self.engine.num_elements
+    def train(self, step: Callable[..., bool], *, stop: threading.Event, finished: Callable[[], bool]) -> None:
+        """`neuronode start`'s training loop: rounds of inner steps, each step handed to `step`
+        (Swarm.step: after a round's last step it runs the round), until a stop or `finished`."""
+        while not stop.is_set() and not finished():
+            self.train_round(stop, step)
 
-    def train_round(self, stop: threading.Event, on_step: Any = None) -> int:
+    def train_round(self, stop: threading.Event, step: Callable[..., bool] | None = None) -> int:
         """Run this round's remaining inner steps (resumes mid-round); returns steps done now.
 
-        A round ends after --inner-steps steps, or after --round-seconds when that is set, so
-        a slow node contributes what it computed (weighted by its samples)."""
+        Each step goes to `step` (rank 0's Swarm.step, which runs the round after its last
+        one); without one (the other ranks of a member) it is counted here. A round ends after
+        --inner-steps steps, or after --round-seconds when that is set, so a slow node
+        contributes what it computed (weighted by its samples); in a member the ranks agree
+        after every step whether it ends or stops, so all take the same steps."""
         self.lead("train")
         self.task.model.train()
+        self.resume()
         done = 0
         t0 = time.perf_counter()
-        tokens = 0
-        self.time_limited = False
         while self.engine.steps_this_round < self.cfg.inner_steps:
-            time_up = bool(self.cfg.round_seconds and done and time.perf_counter() - t0 >= self.cfg.round_seconds)
-            halt, time_up = self.agree(stop.is_set(), time_up)
-            if halt:
-                stop.set()  # one rank's stop is every rank's, at this same step
-                break
-            if time_up:
-                self.time_limited = True
-                break
             try:
                 batches = [next(self.task.batches) for _ in range(self.cfg.grad_accum)]
             except TaskError as exc:  # a shard that became unreadable: one line, a clean stop
                 raise ConfigError(f"--task: {exc}") from None
             with self.collective():
-                self.loss = self.engine.inner_step(
-                    batches, self.loss_fn, samples=self.task.samples_per_batch * len(batches))
+                loss = inner_step(self.engine.model, self.engine.inner_optimizer, self.inner,
+                                  batches, self.loss_fn, step=self.engine.inner_steps_total)
             done += 1
-            tokens += self.task.tokens_per_batch * len(batches)
-            self.tokens_per_s = tokens / max(time.perf_counter() - t0, 1e-9)
-            if on_step is not None:
-                on_step(self)
-        if self.member is not None and done:
-            with torch.no_grad():
-                total = torch.stack([p.detach().double().sum() for p in self.engine.model.parameters()]).sum()
-            self.member.check_equal(float(total), what="working weights")
+            time_up = bool(self.cfg.round_seconds and time.perf_counter() - t0 >= self.cfg.round_seconds)
+            halt, time_up = self.agree(stop.is_set(), time_up)
+            last = time_up or self.engine.steps_this_round + 1 >= self.cfg.inner_steps
+            if self.member is not None and (last or halt):
+                self.check_working_weights()
+            samples, tokens = self.task.samples_per_batch * len(batches), self.task.tokens_per_batch * len(batches)
+            if step is not None:
+                step(samples, loss=loss, tokens=tokens, end_round=last)
+            else:
+                self.ended_early = time_up
+                self.count(samples, loss=loss, tokens=tokens)
+            if halt:
+                stop.set()  # one rank's stop is every rank's, at this same step
+            if halt or last:
+                break
         return done
 
+    def check_working_weights(self) -> None:
+        """Every rank of a member ends a round with the same working weights."""
+        assert self.member is not None
+        with torch.no_grad():
+            total = torch.stack([p.detach().double().sum() for p in self.engine.model.parameters()]).sum()
+        self.member.check_equal(float(total), what="working weights")
+
     def agree(self, stop: bool, time_up: bool) -> tuple[bool, bool]:
-        """Whether to stop, or to end the round, before the next step: alone as we see it; in
-        a member as any rank sees it (so all ranks take the same number of steps)."""
+        """Whether to stop, or to end the round, after a step: alone as we see it; in a member
+        as any rank sees it (so all ranks take the same number of steps)."""
         if self.member is None:
             return stop, time_up
         return self.member.agree(stop=stop, time_up=time_up, tokens_per_s=self.tokens_per_s)
@@ -189,111 +189,14 @@ class Trainer:
         """Each rank's tokens/s (ours alone outside a member); their sum is the member's."""
         return list(self.member.rates) if self.member is not None else [self.tokens_per_s]
 
-    def round_complete(self) -> bool:
-        return self.engine.steps_this_round >= self.cfg.inner_steps or (
-            self.time_limited and self.engine.steps_this_round > 0)
-
-    def pseudo_gradient(self, drill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """This round's pseudo-gradient (start - local, flat float32, a new tensor: the model may
-        move on). `drill` is a fault drill's hook on it (a Byzantine node's lie), never set in
-        production."""
-        delta = self.engine.pseudo_gradient()
-        return drill(delta) if drill is not None else delta
-
-    @property
-    def max_weight(self) -> float:
-        """The most samples a contribution may claim in this swarm (--max-weight resolved)."""
-        return self.cfg.weight_bound(self.task.samples_per_batch)
-
-    def weight(self) -> float:
-        """What this round's contribution weighs: the samples it trained on (every rank of a
-        member trains as many as rank 0), at most the swarm's --max-weight (a member with a
-        larger batch counts as much as the bound)."""
-        return min(float(max(self.engine.samples_this_round, 1) * self.local_workers), self.max_weight)
-
-    def look_ahead(self, delta: torch.Tensor) -> None:
-        """--overlap: the next round starts where the global parameters will be if the average
-        in flight equals our own contribution `delta` (DiLoCo.look_ahead)."""
-        with self.global_lock:
-            self.engine.look_ahead(delta)
-        self.moved = True
-
-    def apply_average(self, avg: torch.Tensor) -> str:
-        """Outer step with an averaged pseudo-gradient; returns the new param_digest."""
-        if not torch.isfinite(avg).all():
-            logger.error("averaged pseudo-gradient is not finite; skipping the outer update")
-            avg = torch.zeros_like(avg)
-        with self.global_lock:
-            self.engine.outer_step(avg)
-            self.digests()
-        self.moved = True
-        self.validate()
-        return self.param_digest
-
-    def digests(self) -> None:
-        """param_digest, state_digest and momentum_digest of the global state (under
-        global_lock): the round's start, which every replica of the swarm holds alike."""
-        self.param_digest = self.engine.param_digest()
-        self.state_digest, self.momentum_digest = state_digest(self.global_state())
-
-    def restart_from_global(self) -> None:
-        """Working weights back to the global parameters (overlap's first round)."""
-        with self.global_lock:
-            self.engine.load_flat_global(self.engine.flat_global())
-            self.engine.steps_this_round = self.engine.samples_this_round = 0
-        self.moved = True
-
-    def global_norm(self) -> float:
-        """L2 norm of the global parameters (what a donated state is judged against)."""
-        with self.global_lock:
-            return float(self.engine.flat_global().norm())
-
-    def snapshot(self) -> GlobalState:
-        """The global state for a joiner (called from a worker thread while we may train)."""
-        with self.global_lock:
-            return self.global_state()
-
-    def global_state(self) -> GlobalState:
-        """The global state as at the start of this round (inner steps before it); under global_lock."""
-        eng = self.engine
-        return GlobalState(round=eng.round, param_digest=self.param_digest, params=eng.flat_global(),
-                           momentum=eng.flat_momentum(), inner_steps_total=eng.inner_steps_total - eng.steps_this_round)
-
-    def adopt(self, state: GlobalState) -> str:
-        """Continue from a downloaded global state: parameters, momentum, round, schedule.
-        Our inner optimizer state and data stream stay ours (the node resets error feedback)."""
-        with self.global_lock:
-            eng = self.engine
-            eng.load_flat_global(state.params)
-            eng.load_flat_momentum(state.momentum)
-            eng.round, eng.inner_steps_total = state.round, state.inner_steps_total
-            eng.steps_this_round = eng.samples_this_round = 0
-            self.digests()
-        self.moved = True
-        if self.param_digest != state.param_digest:
-            raise ValueError("adopted parameters do not hash to the donor's digest")
-        self.validate()
-        return self.param_digest
-
-    def validate(self) -> None:
-        if self.task.validate is not None:
-            self.val_loss = float(self.task.validate(self.task.model))
-
     def data_progress(self) -> dict[str, int]:
         """Where the task's data stream stands (data_pass, data_documents), if it says."""
         progress = getattr(self.task.batches, "progress", None)
         return dict(progress) if isinstance(progress, dict) else {}
 
-    def export_info(self) -> dict[str, Any]:
-        """What `neuronode export` needs besides the global parameters: their names and the
-        task's files (config, tokenizer)."""
-        return {"task": self.cfg.task, "names": [name for name, _, _ in self.engine.manifest()],
-                "files": dict(self.task.files)}
-
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds; in a member, every rank's data-stream position too."""
-        state: dict[str, Any] = {"engine": self.engine.state_dict(), "loss": self.loss,
-                                 "val_loss": self.val_loss, "export": self.export_info()}
+        state = super().state_dict()
         if hasattr(self.task.batches, "state_dict"):
             state["batches"] = self.task.batches.state_dict()  # rank 0's, where a single process keeps it
         if self.member is not None:
@@ -305,10 +208,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], *, path: str = "") -> None:
         """Continue from a checkpoint (`path`: where rank 0 read it, for the other ranks)."""
-        with self.global_lock:
-            self.engine.load_state_dict(state["engine"])
-            self.digests()
-        self.loss, self.val_loss = state.get("loss", math.nan), state.get("val_loss", math.nan)
+        super().load_state_dict(state, path=path)
         streams = state.get("rank_batches") or [state.get("batches")]
         mine = streams[self.rank] if self.rank < len(streams) else None
         if mine is not None and hasattr(self.task.batches, "load_state_dict"):

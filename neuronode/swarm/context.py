@@ -62,7 +62,9 @@ class Settings:
     # What a person needs to fix a mismatch of a setting whose default is derived.
     HINTS: ClassVar[dict[str, str]] = {
         "--max-weight": " (by default --inner-steps x --batch-size x --grad-accum x --max-local-workers; members "
-                        "that differ in those need one --max-weight given to all)"}
+                        "that differ in those need one --max-weight given to all)",
+        "initial weights": " (the parameters a member starts from: build the model the same way on every member, "
+                           "from the same seed or the same saved weights)"}
 
     def __post_init__(self) -> None:
         sparse = self.codec == SPARSE
