@@ -6,6 +6,11 @@ The agent starts `python -m neuronode start ARGS` K times with the rank variable
 process becomes a rank: neuronode.node.member), watches them, stops them all when one fails, and
 restarts them from the member's checkpoint up to --max-restarts times.
 
+Network: every store of the member listens on 127.0.0.1 only (torch's listen on every
+interface, whatever address they are given): the agent's rendezvous (`loopback_rendezvous`),
+and the ranks' own, which rank 0 serves (neuronode.node.member.attempt_store) instead of the
+store the agent would share with them.
+
 Signals: SIGTERM or SIGINT to this launcher is passed on to every rank, which stop together at
 the next step boundary, rank 0 writing a checkpoint; the launcher then exits 0 as they do. A
 second signal stops them the agent's way (SIGTERM, then SIGKILL after 30 s). Stock torchrun
