@@ -187,7 +187,7 @@ class Member:
             dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64), group=self.control)
             longest = max(int(n) for n in lengths)
             padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
+            padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)  # JSON: never empty
             everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)] if self.leader else None
             dist.gather(padded, everyone, dst=0, group=self.control)
         if not self.leader or everyone is None:
@@ -258,8 +258,6 @@ def from_json(data: bytes) -> Any:
 
 def loopback_interface() -> str:
     """The name of the loopback network interface ("lo" on Linux), or "" if none is found."""
-    import socket
-
     try:
         names = [name for _, name in socket.if_nameindex()]
     except (OSError, AttributeError):
