@@ -316,7 +316,7 @@ def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b""
         round_id=c.round_id, sender_id=sender_id, swarm_id=swarm_id, chunk_index=f.index, chunk_count=f.count,
         codec=CODEC_TO_PB[c.codec], compressed=f.compressed, payload=f.data, contribution_digest=c.digest,
         weight=c.weight, total_elements=c.n_elements, chunk_elements=c.chunk_elements,
-        auth_tag=security.contribution_tag(**signed), base_digest=c.base_digest)
+        auth_tag=security.contribution_tag(**signed), base_digest=c.base_digest, sender_host=c.host)
         for f in c.frames]
     signature = security.sign_statement(header_statement(chunks[0])) if chunks else b""
     for chunk in chunks:

@@ -58,14 +58,17 @@ def _lineage_hash(base_digest: str, members: tuple[str, ...]) -> bytes:
     return hashlib.sha256(json.dumps([base_digest, list(members)], separators=(",", ":")).encode()).digest()
 
 
-def body_hash(*, digest: str, codec: str, weight: float, n_elements: int, contributors: Iterable[str]) -> bytes:
-    """Everything else a contribution's maker vouches for (the float exactly, as hex)."""
-    return _body_hash(digest, codec, float(weight), int(n_elements), tuple(contributors))
+def body_hash(*, digest: str, codec: str, weight: float, n_elements: int, contributors: Iterable[str],
+              host: str = "") -> bytes:
+    """Everything else a contribution's maker vouches for (the float exactly, as hex), the host
+    it names included: two hosts for one slot are two statements, an equivocation."""
+    return _body_hash(digest, codec, float(weight), int(n_elements), tuple(contributors), host)
 
 
 @functools.lru_cache(maxsize=4096)  # a member asks for each of a round's N contributions several times
-def _body_hash(digest: str, codec: str, weight: float, n_elements: int, contributors: tuple[str, ...]) -> bytes:
-    fields = [digest, codec, weight.hex(), n_elements, list(contributors)]
+def _body_hash(digest: str, codec: str, weight: float, n_elements: int, contributors: tuple[str, ...],
+               host: str) -> bytes:
+    fields = [digest, codec, weight.hex(), n_elements, list(contributors), host]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).digest()
 
 
@@ -95,7 +98,7 @@ def statement_of(c: Contribution) -> Statement:
     return Statement(round_id=c.round_id, sender=c.sender_id, phase=c.phase, shard_index=c.shard_index,
                      lineage=lineage_hash(c.base_digest, c.members),
                      body=body_hash(digest=c.digest, codec=c.codec, weight=c.weight, n_elements=c.n_elements,
-                                    contributors=c.contributors),
+                                    contributors=c.contributors, host=c.host),
                      signature=c.signature, public_key=c.public_key)
 
 

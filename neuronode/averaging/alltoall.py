@@ -29,7 +29,8 @@ class AllToAll(Averaging):
         # This encoding goes to every peer: it leaves at the upload rate / fan-out.
         link = self.transport.link_rate() / max(1, len(self.transport.alive()))
         enc = await asyncio.get_running_loop().run_in_executor(self.encoder_pool, lambda: self.encoder.contribution(
-            delta, [(0, delta.numel())], link, weight=weight, round_id=round_id, base_digest=base_digest))
+            delta, [(0, delta.numel())], link, weight=weight, round_id=round_id, base_digest=base_digest,
+            host=self.transport.own_host()))
         return Prepared(round_id=round_id, parts=enc.parts, compensated=enc.compensated,
                         encode_s=elapsed(started))
 
@@ -87,9 +88,10 @@ class AllToAll(Averaging):
         return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got), weights=weights(got))
 
     async def mean(self, got: dict[str, Contribution]) -> torch.Tensor:
-        """The aggregator over the round's contributions, in sorted sender order (decoded lazily)."""
+        """The aggregator over the round's contributions, a host's ids as one member, in sorted
+        order (decoded lazily)."""
         pieces = {sender: (c.data, c.weight) for sender, c in got.items()}
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.aggregate, pieces)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.aggregator(got), pieces)
 
 
 def weights(got: dict[str, Contribution]) -> dict[str, float]:

@@ -182,6 +182,9 @@ class LocalTransport:
     def voice(self, member: str) -> str:
         return voice(member, self.swarm.hosts.get(member, ""))
 
+    def own_host(self) -> str:
+        return self.swarm.hosts.get(self.node_id, "")
+
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         out = []
         for m in self.swarm.members.values():

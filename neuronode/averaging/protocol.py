@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -32,8 +32,9 @@ from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
 from neuronode.codec import Contribution, ContributionEncoder, Phase
 from neuronode.codec.contribution import Aggregate
+from neuronode.diloco.hosts import by_host
 from neuronode.events import fields
-from neuronode.quorum import majority, quorum, voices
+from neuronode.quorum import majority, quorum, voice, voices
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class AveragingConfig:
     n_elements: int
     sync_timeout_s: float = 60.0
     min_contributors: int = 1  # --min-peers
+    max_weight: float = 0.0  # --max-weight: what one host's ids weigh together at most (0: their sum)
 
 
 @dataclass
@@ -262,6 +264,19 @@ class Averaging:
         round (`replay`), its own contribution included when it crashed after sending it. The
         rest of what we held for the round is let go."""
         self.transport.retain(round_id, phase, agreed.values(), for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
+
+    def aggregator(self, got: Mapping[str, Contribution]) -> Aggregate:
+        """The aggregator over `got`'s pieces with every host one member (neuronode.diloco.hosts):
+        the ids of one host combined first, weighing --max-weight at most together. A host is
+        the one each contribution's maker signed into it (`Contribution.host`), which every
+        replica averaging these contributions reads alike, whatever host it sees a maker at
+        (a member behind NAT is seen at its router by its carriers, under a carrier's host by
+        the members it reaches through a relay). Every receiver that sees a maker itself checked
+        that name when the contribution came in (neuronode.swarm.hosts): several ids it sees at
+        one host cannot name several."""
+        hosts = {sender: voice(sender, c.host) for sender, c in got.items()}
+        aggregate, max_weight = self.aggregate, self.cfg.max_weight
+        return lambda pieces: aggregate(by_host(pieces, hosts, max_weight=max_weight))
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,

@@ -63,7 +63,7 @@ class ReduceScatter(Averaging):
         started = time.perf_counter()
         enc = await asyncio.get_running_loop().run_in_executor(self.encoder_pool, lambda: self.encoder.contribution(
             delta, ranges, self.transport.link_rate(), weight=weight, round_id=round_id, phase=Phase.SHARD,
-            base_digest=base_digest, members=reducers))
+            base_digest=base_digest, members=reducers, host=self.transport.own_host()))
         return Prepared(round_id=round_id, parts=enc.parts, compensated=enc.compensated, members=reducers,
                         senders=senders, ranges=ranges, encode_s=elapsed(started))
 
@@ -108,8 +108,9 @@ class ReduceScatter(Averaging):
             scatter_s = elapsed(started)
             started = time.perf_counter()
             reduced = await asyncio.get_running_loop().run_in_executor(self.encoder_pool, lambda: self.encoder.reduce(
-                self.aggregate, pieces, self.transport.link_rate(), round_id=round_id, n_elements=self.cfg.n_elements,
-                base_digest=base_digest, members=reducers, shard_index=index))
+                self.aggregator(pieces), pieces, self.transport.link_rate(), round_id=round_id,
+                n_elements=self.cfg.n_elements, base_digest=base_digest, members=reducers, shard_index=index,
+                host=own.host))
             reduce_s = elapsed(started)
             started = time.perf_counter()
             gathered = await self.phase(reduced, reduced, to=senders, expect=reducers)

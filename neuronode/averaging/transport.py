@@ -69,6 +69,10 @@ class Transport(Protocol):
     def voice(self, member: str) -> str:
         """Who `member` counts as in a vote (neuronode.quorum: its host; per id on loopback)."""
 
+    def own_host(self) -> str:
+        """The host our peers agree they see our connections come from (an IP; "" on loopback or
+        while unknown): our contributions name it, and the average weighs us under it."""
+
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         """Every receipt of others we hold of `round_id`'s `phase` (every version of a maker's)."""
 

@@ -85,6 +85,10 @@ class Contribution:
     shard_index: int = 0
     members: tuple[str, ...] = ()  # reduce-scatter: the round's members (sorted)
     contributors: tuple[str, ...] = ()  # averaged shard: whom it averages
+    # The host its maker says its connections come from (what its peers agree they see; "" on
+    # loopback or while unknown): the average weighs a host's ids as one member by it, and every
+    # receiver that sees the maker itself checks it (neuronode.averaging.protocol).
+    host: str = ""
     frames: list[Frame] = field(default_factory=list, repr=False)  # ours only: what goes on the wire
     zstd_level: int = 0
     # The maker's signature over its statement (neuronode.averaging.agreement) and its key: a

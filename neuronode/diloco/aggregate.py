@@ -48,6 +48,9 @@ the sender's own claim (its sample or step count), and a rule that let one membe
 huge weight would not be robust: a node refuses a claim above the swarm's ``--max-weight``
 before it reaches an aggregator. Weights are still validated exactly as for ``mean``.
 
+Members are hosts: a node runs every rule over one contribution per host, the ids of one host
+combined first (:mod:`neuronode.diloco.hosts`), so "members" and ``n`` below count hosts.
+
 Non-finite contributions: a vector holding NaN or ±inf is certainly not honest and would
 poison norms and means, so every robust aggregator (and the cosine filter) drops it with a
 warning before doing anything else; fractions above refer to the remaining members. Plain
@@ -270,8 +273,8 @@ class NormClip:
     result by no more than an honest member does. The median norm it clips to stays honest
     while fewer than ``n/2`` are bad.
 
-    A flipped update clipped to the median norm still cancels an honest member's share (two ids
-    of one volunteer among six: ``(4h − 2h) / 6``). So a member whose clipped vector points
+    A flipped update clipped to the median norm still cancels an honest member's share (a
+    volunteer on two hosts among six: ``(4h − 2h) / 6``). So a member whose clipped vector points
     against the sum of the others' (``x_i · (S − α_i x_i) < 0``, S the clipped mean) is left
     out, the most opposed first, as long as those left out stay a minority (at most
     ``⌊(n−1)/2⌋``: of two members nobody is); the result is then norm-clip over the others,

@@ -25,10 +25,13 @@ all from the last checkpoint with --max-restarts). Nothing here waits for a dead
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
+import json
 import logging
 import os
+import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -126,20 +129,26 @@ class Member:
 
     def command(self, op: str, payload: dict[str, Any]) -> None:
         """Rank 0: tell the other ranks what comes next."""
-        import torch.distributed as dist
-
-        with self.guarded():
-            dist.broadcast_object_list([(op, payload)], src=0, group=self.control)
+        self.broadcast_bytes(to_json([op, payload]))
 
     def receive(self) -> tuple[str, dict[str, Any]]:
         """The other ranks: wait for rank 0's next command."""
+        op, payload = from_json(self.broadcast_bytes(b""))
+        return str(op), dict(payload)
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's `data` on every rank, over the control group: its length, then its bytes
+        (never a pickle: what a rank receives is data, read as JSON)."""
         import torch.distributed as dist
 
-        box: list[Any] = [None]
+        length = torch.tensor([len(data)], dtype=torch.int64)
         with self.guarded():
-            dist.broadcast_object_list(box, src=0, group=self.control)
-        op, payload = box[0]
-        return str(op), dict(payload)
+            dist.broadcast(length, src=0, group=self.control)
+            buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader
+                      else torch.empty(int(length), dtype=torch.uint8))
+            if int(length):
+                dist.broadcast(buffer, src=0, group=self.control)
+        return bytes(buffer.numpy()) if not self.leader else data
 
     def agree(self, *, stop: bool, time_up: bool, tokens_per_s: float) -> tuple[bool, bool]:
         """Before an inner step, on every rank: (stop, end the round) if any rank says so; each
@@ -168,13 +177,22 @@ class Member:
             raise MemberLost(self.broken)
 
     def gather(self, report: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's report, in rank order, at rank 0 (the others get [])."""
+        """Every rank's report, in rank order, at rank 0 (the others get []), as JSON (never a
+        pickle): every rank's length, then every rank's bytes padded to the longest."""
         import torch.distributed as dist
 
-        out: list[Any] | None = [None] * self.world if self.leader else None
+        mine = to_json(report)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         with self.guarded():
-            dist.gather_object(report, out, dst=0, group=self.control)
-        return list(out or [])
+            dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64), group=self.control)
+            longest = max(int(n) for n in lengths)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)  # JSON: never empty
+            everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)] if self.leader else None
+            dist.gather(padded, everyone, dst=0, group=self.control)
+        if not self.leader or everyone is None:
+            return []
+        return [from_json(bytes(t[:int(n)].numpy())) for t, n in zip(everyone, lengths, strict=True)]
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` into every rank's (in place), over the training backend."""
@@ -205,10 +223,41 @@ class Member:
         return loss
 
 
+# What ranks send each other besides tensors: JSON, with tensors (a data stream's generator
+# state) as {"__tensor__": dtype, "shape": [...], "data": base64}, of these dtypes only.
+_DTYPES = {str(t): t for t in (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.float64,
+                               torch.bool)}
+
+
+def to_json(value: Any) -> bytes:
+    """`value` (JSON types and CPU tensors) as UTF-8 JSON bytes."""
+    def tensor(obj: Any) -> dict[str, Any]:
+        if not isinstance(obj, torch.Tensor) or str(obj.dtype) not in _DTYPES:
+            raise TypeError(f"a member's ranks send JSON data and tensors of {sorted(_DTYPES)}, not {type(obj).__name__}")
+        data = obj.detach().cpu().contiguous()
+        return {"__tensor__": str(data.dtype), "shape": list(data.shape),
+                "data": base64.b64encode(data.numpy().tobytes()).decode()}
+
+    return json.dumps(value, default=tensor, separators=(",", ":")).encode()
+
+
+def from_json(data: bytes) -> Any:
+    """What `to_json` wrote (ValueError for anything else)."""
+    def tensor(obj: dict[str, Any]) -> Any:
+        if "__tensor__" not in obj:
+            return obj
+        dtype = _DTYPES[obj["__tensor__"]]
+        raw = bytearray(base64.b64decode(obj["data"], validate=True))
+        return torch.frombuffer(raw, dtype=dtype).reshape(obj["shape"]) if raw else torch.empty(obj["shape"], dtype=dtype)
+
+    try:
+        return json.loads(data, object_hook=tensor)
+    except (KeyError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"a rank sent data that is not what to_json writes: {exc}") from None
+
+
 def loopback_interface() -> str:
     """The name of the loopback network interface ("lo" on Linux), or "" if none is found."""
-    import socket
-
     try:
         names = [name for _, name in socket.if_nameindex()]
     except (OSError, AttributeError):
@@ -224,7 +273,25 @@ def attempt_store(environ: Mapping[str, str]) -> Any:
 
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
-    store = dist.TCPStore(environ.get("MASTER_ADDR", "127.0.0.1"), int(environ.get("MASTER_PORT", "29500")), world,
-                          is_master=not agent_store and rank == 0, timeout=STORE_TIMEOUT,
-                          multi_tenant=not agent_store)
+    host, port = environ.get("MASTER_ADDR", "127.0.0.1"), int(environ.get("MASTER_PORT", "29500"))
+    serve = not agent_store and rank == 0
+    # torch's store serves on every interface, whatever MASTER_ADDR names: ours listens at that
+    # address only (loopback under --local-workers), so nothing off this machine reaches it.
+    listener = listening_socket(host, port) if serve else None
+    try:
+        store = dist.TCPStore(host, port, world, is_master=serve, timeout=STORE_TIMEOUT, multi_tenant=not agent_store,
+                              master_listen_fd=listener.fileno() if listener is not None else None)
+    finally:
+        if listener is not None:
+            listener.detach()  # the store owns the socket now
     return dist.PrefixStore(f"neuronode/start-{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening at `host`:`port` only (the first address `host` resolves to)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(128)
+    return listener

@@ -20,7 +20,7 @@ from neuronode.swarm.wire import CODEC_TO_PB, MAX_PEERS_LISTED, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 PAYLOAD_FIELD = pb.ContributionChunk.DESCRIPTOR.fields_by_name["payload"].number
-# A valid chunk has 21 fields, two of them repeated with at most MAX_PEERS_LISTED entries each.
+# A valid chunk has 22 fields, two of them repeated with at most MAX_PEERS_LISTED entries each.
 # Walking more fields than this in Python is left to protobuf's C parser (a hostile message of
 # millions of one-byte fields must not hold the event loop for seconds).
 MAX_FIELDS_WALKED = 4 * MAX_PEERS_LISTED
@@ -49,7 +49,7 @@ def header_of(c: Contribution, *, tag: str = "", swarm_id: str = "") -> pb.Contr
         codec=CODEC_TO_PB[c.codec], contribution_digest=c.digest, weight=c.weight, total_elements=c.n_elements,
         chunk_elements=c.chunk_elements, auth_tag=tag, shuffled=c.shuffled, base_digest=c.base_digest,
         phase=int(c.phase), shard_index=c.shard_index, shard_count=len(c.members),  # type: ignore[arg-type]
-        members=c.members, contributors=c.contributors, signature=c.signature)
+        members=c.members, contributors=c.contributors, signature=c.signature, sender_host=c.host)
 
 
 async def maker_chunks(c: Contribution, *, swarm_id: str, executor: Executor,

@@ -24,19 +24,29 @@ from neuronode.codec import (
     receiving,
     shard_ranges,
 )
+from neuronode.config import is_loopback_host
+from neuronode.quorum import voice
 from neuronode.security.auth import AuthError
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.bans import node_key
 from neuronode.swarm.chunks import ChunkView, parse_chunk
 from neuronode.swarm.context import Context
+from neuronode.swarm.hosts import host_claim_refusal, is_canonical_ip
 from neuronode.swarm.links.relay import Relay
+from neuronode.swarm.membership import is_ip
 from neuronode.swarm.security import caller_id
-from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, PB_TO_CODEC, Refusal
+from neuronode.swarm.wire import (
+    MAX_ADDRESS_CHARS,
+    MAX_ID_CHARS,
+    MAX_PEERS_LISTED,
+    PB_TO_CODEC,
+    Refusal,
+)
 from neuronode.v1 import node_pb2 as pb
 
 STREAM_FIELDS = ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest", "weight",
                  "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest",
-                 "phase", "shard_index", "shard_count", "members", "contributors", "signature")
+                 "phase", "shard_index", "shard_count", "members", "contributors", "signature", "sender_host")
 
 
 def stream_key(header: Any) -> tuple[Any, ...]:
@@ -65,7 +75,7 @@ def header_statement(chunk: Any, *, signature: bytes | None = None) -> Statement
                      shard_index=chunk.shard_index, lineage=lineage_hash(chunk.base_digest, chunk.members),
                      body=body_hash(digest=chunk.contribution_digest, codec=PB_TO_CODEC.get(chunk.codec, "?"),
                                     weight=chunk.weight, n_elements=chunk.total_elements,
-                                    contributors=chunk.contributors),
+                                    contributors=chunk.contributors, host=chunk.sender_host),
                      signature=chunk.signature if signature is None else signature)
 
 
@@ -173,6 +183,7 @@ class Inbound:
                 digest=first.contribution_digest, chunk_elements=first.chunk_elements, shuffled=first.shuffled,
                 base_digest=first.base_digest, phase=Phase(first.phase), shard_index=first.shard_index,
                 members=tuple(first.members), contributors=tuple(first.contributors), signature=first.signature,
+                host=first.sender_host,
                 public_key=fetched.public_key if fetched is not None else peer.public_key if peer else b"")
             if fetched is None:
                 book.finish(got)
@@ -277,6 +288,7 @@ class Inbound:
         if chunk.total_elements != cfg.n_elements:
             raise Refusal("INVALID_ARGUMENT", f"contribution has {chunk.total_elements} elements, the model has "
                           f"{cfg.n_elements}")
+        self.check_host(chunk)
         bound = cfg.settings.max_weight * max(1, len(chunk.contributors))  # an averaged shard: its pieces' sum
         if not 0 < chunk.weight <= bound:
             raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count of at most "
@@ -285,6 +297,31 @@ class Inbound:
         return receiving(codec=spec, n_elems=self.payload_elements(chunk, spec),
                          chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
                          shuffled=chunk.shuffled)
+
+    def check_host(self, chunk: Any) -> None:
+        """The host a contribution names for its maker (`sender_host`: the average weighs a host's
+        ids as one member by it, neuronode.averaging.protocol) is an IP as written canonically, and
+        is taken by this rule (`host_claim_refusal`) where we saw the maker ourselves at an IP. A
+        maker on our loopback runs on this machine; one we know only through a relay, or not at
+        all (a fetched contribution), we cannot see: the member that delivered it saw it and
+        checked it as we do."""
+        claimed = chunk.sender_host
+        if claimed and (len(claimed) > MAX_ADDRESS_CHARS or not is_canonical_ip(claimed)):
+            raise Refusal("INVALID_ARGUMENT", f"sender_host {claimed[:64]!r} is not an IP address written "
+                          "canonically (empty on loopback)")
+        table = self.ctx.table
+        peer = table.peers.get(chunk.sender_id)
+        if peer is None or not peer.seen_directly or not is_ip(peer.host) or is_loopback_host(peer.host):
+            return
+        # Every member we saw ourselves, live or not: ids of one host taking turns to be the only
+        # live one there would otherwise each name a host of its own.
+        others = [p.voice for p in table.peers.values() if p.seen_directly and p.node_id != peer.node_id]
+        why = host_claim_refusal(seen=peer.voice, claimed=voice(peer.node_id, claimed), others=others)
+        if why:
+            raise Refusal("PERMISSION_DENIED", f"round {chunk.round_id}: {peer.node_id} names host "
+                          f"{claimed or '(none)'} for its contribution, but this node sees it at {peer.host}, {why}; "
+                          "a contribution names the host its maker's peers see it at (observed_address in "
+                          "`neuronode status`), and the average weighs the ids of one host as one member")
 
     def check_swarm(self, chunk: Any) -> None:
         if chunk.swarm_id != self.ctx.cfg.swarm_id:

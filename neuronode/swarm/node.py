@@ -69,7 +69,8 @@ class SwarmNode:
         self.peers = Peers(ctx, links=self.links, receipts=self.receipts, on_news=self._news, observe=self.reach.observe)
         self.inbound = Inbound(ctx, relay=self.relay)
         self.transport = GrpcTransport(ctx, links=self.links, inbound=self.inbound, receipts=self.receipts,
-                                       publish_receipt=self.peers.publish_receipt)
+                                       publish_receipt=self.peers.publish_receipt,
+                                       own_host=lambda: self.reach.observed_host)
         self.fetcher = StateFetch(ctx, links=self.links, on_progress=on_download)
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash, zstd_level=cfg.zstd_level,
                            executor=executor, security=ctx.security)

@@ -25,6 +25,7 @@ from neuronode.events import fields
 from neuronode.swarm.chunks import header_of, serialize_chunk
 from neuronode.swarm.context import Context
 from neuronode.swarm.faults import FaultInjected
+from neuronode.swarm.hosts import canonical_ip
 from neuronode.swarm.inbound import Inbound, bound_digest
 from neuronode.swarm.links import Links, NoRoute, SessionClosed, retry_until
 from neuronode.swarm.links.links import EARLY_STATUS_BUG, FINAL_CODES
@@ -87,11 +88,12 @@ class GrpcTransport:
     """neuronode.averaging.Transport over the swarm's links (see the module docstring)."""
 
     def __init__(self, ctx: Context, *, links: Links, inbound: Inbound, receipts: Receipts,
-                 publish_receipt: Callable[[Receipt], Receipt]) -> None:
+                 publish_receipt: Callable[[Receipt], Receipt], own_host: Callable[[], str] = str) -> None:
         self.ctx = ctx
         self.links = links
         self.ledger = receipts
         self._publish = publish_receipt
+        self._own_host = own_host  # the host our peers agree they see us at (neuronode.swarm.reach)
         self._outbox: dict[tuple[Phase, int], Outbox] = {}
         self.missed = Missed(ctx, links=links, inbound=inbound)
 
@@ -124,6 +126,9 @@ class GrpcTransport:
 
     def voice(self, member: str) -> str:
         return self.ctx.table.voice(member)
+
+    def own_host(self) -> str:
+        return canonical_ip(self._own_host())
 
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
         return self.ledger.receipts(round_id, phase)

@@ -252,7 +252,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ContributionChunk(_message.Message):
-    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled", "base_digest", "phase", "shard_index", "shard_count", "members", "contributors", "signature")
+    __slots__ = ("round_id", "sender_id", "chunk_index", "chunk_count", "codec", "compressed", "payload", "contribution_digest", "weight", "total_elements", "swarm_id", "chunk_elements", "auth_tag", "shuffled", "base_digest", "phase", "shard_index", "shard_count", "members", "contributors", "signature", "sender_host")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class ContributionChunk(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     sender_id: str
     chunk_index: int
@@ -295,7 +296,8 @@ class ContributionChunk(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[str]
     contributors: _containers.RepeatedScalarFieldContainer[str]
     signature: bytes
-    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ..., base_digest: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    sender_host: str
+    def __init__(self, round_id: _Optional[int] = ..., sender_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., compressed: _Optional[bool] = ..., payload: _Optional[bytes] = ..., contribution_digest: _Optional[str] = ..., weight: _Optional[float] = ..., total_elements: _Optional[int] = ..., swarm_id: _Optional[str] = ..., chunk_elements: _Optional[int] = ..., auth_tag: _Optional[str] = ..., shuffled: _Optional[bool] = ..., base_digest: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., signature: _Optional[bytes] = ..., sender_host: _Optional[str] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks_received",)
