@@ -23,8 +23,8 @@ import grpc
 import torch
 from helpers import FORKS, Forked, Node, run_cli
 
-from neuronode.codec import ContributionDigest, Frame
-from neuronode.state import GlobalState
+from neuronode.codec import Frame
+from neuronode.state import STATE_CHUNK_ELEMENTS, GlobalState, state_digest
 from neuronode.v1 import node_pb2 as pb
 
 FAKE_DIGEST = "f" * 64
@@ -58,16 +58,17 @@ def lie_about_reach(node: Any, *, reachable: bool) -> None:
     node.reach.dial_back = lying
 
 
-def nan_frames(vector: torch.Tensor, *, zstd_level: int) -> tuple[list[Frame], str]:
-    """statesync.part_frames without the finiteness check: raw fp32 frames of `vector`."""
-    raw = vector.contiguous().numpy().astype("<f4").tobytes()
-    step = 1 << 20
-    pieces = [raw[i:i + step] for i in range(0, len(raw), step)]
-    digest = ContributionDigest(sha256=True)
-    for piece in pieces:
-        digest.update(piece)
-    return [Frame(index=i, count=len(pieces), compressed=False, data=p, raw_len=len(p))
-            for i, p in enumerate(pieces)], digest.hexdigest()
+def nan_chunk(vector: torch.Tensor, index: int, *, zstd_level: int) -> Frame:
+    """statedonor.encode_chunk without the finiteness check: chunk `index` as a raw fp32 frame."""
+    step = STATE_CHUNK_ELEMENTS
+    raw = vector[index * step:(index + 1) * step].contiguous().numpy().astype("<f4").tobytes()
+    return Frame(index=0, count=1, compressed=False, data=raw, raw_len=len(raw))
+
+
+def published(node: Any, s: GlobalState) -> None:
+    """`node` publishes `s` as its state at s.round: what witnesses vouch for (its param_digest
+    and chunks_root), as a member holding it does."""
+    node.state.adopted(s.round, s.param_digest, state_digest(s)[1], listen=False)
 
 
 def sha256(t: torch.Tensor) -> str:
@@ -127,7 +128,8 @@ def ahead_digests(digests: Callable[[Any], None]) -> Callable[[Any], None]:
     """Trainer.digests that also keeps the doctored state's digests for the liar's Hellos."""
     def lying(trainer: Any) -> None:
         digests(trainer)
-        AHEAD.update(param=sha256(trainer.engine.flat_global() + 0.5), momentum=trainer.momentum_digest)
+        ahead = _ahead(trainer.global_state())  # what it serves: its chunk list is what it publishes
+        AHEAD.update(param=ahead.param_digest, momentum=state_digest(ahead)[1])
 
     return lying
 
@@ -319,7 +321,7 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
 def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
-    from neuronode.swarm import statesync
+    from neuronode.swarm import statedonor
     from neuronode.swarm.peers import Peers
 
     honest_info = Peers.node_info
@@ -342,7 +344,7 @@ def apply(behaviour: str) -> None:
         change = {"doctored-state": _doctored, "nan-state": _nan, "huge-momentum": _huge_momentum,
                   "doctored-momentum": _momentum_x3}[behaviour]
         Trainer.snapshot = doctor(Trainer.snapshot, change)  # type: ignore[method-assign]
-        statesync.part_frames = nan_frames  # a hostile donor encodes what it likes
+        statedonor.encode_chunk = nan_chunk  # a hostile donor encodes what it likes
     elif behaviour == "ahead-doctored":  # one round ahead of the swarm, with a doctored state it serves
         Trainer.digests = ahead_digests(Trainer.digests)  # type: ignore[method-assign]
         Trainer.snapshot = doctor(Trainer.snapshot, _ahead)  # type: ignore[method-assign]
@@ -359,7 +361,7 @@ def apply(behaviour: str) -> None:
             raise Refusal("UNAVAILABLE", "busy")
 
         SwarmNode.start = holding(SwarmNode.start)  # type: ignore[method-assign]
-        statesync.Donor.serve = serve_none  # type: ignore[method-assign]
+        statedonor.Donor.serve = serve_none  # type: ignore[method-assign]
     elif behaviour == "impersonate":  # once it knows h2, says every Hello as h2 (from its own address)
         Peers.node_info = impersonating("h2", honest_info)  # type: ignore[method-assign]
     elif behaviour == "ghosts":  # lists 30 addresses of its host, each answering Hello under a made-up id
