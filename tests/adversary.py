@@ -196,6 +196,57 @@ async def hold_state_slots(node: Any) -> None:
         await asyncio.sleep(0.5)
 
 
+SLOW_READ_S = 20.0  # a slow-state liar reads one message of each held download this often (under the 30 s stall)
+
+
+def reading_slowly(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
+    async def lying(self: Any) -> str:
+        address = await start(self)
+        self.ctx.tasks.spawn(read_state_slowly(self), "slow-state")
+        return address
+
+    return lying
+
+
+async def read_state_slowly(node: Any) -> None:
+    """Keep a FetchState call open at every live member, reading one message every SLOW_READ_S
+    (a chunk every 20 s: never a stall, far under the rate a transfer must keep); open it again
+    whenever a member ends one. Each download whose header came is logged (`holding_state`)."""
+    import logging
+
+    from neuronode.events import fields
+    from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+    log = logging.getLogger("neuronode.adversary")
+    channels: dict[str, Any] = {}
+
+    async def hold(peer_id: str, address: str) -> None:
+        if address not in channels:  # no BDP probing: the receive window stays 64 KiB
+            channels[address] = grpc.aio.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+        call = pb_grpc.NodeStub(channels[address]).FetchState(
+            node.ctx.security.sign_request("FetchState", pb.StateRequest(node_id=node.cfg.node_id,
+                                                                         swarm_id=node.cfg.swarm_id), peer_id),
+            metadata=node.ctx.security.metadata("FetchState"))
+        try:
+            await call.read()
+            log.info("holding %s's state download", peer_id, extra=fields("holding_state", peer_id=peer_id))
+            while await call.read() != grpc.aio.EOF:  # noqa: ASYNC110 - the slowness is the attack
+                await asyncio.sleep(SLOW_READ_S)
+        except grpc.aio.AioRpcError as exc:
+            log.info("%s ended our state download: %s", peer_id, exc.code().name,
+                     extra=fields("held_state_ended", peer_id=peer_id, code=exc.code().name))
+        finally:
+            call.cancel()
+
+    holding: dict[str, asyncio.Task[None]] = {}
+    while True:
+        for peer in node.table.alive():
+            task = holding.get(peer.node_id)
+            if task is None or task.done():
+                holding[peer.node_id] = node.ctx.tasks.spawn(hold(peer.node_id, peer.address), f"slow-{peer.node_id}")
+        await asyncio.sleep(0.5)
+
+
 def impersonating(victim: str, honest_info: Callable[[Any], pb.NodeInfo]) -> Callable[[Any], pb.NodeInfo]:
     def lying(self: Any, *args: Any, **kwargs: Any) -> pb.NodeInfo:
         info = honest_info(self, *args, **kwargs)
@@ -362,6 +413,15 @@ def apply(behaviour: str) -> None:
 
         SwarmNode.start = holding(SwarmNode.start)  # type: ignore[method-assign]
         statedonor.Donor.serve = serve_none  # type: ignore[method-assign]
+    elif behaviour == "slow-state":  # reads a state download at every member, a chunk every 20 s; serves none
+        from neuronode.swarm.node import SwarmNode
+        from neuronode.swarm.wire import Refusal
+
+        async def refuse_all(self: Any, caller: str, write: Any, **resume: Any) -> None:
+            raise Refusal("UNAVAILABLE", "busy")
+
+        SwarmNode.start = reading_slowly(SwarmNode.start)  # type: ignore[method-assign]
+        statedonor.Donor.serve = refuse_all  # type: ignore[method-assign]
     elif behaviour == "impersonate":  # once it knows h2, says every Hello as h2 (from its own address)
         Peers.node_info = impersonating("h2", honest_info)  # type: ignore[method-assign]
     elif behaviour == "ghosts":  # lists 30 addresses of its host, each answering Hello under a made-up id
@@ -446,7 +506,8 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
               "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
-              "equivocate-receipts", "heavy-flip", "flip", "just-in-time", "doctored-momentum", "ahead-doctored")
+              "equivocate-receipts", "heavy-flip", "flip", "just-in-time", "doctored-momentum", "ahead-doctored",
+              "slow-state")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

@@ -28,7 +28,7 @@ from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.serving import Pace, Slots
-from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
+from neuronode.swarm.wire import MAX_ID_CHARS, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Missed:
         self.inbound = inbound
         self.kept: dict[Statement, tuple[Contribution, float]] = {}  # -> until (the node's clock)
         self.slots = Slots(per_host=FETCHES_PER_HOST, total=MAX_FETCHES, what="contribution fetches")
+        self.stall_s = STALL_S  # a stream nothing is read from for this long is ended
 
     @property
     def serving(self) -> dict[str, int]:
@@ -145,7 +146,7 @@ class Missed:
 
     async def stream(self, c: Contribution, caller: str, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx
-        pace = Pace(ctx.clock.now, what="contribution fetch")
+        pace = Pace(ctx.clock.now, what="contribution fetch", stall_s=self.stall_s)
         async for data in maker_chunks(c, swarm_id=ctx.cfg.swarm_id, executor=ctx.executor,
                                        zstd_level=ctx.cfg.zstd_level):
             await pace.limited(ctx.upload.acquire(len(data)))
