@@ -62,6 +62,7 @@ class StateFetch:
         self.progress = TransferProgress()
         self.transfers = 0
         self.unwitnessed: dict[int, str] = {}  # round -> a donor refused because nobody had published it yet
+        self.downloaded: dict[str, Any] = {}  # the last download's figures (its state_downloaded event)
 
     def show(self, progress: TransferProgress) -> None:
         self.progress = progress
@@ -80,11 +81,12 @@ class StateFetch:
                 state = await self.one_pass(donors, verify, download)
                 if state is not None:
                     took = time.monotonic() - started
+                    self.downloaded = {"bytes": download.received_bytes, "seconds": round(took, 3),
+                                       "chunks_by_donor": dict(download.by_donor),
+                                       "donors_at_once": download.most_at_once}
                     logger.info("downloaded the state (%.1f MB) in %.1f s from %s", download.received_bytes / 1e6, took,
                                 ", ".join(f"{d} ({n} chunks)" for d, n in sorted(download.by_donor.items())),
-                                extra=fields("state_downloaded", bytes=download.received_bytes, seconds=round(took, 1),
-                                             chunks_by_donor=dict(download.by_donor),
-                                             donors_at_once=download.most_at_once))
+                                extra=fields("state_downloaded", **{**self.downloaded, "seconds": round(took, 1)}))
                     return state
                 if download.have > held:
                     continue  # cut or stalled part way: on from what we verified
