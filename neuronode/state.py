@@ -41,25 +41,27 @@ def state_root(*, round_id: int, inner_steps_total: int, n_elements: int, params
     return h.hexdigest()
 
 
-def momentum_root(momentum: list[bytes] | None) -> str:
-    """What a member publishes per round beside its param_digest, so that witnesses vouch for a
-    donated state's momentum as well as its parameters: sha256 over the momentum's chunk
-    digests ("" before the first outer step: no momentum yet). A donor's header lists the same
-    chunk digests, so the joiner computes it before it downloads anything. The inner step count
-    is not vouched for: members with other --inner-steps hold other counts (it only sets where
-    the joiner's inner learning-rate schedule goes on)."""
-    if momentum is None:
-        return ""
-    h = hashlib.sha256(b"neuronode-momentum/1")
-    for digest in momentum:
+def chunks_root(params: list[bytes], momentum: list[bytes] | None) -> str:
+    """What a member publishes per round beside its param_digest (`RoundDigest.momentum_digest`,
+    the name it had when it covered the momentum only), so that witnesses vouch for the whole
+    chunk list of a donated state: sha256 over the digests of its chunks, parameters then
+    momentum. A donor's header lists the same digests, so the joiner computes it before it
+    downloads anything, and then checks every chunk, from any donor, against that vouched list
+    as it arrives. Unlike `state_root` it leaves out the inner step count (members with other
+    --inner-steps hold other counts; it only sets where the joiner's inner learning-rate
+    schedule goes on) and the round (the witnesses publish it per round)."""
+    h = hashlib.sha256(b"neuronode-chunks/1")
+    h.update(struct.pack("<?", momentum is not None))
+    for digest in [*params, *(momentum or [])]:
         h.update(digest)
     return h.hexdigest()
 
 
 def state_digest(state: GlobalState) -> tuple[str, str]:
-    """`state_root` and `momentum_root` of a whole state (hashes all of it: run it off the
-    event loop)."""
+    """`state_root` and `chunks_root` of a whole state (hashes all of it: run it off the event
+    loop)."""
+    params = chunk_digests(state.params)
     momentum = chunk_digests(state.momentum) if state.momentum is not None else None
     return (state_root(round_id=state.round, inner_steps_total=state.inner_steps_total,
-                       n_elements=state.params.numel(), params=chunk_digests(state.params), momentum=momentum),
-            momentum_root(momentum))
+                       n_elements=state.params.numel(), params=params, momentum=momentum),
+            chunks_root(params, momentum))

@@ -23,8 +23,8 @@ import grpc
 import torch
 from helpers import FORKS, Forked, Node, run_cli
 
-from neuronode.codec import ContributionDigest, Frame
-from neuronode.state import GlobalState
+from neuronode.codec import Frame
+from neuronode.state import STATE_CHUNK_ELEMENTS, GlobalState, state_digest
 from neuronode.v1 import node_pb2 as pb
 
 FAKE_DIGEST = "f" * 64
@@ -58,16 +58,17 @@ def lie_about_reach(node: Any, *, reachable: bool) -> None:
     node.reach.dial_back = lying
 
 
-def nan_frames(vector: torch.Tensor, *, zstd_level: int) -> tuple[list[Frame], str]:
-    """statesync.part_frames without the finiteness check: raw fp32 frames of `vector`."""
-    raw = vector.contiguous().numpy().astype("<f4").tobytes()
-    step = 1 << 20
-    pieces = [raw[i:i + step] for i in range(0, len(raw), step)]
-    digest = ContributionDigest(sha256=True)
-    for piece in pieces:
-        digest.update(piece)
-    return [Frame(index=i, count=len(pieces), compressed=False, data=p, raw_len=len(p))
-            for i, p in enumerate(pieces)], digest.hexdigest()
+def nan_chunk(vector: torch.Tensor, index: int, *, zstd_level: int) -> Frame:
+    """statedonor.encode_chunk without the finiteness check: chunk `index` as a raw fp32 frame."""
+    step = STATE_CHUNK_ELEMENTS
+    raw = vector[index * step:(index + 1) * step].contiguous().numpy().astype("<f4").tobytes()
+    return Frame(index=0, count=1, compressed=False, data=raw, raw_len=len(raw))
+
+
+def published(node: Any, s: GlobalState) -> None:
+    """`node` publishes `s` as its state at s.round: what witnesses vouch for (its param_digest
+    and chunks_root), as a member holding it does."""
+    node.state.adopted(s.round, s.param_digest, state_digest(s)[1], listen=False)
 
 
 def sha256(t: torch.Tensor) -> str:
@@ -127,7 +128,8 @@ def ahead_digests(digests: Callable[[Any], None]) -> Callable[[Any], None]:
     """Trainer.digests that also keeps the doctored state's digests for the liar's Hellos."""
     def lying(trainer: Any) -> None:
         digests(trainer)
-        AHEAD.update(param=sha256(trainer.engine.flat_global() + 0.5), momentum=trainer.momentum_digest)
+        ahead = _ahead(trainer.global_state())  # what it serves: its chunk list is what it publishes
+        AHEAD.update(param=ahead.param_digest, momentum=state_digest(ahead)[1])
 
     return lying
 
@@ -191,6 +193,57 @@ async def hold_state_slots(node: Any) -> None:
                 except grpc.aio.AioRpcError:
                     break
             held[peer.node_id] = calls
+        await asyncio.sleep(0.5)
+
+
+SLOW_READ_S = 20.0  # a slow-state liar reads one message of each held download this often (under the 30 s stall)
+
+
+def reading_slowly(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
+    async def lying(self: Any) -> str:
+        address = await start(self)
+        self.ctx.tasks.spawn(read_state_slowly(self), "slow-state")
+        return address
+
+    return lying
+
+
+async def read_state_slowly(node: Any) -> None:
+    """Keep a FetchState call open at every live member, reading one message every SLOW_READ_S
+    (a chunk every 20 s: never a stall, far under the rate a transfer must keep); open it again
+    whenever a member ends one. Each download whose header came is logged (`holding_state`)."""
+    import logging
+
+    from neuronode.events import fields
+    from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+    log = logging.getLogger("neuronode.adversary")
+    channels: dict[str, Any] = {}
+
+    async def hold(peer_id: str, address: str) -> None:
+        if address not in channels:  # no BDP probing: the receive window stays 64 KiB
+            channels[address] = grpc.aio.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+        call = pb_grpc.NodeStub(channels[address]).FetchState(
+            node.ctx.security.sign_request("FetchState", pb.StateRequest(node_id=node.cfg.node_id,
+                                                                         swarm_id=node.cfg.swarm_id), peer_id),
+            metadata=node.ctx.security.metadata("FetchState"))
+        try:
+            await call.read()
+            log.info("holding %s's state download", peer_id, extra=fields("holding_state", peer_id=peer_id))
+            while await call.read() != grpc.aio.EOF:  # noqa: ASYNC110 - the slowness is the attack
+                await asyncio.sleep(SLOW_READ_S)
+        except grpc.aio.AioRpcError as exc:
+            log.info("%s ended our state download: %s", peer_id, exc.code().name,
+                     extra=fields("held_state_ended", peer_id=peer_id, code=exc.code().name))
+        finally:
+            call.cancel()
+
+    holding: dict[str, asyncio.Task[None]] = {}
+    while True:
+        for peer in node.table.alive():
+            task = holding.get(peer.node_id)
+            if task is None or task.done():
+                holding[peer.node_id] = node.ctx.tasks.spawn(hold(peer.node_id, peer.address), f"slow-{peer.node_id}")
         await asyncio.sleep(0.5)
 
 
@@ -319,7 +372,7 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
 def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
-    from neuronode.swarm import statesync
+    from neuronode.swarm import statedonor
     from neuronode.swarm.peers import Peers
 
     honest_info = Peers.node_info
@@ -342,7 +395,7 @@ def apply(behaviour: str) -> None:
         change = {"doctored-state": _doctored, "nan-state": _nan, "huge-momentum": _huge_momentum,
                   "doctored-momentum": _momentum_x3}[behaviour]
         Trainer.snapshot = doctor(Trainer.snapshot, change)  # type: ignore[method-assign]
-        statesync.part_frames = nan_frames  # a hostile donor encodes what it likes
+        statedonor.encode_chunk = nan_chunk  # a hostile donor encodes what it likes
     elif behaviour == "ahead-doctored":  # one round ahead of the swarm, with a doctored state it serves
         Trainer.digests = ahead_digests(Trainer.digests)  # type: ignore[method-assign]
         Trainer.snapshot = doctor(Trainer.snapshot, _ahead)  # type: ignore[method-assign]
@@ -359,7 +412,16 @@ def apply(behaviour: str) -> None:
             raise Refusal("UNAVAILABLE", "busy")
 
         SwarmNode.start = holding(SwarmNode.start)  # type: ignore[method-assign]
-        statesync.Donor.serve = serve_none  # type: ignore[method-assign]
+        statedonor.Donor.serve = serve_none  # type: ignore[method-assign]
+    elif behaviour == "slow-state":  # reads a state download at every member, a chunk every 20 s; serves none
+        from neuronode.swarm.node import SwarmNode
+        from neuronode.swarm.wire import Refusal
+
+        async def refuse_all(self: Any, caller: str, write: Any, **resume: Any) -> None:
+            raise Refusal("UNAVAILABLE", "busy")
+
+        SwarmNode.start = reading_slowly(SwarmNode.start)  # type: ignore[method-assign]
+        statedonor.Donor.serve = refuse_all  # type: ignore[method-assign]
     elif behaviour == "impersonate":  # once it knows h2, says every Hello as h2 (from its own address)
         Peers.node_info = impersonating("h2", honest_info)  # type: ignore[method-assign]
     elif behaviour == "ghosts":  # lists 30 addresses of its host, each answering Hello under a made-up id
@@ -444,7 +506,8 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
               "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
-              "equivocate-receipts", "heavy-flip", "flip", "just-in-time", "doctored-momentum", "ahead-doctored")
+              "equivocate-receipts", "heavy-flip", "flip", "just-in-time", "doctored-momentum", "ahead-doctored",
+              "slow-state")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

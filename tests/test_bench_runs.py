@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import run_neuronode
 
-from neuronode.bench import quality, stall, utilization
+from neuronode.bench import quality, stall, statesync, utilization
 from neuronode.errors import ConfigError
 
 TINY_MODEL = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32",
@@ -106,6 +106,30 @@ def test_stall_tiny() -> None:
     assert result["buffered_bytes_after_close"] == 0
     assert 4 * 300_000 <= result["buffered_bytes_max"] <= result["buffered_bytes_bound"]
     assert result["ratio_vs_reference"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_statesync_tiny() -> None:
+    """A 600k-parameter state (6 chunks) from 1 and 2 donors at 200 Mbit/s each: every chunk
+    comes once, the two donors share it, and the one-donor run is the reference."""
+    out = run_neuronode("bench", "statesync", "--params", "600000", "--donors", "2", "--max-upload-mbps", "200",
+                        "--json", timeout_s=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["max_upload_mbps"] == 200 and [r["donors"] for r in result["runs"]] == [1, 2]
+    for run in result["runs"]:
+        assert {"params", "state_bytes", "donors", "seconds", "mb_per_s", "uplink_use", "speedup_vs_one_donor",
+                "chunks_by_donor", "donors_at_once"} <= run.keys()
+        assert run["state_bytes"] == 4_800_000 and sum(run["chunks_by_donor"].values()) == 6
+        assert len(run["chunks_by_donor"]) == run["donors"] and run["seconds"] > 0
+    assert result["runs"][0]["speedup_vs_one_donor"] == 1.0
+
+
+def test_statesync_refuses_bad_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert statesync.main(["--donors", "0", "--json"]) == 2
+    assert "--donors" in capsys.readouterr().err
+    out = run_neuronode("bench", "statesync", "--params", "lots")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_module_main_refuses_one_node(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,13 +13,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from adversary import FAKE_DIGEST, claim, lie_about_reach, nan_frames, state
+from adversary import FAKE_DIGEST, claim, lie_about_reach, nan_chunk, published, state
 from helpers import Nodes, wait_until
 
 from neuronode.events import record_fields
 from neuronode.node.catchup import implausible
-from neuronode.state import chunk_digests, momentum_root
-from neuronode.swarm import statesync
+from neuronode.swarm import statedonor, statesync
 from neuronode.swarm.context import Tasks
 from neuronode.swarm.lineage import plan_catch_up
 from neuronode.swarm.membership import Peer
@@ -125,8 +124,8 @@ async def test_a_state_no_other_member_vouches_for_is_refused(nodes: Nodes, exec
         await node.start()
         nodes.running.append(node)
     for node in (b, c):
-        node.state.adopted(7, good.param_digest, listen=False)
-    liar.state.adopted(8, bad.param_digest, listen=False)
+        published(node, good)
+    published(liar, bad)
     await seen(joiner, lambda p: {"a-liar", "b", "c"} <= set(p) and 7 in p["b"].digests and 7 in p["c"].digests
                and 8 in p["a-liar"].digests,
                "the joiner to hear everyone's digests")
@@ -153,8 +152,7 @@ async def test_a_state_whose_momentum_nobody_else_published_is_refused(nodes: No
     for node in members:
         await node.start()
         nodes.running.append(node)
-        node.state.adopted(7, good.param_digest, momentum_root(chunk_digests(served[node.cfg.node_id].momentum)),
-                           listen=False)
+        published(node, served[node.cfg.node_id])
     await seen(joiner, lambda p: set(served) <= set(p) and all(p[n].momenta.get(7) for n in served),
                "the joiner to hear everyone's digests")
     got = await joiner.fetch_state(sorted(served))  # the liar first, as if it led the lineage
@@ -179,8 +177,8 @@ async def test_a_donor_a_round_ahead_of_what_the_others_announced_is_asked_again
     for node in (b, c):
         await node.start()
         nodes.running.append(node)
-    b.state.adopted(8, new.param_digest, listen=False)
-    c.state.adopted(7, old.param_digest, listen=False)
+    published(b, new)
+    published(c, old)
     await seen(joiner, lambda p: {"b", "c"} <= set(p) and 8 in p["b"].digests and 7 in p["c"].digests,
                "the joiner to hear b at round 8 and c at round 7")
     fetching = asyncio.ensure_future(joiner.fetch_state(["b", "c"]))
@@ -188,7 +186,7 @@ async def test_a_donor_a_round_ahead_of_what_the_others_announced_is_asked_again
                      what="both donors refused: nobody vouches for either yet")
     assert not fetching.done()
     served["c"] = new
-    c.state.adopted(8, new.param_digest, listen=False)  # c finished round 8 too, and announces it
+    published(c, new)  # c finished round 8 too, and announces it
     got = await fetching
     assert got is not None and got.round == 8 and got.param_digest == new.param_digest
     assert len(events(caplog, "state_unwitnessed")) == 1
@@ -232,7 +230,7 @@ async def test_a_donor_streaming_nan_is_refused_without_a_crash(nodes: Nodes, ex
     the download's last step, which raised out of fetch_state and killed the daemon."""
     poisoned = torch.randn(N, generator=torch.Generator().manual_seed(3))
     poisoned[::101] = float("nan")
-    monkeypatch.setattr(statesync, "part_frames", nan_frames)
+    monkeypatch.setattr(statedonor, "encode_chunk", nan_chunk)
     joiner = await nodes.start("joiner", n_elements=N)
     donor = SwarmNode(replace(joiner.cfg, node_id="donor", peers=(joiner.advertise,)), executor=executor,
                       state_provider=lambda: state(poisoned))

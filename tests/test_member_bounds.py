@@ -7,6 +7,7 @@ before issue 15 (see the note on the issue)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 from collections.abc import AsyncIterator
@@ -16,13 +17,19 @@ import grpc
 import pytest
 import torch
 from adversary import state
-from helpers import Nodes, chunks_of, encode, wait_until
+from helpers import Nodes, chunks_of, encode, non_loopback_ipv4, wait_until
 
+from neuronode.averaging.agreement import statement_of
 from neuronode.clock import ManualClock
+from neuronode.codec import Phase
+from neuronode.events import record_fields
+from neuronode.quorum import voice
 from neuronode.swarm.context import buffered_bytes_bound, sender_bytes_bound
 from neuronode.swarm.lineage import Lineages, believable, lineages, same_lineage
 from neuronode.swarm.membership import Peer, PeerTable, TableFull
 from neuronode.swarm.node import SwarmNode
+from neuronode.swarm.serving import Pace, Slots
+from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -152,13 +159,122 @@ async def test_a_member_that_never_reads_its_state_download_holds_no_slot(nodes:
     joiner.fetcher.vouched = lambda *args: None  # no other member publishes a digest here
     got = await joiner.fetch_state(["donor"])
     assert got is not None and got.round == 3
-    await wait_until(lambda: "liar" not in donor.donor.active, what="the liar's slot to be freed")
+    await wait_until(lambda: voice("liar", "127.0.0.1") not in donor.donor.active, what="the liar's slot to be freed")
     with pytest.raises(grpc.aio.AioRpcError) as ended:
         while await held[0].read() != grpc.aio.EOF:
             pass
     assert ended.value.code() == Code.DEADLINE_EXCEEDED and "nothing was read" in (ended.value.details() or "")
     await wait_until(lambda: donor.donor.active == {}, what="every slot to be free")
     await channel.close()
+
+
+async def test_two_ids_on_one_host_hold_one_state_transfer_slot(nodes: Nodes) -> None:
+    """Issue 37, finding 6: state-transfer slots were per id (one each, two per donor), so two
+    ids on one host held both. A slot is now its caller host's (neuronode.quorum.voice: here
+    this machine's non-loopback address): the second id is refused while the first holds it,
+    and a member calling from elsewhere (loopback: a voice of its own) still downloads."""
+    host = non_loopback_ipv4()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to call from")
+    big = 2_000_000  # 16 MB of state: far more than HTTP/2 lets a donor write ahead of its reader
+    donor = await nodes.start("donor", n_elements=big, listen="0.0.0.0:0", advertise="127.0.0.1:0")
+    ids = [await nodes.start(name, peers=[donor.advertise], n_elements=big) for name in ("x1", "x2", "joiner")]
+    donor.donor.provider = lambda: state(torch.randn(big), round_id=3, momentum=torch.randn(big))
+    await wait_until(lambda: {"x1", "x2", "joiner"} <= {p.node_id for p in donor.table.alive()},
+                     what="the donor to know every caller")
+    channel = grpc.aio.insecure_channel(f"{host}:{donor.ctx.bound_port}", options=[("grpc.http2.bdp_probe", 0)])
+    stub = pb_grpc.NodeStub(channel)
+    def fetch(node: SwarmNode) -> Any:
+        return stub.FetchState(node.ctx.security.sign_request("FetchState", pb.StateRequest(
+            node_id=node.cfg.node_id, swarm_id=node.cfg.swarm_id), "donor"), timeout=60)
+
+    calls = [fetch(ids[0])]
+    first = await calls[0].read()  # x1's transfer runs, and it reads no further
+    calls.append(fetch(ids[1]))
+    assert first.HasField("header") and donor.donor.active == {voice("x1", host): 1}
+    with pytest.raises(grpc.aio.AioRpcError) as second:
+        await calls[1].read()
+    assert second.value.code() == Code.RESOURCE_EXHAUSTED and "from your host" in (second.value.details() or "")
+    joiner = ids[2]
+    joiner.fetcher.vouched = lambda *args: None  # no other member publishes a digest here
+    got = await joiner.fetch_state(["donor"])
+    assert got is not None and got.round == 3
+    for call in calls:
+        call.cancel()
+    await channel.close()
+
+
+def test_a_reader_slower_than_the_size_scaled_rate_is_ended() -> None:
+    """Issue 37, finding 6: a reader taking a chunk every ~29 s (under the 30 s stall) held a
+    donor's slot until max(120 s, size at 128 KiB/s): hours for a big state. The pace ends it
+    once it falls the grace behind that rate; time our own upload cap held us back never counts
+    against it. (A clock moved by the reader: 0.15 s per 1000 bytes where the rate allows 0.1 s.)"""
+    clock = ManualClock()
+
+    async def read(seconds: float) -> None:
+        clock.advance(seconds)
+
+    async def transfer(per_write_s: float, capped_s: float = 0.0) -> int:
+        pace = Pace(clock.now, what="state transfer", stall_s=10.0, grace_s=0.3, min_rate=10_000)
+        for written in range(100):  # noqa: B007 - how many went through
+            await pace.limited(read(capped_s))
+            await pace.write(read(per_write_s), 1000)
+        return written
+
+    with pytest.raises(Refusal) as slow:
+        asyncio.run(transfer(0.15))
+    assert slow.value.code == "DEADLINE_EXCEEDED" and "read slower than" in str(slow.value)
+    assert asyncio.run(transfer(0.09)) == 99  # at the rate: never ended
+    assert asyncio.run(transfer(0.09, capped_s=5.0)) == 99  # our own cap's waits do not count
+
+
+def test_slots_are_per_host_with_a_total() -> None:
+    slots = Slots(per_host=1, total=2, what="state transfers")
+    with slots.take("host:203.0.113.5"):
+        with pytest.raises(Refusal, match="from your host"):
+            slots.check("host:203.0.113.5")
+        with slots.take("host:198.51.100.7"):
+            with pytest.raises(Refusal, match="already serving 2"):
+                slots.check("id:a")
+    assert slots.held == {}
+
+
+async def test_a_refusal_on_a_call_its_caller_left_logs_no_traceback(nodes: Nodes, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 39: the relay's log held grpc tracebacks from refusing a stalled contribution
+    fetch. Its writes had waited for a reader that stopped reading; the refusal's status could
+    not go out once the caller left (an ExecuteBatchError, which grpc logs with its traceback).
+    A refusal on a call that ended is now the cancelled call it is (grpc notes it at debug)."""
+    caplog.set_level(logging.DEBUG, logger="grpc._cython.cygrpc")
+    big = 2_000_000  # 8 MB: far more than HTTP/2 lets a holder write ahead of a reader that reads nothing
+    holder = await nodes.start("holder", n_elements=big)
+    caller = await nodes.start("caller", peers=[holder.advertise], n_elements=big)
+    await wait_until(lambda: "caller" in {p.node_id for p in holder.table.alive()}, what="the holder to know the caller")
+    c = encode("holder", torch.randn(big, generator=torch.Generator().manual_seed(1)), round_id=2)
+    holder.transport.sign(c)
+    holder.transport.missed.retain(2, Phase.WHOLE, [c], for_s=600)
+    holder.transport.missed.stall_s = 1.0
+    request = caller.ctx.security.sign_request("FetchContribution", pb.ContributionRequest(
+        node_id="caller", swarm_id=caller.cfg.swarm_id, round_id=2, sender_id="holder", phase=int(Phase.WHOLE),
+        body=statement_of(c).body), "holder")
+    channel = grpc.aio.insecure_channel(holder.advertise, options=[("grpc.http2.bdp_probe", 0)])
+    call = pb_grpc.NodeStub(channel).FetchContribution(request, timeout=60)
+    await call.read()  # the first chunk: the stream runs, and the caller reads no further
+
+    def refused() -> bool:
+        return any(getattr(r, "event", "") == "refused" and record_fields(r)["code"] == "DEADLINE_EXCEEDED"
+                   for r in caplog.records)
+
+    await wait_until(refused, what="the holder to refuse the stalled fetch")
+    call.cancel()  # the caller leaves: the refusal has nobody to answer
+
+    def ended() -> bool:
+        return any("servicer method [/neuronode.v1.Node/FetchContribution]" in r.getMessage() for r in caplog.records)
+
+    await wait_until(ended, what="grpc to end the refused call")
+    await channel.close()
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not failures, [r.getMessage() for r in failures]
+    assert holder.transport.missed.serving == {}
 
 
 # ---- CheckReachable ----------------------------------------------------------------------------

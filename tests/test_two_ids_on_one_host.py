@@ -19,6 +19,12 @@ would from one machine. Every node listens on 0.0.0.0 without --advertise (as in
     joiner adopted it and repaired, in a loop. Members now publish each round's momentum digest
     too: the joiner refuses both ids, adopts an honest member's state once, and finishes with
     the swarm.
+(e) slow readers (issue 37, "Done when" (d)): two ids on one host keep a state download open at
+    every member, reading a chunk every 20 s (never a stall), and serve none. Slots were per id,
+    two per donor: the two ids held them all, each for up to max(120 s, size at 128 KiB/s), and
+    took them again at once, so a joiner found no donor with a free slot. Now a slot is its
+    caller host's (one per host, four in all) and a reader that falls behind the size-scaled
+    rate is ended: the joiner downloads from the honest donors within that deadline.
 (c) a just-in-time member: its contribution and its receipt land just before each deadline, so
     it was never late, and every round waited about 3 x --sync-timeout for it (16.5-17.6 s vs
     1.2-3.2 s without it). Now a round closes a grace after a majority of hosts delivered (its
@@ -71,6 +77,7 @@ class Attacker:
     # swarm that asks for its contribution in every round (--min-peers) waits for it by choice.
     awaited: bool = True
     extra: tuple[str, ...] = ()  # flags of its own, after the swarm's
+    model: tuple[str, ...] = ()  # flags every node of the run takes (a bigger model), after ARGS
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,7 @@ def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dic
     # Every round waits for every member that starts (the attacker's ids too), so nobody trains
     # ahead while the others start.
     min_peers = len(HONEST) + (len(attacker.ids) if attacker and attacker.awaited else 0)
-    args = (*ARGS, "--inner-steps", str(inner_steps), "--min-peers", str(min_peers))
+    args = (*ARGS, "--inner-steps", str(inner_steps), "--min-peers", str(min_peers), *(attacker.model if attacker else ()))
     nodes = honest_members(net, tmp, args)
     bootstrap = nodes[HONEST[0]].address
     try:
@@ -329,3 +336,34 @@ def test_two_ids_a_round_ahead_with_a_doctored_state_move_nobody(tmp_path_factor
     targets = {n.name: [(e["reason"], e["donors"]) for e in n.events("catching_up")] for n in honest}
     assert not any(set(donors[:1]) & set(AHEAD_DOCTORED.ids) for v in targets.values() for _, donors in v), targets
     assert abs(got.val_loss - ref.val_loss) <= 0.05 * ref.val_loss, (got, ref)
+
+
+# (e): two ids on one host reading every member's state download slowly (issue 37, "Done when" (d)).
+# A model of 1.7M parameters (a 13.6 MB state: far more than a donor writes ahead of a reader
+# that reads nothing), rounds of a few seconds.
+SLOW_STATE = Attacker("slow-state", ("a-x1", "a-x2"), joiner=True, awaited=False, extra=("--round-seconds", "0.1"),
+                      model=("--d-model", "256", "--n-layers", "2", "--n-heads", "4"))
+SLOW_STATE_STEPS = 20
+
+
+def test_two_ids_reading_every_donors_state_slowly_keep_no_joiner_from_downloading(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 37, "Done when" (d): once both of the attacker's ids held a download at every honest
+    member, a joiner catching up adopts the swarm's state within the size-scaled deadline (the
+    30 s grace plus the state's bytes at 128 KiB/s, from its catching_up to its adopted), and
+    finishes with the swarm. Before, the two ids held every donor's two slots and took them
+    again whenever one was ended: the joiner found no donor."""
+    from neuronode.swarm.wire import MIN_RATE_BYTES_PER_S, STALL_S
+
+    nodes, _ = attacked(base_dir(tmp_path_factory), SLOW_STATE, SLOW_STATE_STEPS)
+    joiner = nodes[JOINER]
+    began = joiner.events("catching_up")[0]["ts"]
+    held = {e["peer_id"] for name in SLOW_STATE.ids for e in nodes[name].events("holding_state") if e["ts"] < began}
+    assert held >= set(HONEST), (held, nodes["a-x1"].log()[-2000:])  # the attack was on when the joiner came
+    [adopted] = joiner.events("adopted")
+    [downloaded] = joiner.events("state_downloaded")
+    deadline_s = STALL_S + downloaded["bytes"] / MIN_RATE_BYTES_PER_S
+    print(f"adopted {adopted['ts'] - began:.1f} s after catching up (deadline {deadline_s:.0f} s): {downloaded}")
+    assert adopted["ts"] - began <= deadline_s, (adopted, began, deadline_s)
+    assert not set(downloaded["chunks_by_donor"]) & set(SLOW_STATE.ids), downloaded
+    assert joiner.status()["round"] == ROUNDS

@@ -3,8 +3,9 @@ a refusal is answered (a status code, a message a person can act on, a strike fo
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -84,7 +85,7 @@ class Admission:
         name = self.certified_id(context)
         if name is not None and claimed_id != name:
             self.ctx.counters.refused("PERMISSION_DENIED")
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+            await end_call(context, grpc.StatusCode.PERMISSION_DENIED,
                                 f"the caller's certificate is for node {name!r}, not "
                                 f"{claimed_id[:MAX_ID_CHARS]!r}; each node speaks only as itself")
 
@@ -92,12 +93,12 @@ class Admission:
         """Admit a caller: loopback only in protected mode, and never a banned one; with
         `node_id` (who the request says it is), under mutual TLS only as its certificate names."""
         if self.ctx.loopback_only and not is_loopback_host(caller_host(context)):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+            await end_call(context, grpc.StatusCode.PERMISSION_DENIED,
                                 "this node serves loopback callers only (no --secret-file, TLS or --open)")
         key = self.caller_key(context)
         banned = self.ctx.bans.refusal(key) if key else ""
         if banned:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, banned)
+            await end_call(context, grpc.StatusCode.PERMISSION_DENIED, banned)
         if node_id is not None:
             await self.check_certificate(context, node_id)
 
@@ -109,7 +110,7 @@ class Admission:
             try:
                 self.ctx.security.verify_metadata(context.invocation_metadata(), method)
             except AuthError as exc:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+                await end_call(context, grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
     async def refuse(self, context: grpc.aio.ServicerContext, exc: Refusal, what: str) -> None:
         """Answer `exc` (always raises): count it, strike the caller for bad input, log once a minute."""
@@ -123,4 +124,19 @@ class Admission:
         host = context.peer().rsplit(":", 1)[0]  # not the ephemeral port: one key per caller host
         self.ctx.say(f"refused:{what}:{host}:{exc.code}", logging.WARNING, "refused %s from %s: %s",
                      what, context.peer(), message, every_s=60.0, extra=fields("refused", what=what, code=exc.code, detail=message))
-        await context.abort(STATUS_CODES[exc.code], message)
+        await end_call(context, STATUS_CODES[exc.code], message)
+
+
+async def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End a call with `code` and `message` (always raises). A call whose stream ended already
+    (its caller cancelled, or went away while a write of ours waited for it to read: a stalled
+    fetch we refuse) has nobody left to answer: grpc cannot send the status, and would log the
+    failure with a traceback (an ExecuteBatchError, or a UsageError once the call finished). The
+    handler then ends as the cancelled call it is, which grpc notes at debug level only."""
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except (grpc.aio.InternalError, grpc.aio.UsageError):
+        raise asyncio.CancelledError from None
+    raise AssertionError("abort returned")  # unreachable: abort raises

@@ -5,13 +5,13 @@ contribution (payload checks, digest) and against the statement it asked for, wh
 checked when a receipt listed it, so fetching from any holder is as safe as hearing the maker.
 
 Bounds: a holder keeps a contribution only while some member's receipt lacks it (up to 2x
---sync-timeout), serves each caller at most MAX_FETCHES_PER_CALLER streams at once, and ends a
-stream whose reader stalls for STALL_S or outlasts its deadline (as FetchState does).
+--sync-timeout), serves each caller host FETCHES_PER_HOST streams at once and MAX_FETCHES in
+all, and ends a stream whose reader does not keep the pace (neuronode.swarm.serving, as
+FetchState does): k ids on one host take one host's share of our uplink, never the rest of it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -20,18 +20,21 @@ import grpc
 from neuronode.averaging.agreement import Statement, statement_of
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
-from neuronode.swarm.admission import Admission, member_request
+from neuronode.quorum import voice
+from neuronode.swarm.admission import Admission, caller_host, end_call, member_request
 from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
 from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.security import caller_id
-from neuronode.swarm.wire import MAX_ID_CHARS, MIN_RATE_BYTES_PER_S, STALL_S, Refusal
+from neuronode.swarm.serving import Pace, Slots
+from neuronode.swarm.wire import MAX_ID_CHARS, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-MAX_FETCHES_PER_CALLER = 2
+FETCHES_PER_HOST = 2  # contribution streams served at once to one caller host
+MAX_FETCHES = 4  # ... and to all callers together
 
 
 class Missed:
@@ -42,7 +45,13 @@ class Missed:
         self.links = links
         self.inbound = inbound
         self.kept: dict[Statement, tuple[Contribution, float]] = {}  # -> until (the node's clock)
-        self.serving: dict[str, int] = {}  # caller -> streams open
+        self.slots = Slots(per_host=FETCHES_PER_HOST, total=MAX_FETCHES, what="contribution fetches")
+        self.stall_s = STALL_S  # a stream nothing is read from for this long is ended
+
+    @property
+    def serving(self) -> dict[str, int]:
+        """Streams open per caller host (voice)."""
+        return self.slots.held
 
     # ---- holding -------------------------------------------------------------------------------
 
@@ -113,17 +122,12 @@ class Missed:
 
         async def serve(request: pb.ContributionRequest, context: grpc.aio.ServicerContext) -> None:
             if self.ctx.leaving:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+                await end_call(context, grpc.StatusCode.UNAVAILABLE, "node is shutting down")
             await admission.admit(context, request.node_id)
             try:
                 caller, c = self.admit(request, caller_id(context))
-                self.serving[caller] = self.serving.get(caller, 0) + 1
-                try:
+                with self.slots.take(voice(caller, caller_host(context))):  # its host's slot, never its id's
                     await self.stream(c, caller, context)
-                finally:
-                    self.serving[caller] -= 1
-                    if not self.serving[caller]:
-                        del self.serving[caller]
             except Refusal as exc:
                 await admission.refuse(context, exc, "contribution request")
 
@@ -131,12 +135,9 @@ class Missed:
                                                     response_serializer=None)
 
     def admit(self, request: pb.ContributionRequest, proven_id: str) -> tuple[str, Contribution]:
-        """The member its signature proves asks (its fetch slots' key), and the contribution it
-        asks for; raises Refusal otherwise."""
+        """The member its signature proves asks, and the contribution it asks for; raises
+        Refusal otherwise."""
         caller = member_request(self.ctx, "FetchContribution", request, proven_id, "contributions are served")
-        if self.serving.get(caller, 0) >= MAX_FETCHES_PER_CALLER:
-            raise Refusal("RESOURCE_EXHAUSTED", f"{MAX_FETCHES_PER_CALLER} contribution fetches of yours are "
-                          "already streaming here; fetch the next once one finished")
         c = self.find(request)
         if c is None:
             raise Refusal("NOT_FOUND", f"round {request.round_id}: this node does not hold that contribution of "
@@ -145,17 +146,11 @@ class Missed:
 
     async def stream(self, c: Contribution, caller: str, context: grpc.aio.ServicerContext) -> None:
         ctx = self.ctx
-        started = ctx.clock.now()
-        budget = max(2 * STALL_S, c.data.size_bytes / MIN_RATE_BYTES_PER_S)
+        pace = Pace(ctx.clock.now, what="contribution fetch", stall_s=self.stall_s)
         async for data in maker_chunks(c, swarm_id=ctx.cfg.swarm_id, executor=ctx.executor,
                                        zstd_level=ctx.cfg.zstd_level):
-            await ctx.upload.acquire(len(data))
-            remaining = started + budget - ctx.clock.now()
-            try:
-                await asyncio.wait_for(context.write(data), timeout=max(0.0, min(STALL_S, remaining)))
-            except TimeoutError:
-                raise Refusal("DEADLINE_EXCEEDED", f"contribution fetch ended: nothing was read for {STALL_S:.0f} s "
-                              "or it ran past its deadline") from None
+            await pace.limited(ctx.upload.acquire(len(data)))
+            await pace.write(context.write(data), len(data))
             ctx.counters.sent(caller, len(data))
         logger.info("round %d: served %s's %s to %s", c.round_id, c.sender_id, c.phase.label, caller,
                     extra=fields("served_contribution", round_id=c.round_id, peer_id=caller, sender=c.sender_id))

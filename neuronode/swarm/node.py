@@ -73,7 +73,7 @@ class SwarmNode:
                                        own_host=lambda: self.reach.observed_host)
         self.fetcher = StateFetch(ctx, links=self.links, on_progress=on_download)
         self.donor = Donor(provider=state_provider, manifest_hash=cfg.manifest_hash, zstd_level=cfg.zstd_level,
-                           executor=executor, security=ctx.security)
+                           executor=executor, security=ctx.security, upload=ctx.upload.acquire)
         admission = Admission(ctx)
         service = NodeService(ctx, admission=admission, peers=self.peers, reach=self.reach, donor=self.donor,
                               status=self.status)
@@ -210,9 +210,8 @@ class SwarmNode:
         return plan_catch_up(self.cfg.node_id, self.state.round, self.state.digests, self.table.alive())
 
     async def fetch_state(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
-        table = self.table
-        dialable = [d for d in donors if d in table.peers and self.links.dialable(table.peers[d])]
-        return await self.fetcher.fetch(dialable, verify=verify)
+        """The swarm's state from `donors` (those we can dial, in this order; neuronode.swarm.statesync)."""
+        return await self.fetcher.fetch(donors, verify=verify)
 
     def closed_without_us(self, round_id: int) -> list[str]:
         """Peers of our lineage (same parameters at the start of `round_id`) that already closed

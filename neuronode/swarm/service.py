@@ -10,15 +10,15 @@ from typing import Any
 
 import grpc
 
-from neuronode.events import fields
+from neuronode.quorum import voice
 from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission, caller_host, member_request, signed_by
+from neuronode.swarm.admission import Admission, caller_host, end_call, member_request, signed_by
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import KeyMismatch, TableFull
 from neuronode.swarm.peers import PEX_SAMPLE, Peers
 from neuronode.swarm.reach import Reach
 from neuronode.swarm.security import NODE_SERVICE_PREFIX, caller_id
-from neuronode.swarm.statesync import Donor
+from neuronode.swarm.statedonor import Donor
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal, dict_to_status
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -39,10 +39,10 @@ class NodeService(pb_grpc.NodeServicer):
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
         ctx, info = self.ctx, request.info
         if ctx.leaving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "node is shutting down")
+            await end_call(context, grpc.StatusCode.UNAVAILABLE, "node is shutting down")
         await self.admission.admit(context, info.node_id)
         if ctx.faults.path and ctx.faults.cut_off(info.advertise):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
+            await end_call(context, grpc.StatusCode.UNAVAILABLE, "fault injected: caller is cut off")
         await ctx.security.check_ahead(request)  # its signatures, off the event loop
         try:
             self.peers.check_info(info)
@@ -88,7 +88,7 @@ class NodeService(pb_grpc.NodeServicer):
         ctx = self.ctx
         await self.admission.admit(context, request.node_id)
         if ctx.security.secret and caller_id(context) != request.node_id:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
+            await end_call(context, grpc.StatusCode.PERMISSION_DENIED, "a node can only announce its own leave")
         peer = ctx.table.peers.get(request.node_id)
         if peer is None or not peer.public_key:
             return pb.LeaveResponse()  # a node we hold no key for: nothing to mark (nobody can prove it left)
@@ -110,17 +110,13 @@ class NodeService(pb_grpc.NodeServicer):
             raise  # unreachable: refuse raises
 
         async def write(msg: pb.StateChunk) -> None:
-            size = msg.ByteSize()  # state chunks are rare; contributions avoid this
-            await ctx.upload.acquire(size)
-            ctx.counters.bytes_sent += size
+            ctx.counters.bytes_sent += msg.ByteSize()
             await context.write(msg)
 
-        try:
-            await self.donor.serve(caller, write, resume_from=request.resume_from,
-                                   resume_digest=request.resume_digest)
+        try:  # its slot is its host's (a voice: neuronode.quorum), never its id's
+            await self.donor.serve(caller, write, voice=voice(caller, caller_host(context)), request=request)
         except Refusal as exc:
             await self.admission.refuse(context, exc, "state request")
-        logger.info("served the global state to %s", caller, extra=fields("state_served", peer_id=caller))
 
     async def CheckReachable(self, request: pb.ReachRequest, context: grpc.aio.ServicerContext) -> pb.ReachResponse:
         await self.admission.admit(context, request.node_id)

@@ -362,13 +362,16 @@ class SessionMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[HelloResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., stream: _Optional[int] = ..., end: _Optional[bool] = ..., relayed: _Optional[_Union[HelloRequest, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "resume_from", "resume_digest", "callee_id", "nonce")
+    __slots__ = ("node_id", "swarm_id", "timestamp_s", "signature", "resume_from", "resume_digest", "chunks_root", "chunks", "header_only", "callee_id", "nonce")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     RESUME_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_ROOT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_ONLY_FIELD_NUMBER: _ClassVar[int]
     CALLEE_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
@@ -377,12 +380,15 @@ class StateRequest(_message.Message):
     signature: bytes
     resume_from: int
     resume_digest: bytes
+    chunks_root: str
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    header_only: bool
     callee_id: str
     nonce: bytes
-    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., resume_from: _Optional[int] = ..., resume_digest: _Optional[bytes] = ..., callee_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., swarm_id: _Optional[str] = ..., timestamp_s: _Optional[int] = ..., signature: _Optional[bytes] = ..., resume_from: _Optional[int] = ..., resume_digest: _Optional[bytes] = ..., chunks_root: _Optional[str] = ..., chunks: _Optional[_Iterable[int]] = ..., header_only: _Optional[bool] = ..., callee_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("round", "param_digest", "n_elements", "has_momentum", "momentum_digest", "inner_steps_total", "chunk_elements", "manifest_hash", "auth_tag", "chunk_digests", "state_digest", "first_chunk")
+    __slots__ = ("round", "param_digest", "n_elements", "has_momentum", "momentum_digest", "inner_steps_total", "chunk_elements", "manifest_hash", "auth_tag", "chunk_digests", "state_digest", "first_chunk", "chunks_root")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     N_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +401,7 @@ class StateHeader(_message.Message):
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_ROOT_FIELD_NUMBER: _ClassVar[int]
     round: int
     param_digest: str
     n_elements: int
@@ -407,7 +414,8 @@ class StateHeader(_message.Message):
     chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
     state_digest: str
     first_chunk: int
-    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., n_elements: _Optional[int] = ..., has_momentum: _Optional[bool] = ..., momentum_digest: _Optional[str] = ..., inner_steps_total: _Optional[int] = ..., chunk_elements: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., auth_tag: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., state_digest: _Optional[str] = ..., first_chunk: _Optional[int] = ...) -> None: ...
+    chunks_root: str
+    def __init__(self, round: _Optional[int] = ..., param_digest: _Optional[str] = ..., n_elements: _Optional[int] = ..., has_momentum: _Optional[bool] = ..., momentum_digest: _Optional[str] = ..., inner_steps_total: _Optional[int] = ..., chunk_elements: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., auth_tag: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., state_digest: _Optional[str] = ..., first_chunk: _Optional[int] = ..., chunks_root: _Optional[str] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("header", "part", "chunk_index", "chunk_count", "compressed", "payload")
@@ -470,7 +478,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions", "bytes_relayed", "control_bytes_sent", "control_bytes_received", "state_digest", "state_download_bytes", "state_download_total_bytes", "state_download_bytes_per_s", "state_download_eta_s", "task", "n_params", "task_settings", "data_pass", "data_documents", "local_workers", "rank_tokens_per_s", "rank_param_digests", "codec", "feedback_norm")
+    __slots__ = ("node_id", "round", "phase", "peers", "last_round_contributors", "param_digest", "loss", "val_loss", "bytes_sent", "bytes_received", "swarm_id", "advertise", "inner_steps", "agreement", "tokens_per_s", "protocol_version", "last_round_contributor_ids", "state_transfers", "states_served", "utilization", "reachable", "buffered_bytes", "buffered_bytes_bound", "observed_address", "sessions", "bytes_relayed", "control_bytes_sent", "control_bytes_received", "state_digest", "state_download_bytes", "state_download_total_bytes", "state_download_bytes_per_s", "state_download_eta_s", "state_download_donors", "task", "n_params", "task_settings", "data_pass", "data_documents", "local_workers", "rank_tokens_per_s", "rank_param_digests", "codec", "feedback_norm")
     class TaskSettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -511,6 +519,7 @@ class StatusResponse(_message.Message):
     STATE_DOWNLOAD_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_DOWNLOAD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     STATE_DOWNLOAD_ETA_S_FIELD_NUMBER: _ClassVar[int]
+    STATE_DOWNLOAD_DONORS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     N_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TASK_SETTINGS_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +563,7 @@ class StatusResponse(_message.Message):
     state_download_total_bytes: int
     state_download_bytes_per_s: float
     state_download_eta_s: float
+    state_download_donors: int
     task: str
     n_params: int
     task_settings: _containers.ScalarMap[str, str]
@@ -564,4 +574,4 @@ class StatusResponse(_message.Message):
     rank_param_digests: _containers.RepeatedScalarFieldContainer[str]
     codec: str
     feedback_norm: float
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ..., bytes_relayed: _Optional[int] = ..., control_bytes_sent: _Optional[int] = ..., control_bytes_received: _Optional[int] = ..., state_digest: _Optional[str] = ..., state_download_bytes: _Optional[int] = ..., state_download_total_bytes: _Optional[int] = ..., state_download_bytes_per_s: _Optional[float] = ..., state_download_eta_s: _Optional[float] = ..., task: _Optional[str] = ..., n_params: _Optional[int] = ..., task_settings: _Optional[_Mapping[str, str]] = ..., data_pass: _Optional[int] = ..., data_documents: _Optional[int] = ..., local_workers: _Optional[int] = ..., rank_tokens_per_s: _Optional[_Iterable[float]] = ..., rank_param_digests: _Optional[_Iterable[str]] = ..., codec: _Optional[str] = ..., feedback_norm: _Optional[float] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_round_contributors: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., swarm_id: _Optional[str] = ..., advertise: _Optional[str] = ..., inner_steps: _Optional[int] = ..., agreement: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., protocol_version: _Optional[int] = ..., last_round_contributor_ids: _Optional[_Iterable[str]] = ..., state_transfers: _Optional[int] = ..., states_served: _Optional[int] = ..., utilization: _Optional[float] = ..., reachable: _Optional[str] = ..., buffered_bytes: _Optional[int] = ..., buffered_bytes_bound: _Optional[int] = ..., observed_address: _Optional[str] = ..., sessions: _Optional[_Iterable[str]] = ..., bytes_relayed: _Optional[int] = ..., control_bytes_sent: _Optional[int] = ..., control_bytes_received: _Optional[int] = ..., state_digest: _Optional[str] = ..., state_download_bytes: _Optional[int] = ..., state_download_total_bytes: _Optional[int] = ..., state_download_bytes_per_s: _Optional[float] = ..., state_download_eta_s: _Optional[float] = ..., state_download_donors: _Optional[int] = ..., task: _Optional[str] = ..., n_params: _Optional[int] = ..., task_settings: _Optional[_Mapping[str, str]] = ..., data_pass: _Optional[int] = ..., data_documents: _Optional[int] = ..., local_workers: _Optional[int] = ..., rank_tokens_per_s: _Optional[_Iterable[float]] = ..., rank_param_digests: _Optional[_Iterable[str]] = ..., codec: _Optional[str] = ..., feedback_norm: _Optional[float] = ...) -> None: ...
