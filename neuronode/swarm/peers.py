@@ -199,6 +199,8 @@ class Peers:
             leaving=info.leaving, contributes_from=info.contributes_from, host=host,
             public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO,
             carried_by=tuple(info.carried_by), advertised=bool(info.advertise), said_at=said_at)
+        if dialed and info.advertise and dialed != info.advertise and dialed not in table.bootstrap:
+            table.addresses.discard(dialed)  # the IP its advertised name resolved to: one address per member
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
             self.ctx.book.forgive(info.node_id)
             self.receipts.forget(info.node_id)  # and it holds nothing we sent before
