@@ -216,9 +216,9 @@ async def test_witnesses_are_sought_among_all_live_hosts(executor: Any) -> None:
     table, now = node.table, int(time.time())
     table.heard_from("a-liar", "203.0.113.7:7420", round=1, param_digest="doctored", digests={1: "doctored"},
                      leaving=False, host="203.0.113.7", said_at=now)
-    assert node.fetcher.vouched(1, "doctored", "a-liar") is None  # nobody else alive: a swarm of two
+    assert node.fetcher.vouched(1, "doctored", "a-liar", ["a-liar"]) is None  # nobody else alive: a swarm of two
     for n in range(1, 4):
         table.heard_from(f"h{n}", f"198.51.100.{n}:7420", round=0, param_digest="seed", digests={0: "seed"},
                          leaving=False, host=f"198.51.100.{n}", said_at=now)
-    refused = node.fetcher.vouched(1, "doctored", "a-liar")
+    refused = node.fetcher.vouched(1, "doctored", "a-liar", ["a-liar"])
     assert refused is not None and "0 of the 3 other live hosts" in refused and node.fetcher.unwitnessed == {1: "a-liar"}

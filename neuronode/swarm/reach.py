@@ -23,6 +23,7 @@ import grpc
 
 from neuronode.config import is_wildcard_host
 from neuronode.events import fields
+from neuronode.quorum import voice
 from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.links.resolve import Resolver, canonical_ip, join, literal, split
@@ -57,7 +58,7 @@ class Reach:
         self.observed: dict[str, str] = {}  # peer id -> the host it sees our connections come from
         self.checked_for = ""  # the address the current verdict is about
         self.checked_at = -RECHECK_S
-        self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
+        self._dialbacks: dict[str, float] = {}  # caller's host (quorum.voice) -> last dial-back we did for it
         self._said_tls = ""
         self.decided = ("unknown", ctx.advertise)  # the verdict and address we last announced
         self.settled_since: float | None = None  # since when we know a peer to ask
@@ -207,7 +208,7 @@ class Reach:
         Hello (or the one it asks about, before it advertises it), only if that address names the
         IP the call came from (never another machine: no scanning through us), and then that
         very IP, never the name again (a name resolved twice may name another machine the second
-        time: DNS rebinding); at most once a minute per member; answer yes or no, nothing more."""
+        time: DNS rebinding); at most once a minute per host; answer yes or no, nothing more."""
         ctx = self.ctx
         peer = ctx.table.peers.get(node_id)
         if peer is None or not ctx.table.is_alive(peer):
@@ -222,9 +223,10 @@ class Reach:
             raise Refusal("PERMISSION_DENIED", f"you ask about {address[:MAX_ADDRESS_CHARS]}, but call from "
                           f"{caller_host}; a node is dialed back only at the host it calls from")
         now = ctx.clock.now()
-        if now - self._dialbacks.get(node_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
-            raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute")
-        self._dialbacks[node_id] = now
+        slot = voice(node_id, caller)  # one per host, whatever ids it runs (per id on our loopback)
+        if now - self._dialbacks.get(slot, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
+            raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute per host")
+        self._dialbacks[slot] = now
         for old in [k for k, t in self._dialbacks.items() if now - t >= DIAL_BACK_EVERY_S]:
             del self._dialbacks[old]
         try:

@@ -439,7 +439,7 @@ class StateFetch:
             if peer is None or not ctx.table.is_alive(peer):
                 continue
             try:
-                state = await self.fetch_from(donor_id, download)
+                state = await self.fetch_from(donor_id, donors, download)
                 refused = await asyncio.get_running_loop().run_in_executor(ctx.executor, verify, state)
                 if refused:
                     raise Refusal("FAILED_PRECONDITION", refused)
@@ -467,7 +467,7 @@ class StateFetch:
             return state
         return None
 
-    async def fetch_from(self, donor_id: str, download: Download) -> GlobalState:
+    async def fetch_from(self, donor_id: str, lineage: list[str], download: Download) -> GlobalState:
         ctx = self.ctx
         request = ctx.security.sign_request("FetchState", download.request(ctx.cfg.node_id, ctx.cfg.swarm_id),
                                            donor_id)
@@ -476,20 +476,22 @@ class StateFetch:
             received = download.received_bytes
             try:
                 return await download.read(call, donor_id, security=ctx.security, accept=lambda header: self.vouched(
-                    header.round, header.param_digest, donor_id, header_momentum(header)))
+                    header.round, header.param_digest, donor_id, lineage, header_momentum(header)))
             finally:
                 ctx.counters.bytes_received += download.received_bytes - received
         finally:
             call.cancel()
 
-    def vouched(self, round_id: int, param_digest: str, donor_id: str, momentum_digest: str = "") -> str | None:
+    def vouched(self, round_id: int, param_digest: str, donor_id: str, lineage: list[str],
+                momentum_digest: str = "") -> str | None:
         """Why a donor's (round, param_digest, momentum_digest) is not the swarm's, or None when
-        it is: a quorum of the live hosts other than the donor's that published the round,
-        whatever lineage they are in, published it (neuronode.swarm.trust.witnesses; a host
-        still at round 0 vouches for nothing), or no other host is alive (a swarm of two). A
-        donor's own word is never enough when anyone else can speak: with nobody to vouch, we
-        keep our own lineage."""
-        seen = witnesses(round_id, param_digest, donor_id, self.ctx.table.alive(), momentum_digest)
+        it is: other live hosts published it, whatever lineage they are in (a host still at
+        round 0 vouches for nothing), a quorum of those that published the round and more than
+        published another in `lineage` (the donor's, the one the vote chose: the other side of a
+        healed partition objects to nothing) (neuronode.swarm.trust.witnesses); or no other host
+        is alive (a swarm of two). A donor's own word is never enough when anyone else can
+        speak: with nobody to vouch, we keep our own lineage."""
+        seen = witnesses(round_id, param_digest, donor_id, self.ctx.table.alive(), momentum_digest, lineage=lineage)
         if seen.accepted and seen.others == 0:
             logger.warning("only %s can vouch for its state of round %d (no other host is alive): adopting it on its "
                            "word; a swarm of two has no second witness", donor_id, round_id,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from neuronode.quorum import VoiceOf, by_id, is_loopback, quorum
@@ -42,11 +42,12 @@ class Witnesses:
     host aside."""
 
     agree: list[str]  # published those digests for that round
-    disagree: list[str]  # published others for it
+    disagree: list[str]  # published others for it (in the donor's lineage, when the caller named it)
     others: int  # live, believable hosts other than the donor's, whatever their lineage
     agreeing: int = 0  # hosts among `agree`
     disagreeing: int = 0  # hosts among `disagree`
-    published: int = 0  # hosts that published a digest for the round
+    published: int = 0  # hosts among both
+    silent: int = 0  # hosts among `others` that published nothing for the round yet
 
     @property
     def accepted(self) -> bool:
@@ -62,24 +63,29 @@ class Witnesses:
     @property
     def pending(self) -> bool:
         """Some other host has not published a state for the round yet (it may be about to)."""
-        return self.published < self.others
+        return self.silent > 0
 
 
-def witnesses(round_id: int, param_digest: str, donor_id: str, peers: list[Peer], momentum_digest: str = "") -> Witnesses:
+def witnesses(round_id: int, param_digest: str, donor_id: str, peers: list[Peer], momentum_digest: str = "", *,
+              lineage: Collection[str] | None = None) -> Witnesses:
     """What the live hosts other than the donor's published for `round_id` (the donor's other
     ids vouch for nothing): parameters and momentum alike, or it is another state. `peers`:
-    every live member, whatever lineage it is in (witnesses are not sought only among the
-    donor's own: a lineage of one has other hosts around it)."""
+    every live member, whatever lineage it is in: witnesses are not sought only in the donor's
+    lineage (a lineage of one has hosts around it, and none of them vouches). `lineage`: the
+    donor's (the one the vote chose), when the caller has one: a host of another lineage that
+    published another state for the round (the other side of a healed partition) then
+    objects to nothing; without it, every other state published objects."""
     live = believable(peers)
     donor = next((p.voice for p in live if p.node_id == donor_id), by_id(donor_id))
     others = [p for p in live if p.voice != donor]
-    published = [p for p in others if round_id in p.digests]
-    agree = [p for p in published
+    spoke = [p for p in others if round_id in p.digests]
+    agree = [p for p in spoke
              if p.digests[round_id] == param_digest and p.momenta.get(round_id, "") == momentum_digest]
-    disagree = [p for p in published if p not in agree]
+    disagree = [p for p in spoke if p not in agree and (lineage is None or p.node_id in lineage)]
     return Witnesses(agree=sorted(p.node_id for p in agree), disagree=sorted(p.node_id for p in disagree),
                      others=len({p.voice for p in others}), agreeing=len({p.voice for p in agree}),
-                     disagreeing=len({p.voice for p in disagree}), published=len({p.voice for p in published}))
+                     disagreeing=len({p.voice for p in disagree}), published=len({p.voice for p in agree + disagree}),
+                     silent=len({p.voice for p in others} - {p.voice for p in spoke}))
 
 
 ASKED = 3  # peers a node asks to dial it back, each on a host of its own
