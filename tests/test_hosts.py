@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,6 +27,7 @@ from neuronode.swarm.links.resolve import Resolver, literal
 from neuronode.swarm.links.sessions import Inflow
 from neuronode.swarm.membership import Peer, PeerTable, TableFull
 from neuronode.swarm.node import SwarmNode
+from neuronode.swarm.security import Security
 from neuronode.swarm.trust import askers, witnesses
 from neuronode.v1 import node_pb2 as pb
 
@@ -222,3 +224,33 @@ async def test_witnesses_are_sought_among_all_live_hosts(executor: Any) -> None:
                          leaving=False, host=f"198.51.100.{n}", said_at=now)
     refused = node.fetcher.vouched(1, "doctored", "a-liar", ["a-liar"])
     assert refused is not None and "0 of the 3 other live hosts" in refused and node.fetcher.unwitnessed == {1: "a-liar"}
+
+
+async def test_under_tls_a_name_is_dialed_at_its_ip(tmp_path: Path, executor: Any) -> None:
+    """Mutual TLS, a advertising `localhost`: b dials the IP the name resolves to (the
+    certificate is checked against the name: `ca issue` certificates always name localhost and
+    127.0.0.1 too, so this shows the handshake still completes, not the check), and counts a at
+    the IP."""
+    from neuronode import cli
+
+    ca = tmp_path / "ca"
+    assert cli.main(["ca", "init", "--out", str(ca), "--swarm-id", "tls-names"]) == 0
+    files = {}
+    for name in ("a", "b"):
+        assert cli.main(["ca", "issue", "--ca", str(ca), "--out", str(tmp_path / "certs"), "--name", name,
+                         "--host", "localhost"]) == 0
+        files[name] = (str(tmp_path / "certs" / f"{name}.crt"), str(tmp_path / "certs" / f"{name}.key"),
+                       str(ca / "ca.crt"))
+    a = SwarmNode(swarm_config("a", swarm_id="tls-names", n_elements=N, advertise="localhost:0"), executor=executor,
+                  security=Security(node_id="a", swarm_id="tls-names", tls_files=files["a"]))
+    await a.start()
+    b = SwarmNode(swarm_config("b", swarm_id="tls-names", n_elements=N, peers=(a.advertise,)), executor=executor,
+                  security=Security(node_id="b", swarm_id="tls-names", tls_files=files["b"]))
+    await b.start()
+    try:
+        assert a.advertise.startswith("localhost:")
+        await wait_until(lambda: "a" in b.table.peers, what="b to meet a over TLS", timeout_s=20)
+        assert b.table.peers["a"].host == "127.0.0.1"
+    finally:
+        await b.stop(grace_s=0.2)
+        await a.stop(grace_s=0.2)
