@@ -140,7 +140,7 @@ class NodeConfig:
     page_show_addresses: bool = opt(False, "show peers' addresses on the status page and /api/* also when "
                                     "--metrics-port listens beyond loopback (hidden there by default)")
     keep_checkpoints: int = opt(3, "checkpoints kept in the data dir")
-    max_ids_per_host: int = opt(16, "live node ids one host (IP address) may hold in this node's peer table")
+    max_ids_per_host: int = opt(16, "live node ids one host (an IP address the node saw; an IPv6 /64) may hold in this node's peer table")
     repair_cooldown: int = opt(3, "rounds between two repairs of a diverged replica (catching up is never delayed)")
     fault_file: str = opt("", "testing only: JSON fault plan for the transport (docs/fault-tolerance.md)", metavar="FILE")
     log_format: str = opt("text", "log line format", choices=LOG_FORMATS)

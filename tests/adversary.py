@@ -307,6 +307,75 @@ async def ghost(node_id: str) -> tuple[str, str, Any]:
     return node_id, address, server
 
 
+NAMED: list[str] = []  # the addresses a named-ghosts liar lists, set by its test before `apply`
+
+
+def naming(start: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
+    """Once the swarm formed, list NAMED (names and spellings of this host, each a port of its
+    own) and answer Hello on each under a made-up id, with a key of its own: what this node
+    says of itself (its round and digests: whatever it lies), so every name is one more voice
+    for its lie wherever a name counts as a host."""
+
+    async def lying(self: Any) -> str:
+        address = await start(self)
+        self.ghost_servers = [await echo(self, f"ghost-{n:02d}", listed) for n, listed in enumerate(NAMED)]
+        honest_known = self.peers.known_peers
+
+        def known(**kwargs: Any) -> list[pb.PeerRecord]:
+            listed = honest_known(**kwargs)
+            if len(self.table.alive()) < HONEST_MEMBERS:
+                return listed
+            return [*listed, *(pb.PeerRecord(node_id=f"ghost-{n:02d}", address=a) for n, a in enumerate(NAMED))]
+
+        self.peers.known_peers = known
+        return address
+
+    return lying
+
+
+async def echo(node: Any, node_id: str, listed: str) -> Any:
+    """A gRPC server on this host's port of `listed` answering Hello as `node_id`, saying what
+    `node` says of itself (its receipts aside: they are its own), signed with a key of its own."""
+    from neuronode.security.identity import NodeKey
+    from neuronode.swarm.security import Security
+    from neuronode.v1 import node_pb2_grpc as pb_grpc
+
+    key, server = NodeKey.generate(), grpc.aio.server()
+    server.add_insecure_port(f"0.0.0.0:{listed.rpartition(':')[2]}")
+
+    class Echo(pb_grpc.NodeServicer):
+        async def Hello(self, request: pb.HelloRequest, context: Any) -> pb.HelloResponse:  # noqa: N802
+            if request.info.node_id == node.cfg.node_id:  # its own node is not fooled by it
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "not for you")
+            info = pb.NodeInfo()
+            info.CopyFrom(node.peers.node_info())
+            for name in ("receipts", "disputed", "echoes", "carried_by"):
+                info.ClearField(name)  # type: ignore[arg-type]
+            info.node_id, info.advertise = node_id, listed
+            response = pb.HelloResponse(info=info)
+            Security(node_id=node_id, swarm_id=info.swarm_id, key=key).sign_hello(response)
+            return response
+
+    pb_grpc.add_NodeServicer_to_server(Echo(), server)
+    await server.start()
+    return server
+
+
+def claiming_own(honest_info: Callable[..., pb.NodeInfo]) -> Callable[..., pb.NodeInfo]:
+    """Hellos that claim one round more than the node has with the doctored state's digests
+    as the whole of its history: a lineage of its own, not the swarm's (not the seed's)."""
+    def lying(self: Any, *args: Any, **kwargs: Any) -> pb.NodeInfo:
+        info = honest_info(self, *args, **kwargs)
+        if AHEAD:
+            info.round += 1
+            info.param_digest = AHEAD["param"]
+            del info.recent_digests[:]
+            info.recent_digests.add(round=info.round, param_digest=AHEAD["param"], momentum_digest=AHEAD["momentum"])
+        return info
+
+    return lying
+
+
 VICTIM = "h1"  # the member a liar tells something else than the rest
 SKIPPED = ("h4",)  # the member a half-pushing liar leaves out (three of four hosts hold it: a quorum)
 
@@ -396,10 +465,16 @@ def apply(behaviour: str) -> None:
                   "doctored-momentum": _momentum_x3}[behaviour]
         Trainer.snapshot = doctor(Trainer.snapshot, change)  # type: ignore[method-assign]
         statedonor.encode_chunk = nan_chunk  # a hostile donor encodes what it likes
-    elif behaviour == "ahead-doctored":  # one round ahead of the swarm, with a doctored state it serves
+    elif behaviour in ("ahead-doctored", "own-lineage"):  # one round ahead, with a doctored state it serves
         Trainer.digests = ahead_digests(Trainer.digests)  # type: ignore[method-assign]
         Trainer.snapshot = doctor(Trainer.snapshot, _ahead)  # type: ignore[method-assign]
-        Peers.node_info = claiming_ahead(honest_info)  # type: ignore[method-assign]
+        # ahead-doctored: in the swarm's lineage; own-lineage: a history of its own (while a swarm starts)
+        Peers.node_info = (claiming_ahead if behaviour == "ahead-doctored" else claiming_own)(  # type: ignore[method-assign]
+            honest_info)
+    elif behaviour == "named-ghosts":  # its host under the names and spellings in NAMED, each a voice of its lie
+        from neuronode.swarm.node import SwarmNode
+
+        SwarmNode.start = naming(SwarmNode.start)  # type: ignore[method-assign]
     elif behaviour == "stall-streams":  # every contribution stream stops before its last chunk
         from neuronode.swarm.transport import GrpcTransport
 
@@ -507,7 +582,7 @@ def run_liar(argv: list[str], log_path: str, behaviour: str) -> None:
 BEHAVIOURS = ("claim-rounds", "claim-closed", "doctored-state", "nan-state", "huge-momentum", "codec", "outer-lr",
               "stall-streams", "hold-state", "impersonate", "ghosts", "equivocate-contributions", "half-push",
               "equivocate-receipts", "heavy-flip", "flip", "just-in-time", "doctored-momentum", "ahead-doctored",
-              "slow-state")
+              "slow-state", "own-lineage", "named-ghosts")
 FLAGS = {"codec": ("--codec", "int8"), "outer-lr": ("--outer-lr", "0.5")}  # settings the swarm must share
 
 

@@ -353,6 +353,25 @@ def net_fixture() -> Iterator[Net]:
         yield network
 
 
+CLONE_NEWNS = 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+
+
+def private_hosts(path: Path) -> None:
+    """Give the calling process a mount namespace of its own in which /etc/hosts is `path`, as
+    `ip netns exec` does with /etc/netns/NAME/hosts: every name lookup it (and grpc) makes reads
+    that file. Call it in a freshly forked child; nothing outside the child sees the mount (the
+    namespace's mounts are made private first)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    steps = ((libc.unshare, (CLONE_NEWNS,), "unshare(CLONE_NEWNS)"),
+             (libc.mount, (None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private"),
+             (libc.mount, (str(path).encode(), b"/etc/hosts", None, MS_BIND, None), f"binding {path} on /etc/hosts"))
+    for call, args, what in steps:
+        if call(*args) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
 def enter_namespace(ns: str) -> None:
     """Move the calling thread into namespace `ns` (see Host.enter; usable in a forked child)."""
     Host(name=ns, ns=ns, ip="", public_ip="").enter()

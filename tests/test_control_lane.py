@@ -98,10 +98,10 @@ async def over_session(fifo: bool) -> dict[str, Any]:
             delays: list[float] = []
             honest_answer = home.hello_answer
 
-            def arrived(address: str, resp: Any) -> bool:
+            def arrived(carrier: str, address: str, resp: Any) -> bool:
                 if resp.observed_address in sent:
                     delays.append(time.monotonic() - sent.pop(resp.observed_address))
-                return bool(honest_answer(address, resp))
+                return bool(honest_answer(carrier, address, resp))
 
             home.hello_answer = arrived
             from helpers import chunks_of

@@ -132,7 +132,7 @@ async def test_a_state_no_other_member_vouches_for_is_refused(nodes: Nodes, exec
     got = await joiner.fetch_state(["a-liar", "b", "c"])  # the liar first, as if it led the lineage
     assert got is not None and got.round == 7 and got.param_digest == good.param_digest
     [rejected] = events(caplog, "donor_rejected")
-    assert rejected["peer_id"] == "a-liar" and "0 of 2 other hosts of its lineage published" in str(rejected["reason"])
+    assert rejected["peer_id"] == "a-liar" and "0 of the 2 other live hosts published" in str(rejected["reason"])
 
 
 async def test_a_state_whose_momentum_nobody_else_published_is_refused(nodes: Nodes, executor: ThreadPoolExecutor,
@@ -158,7 +158,7 @@ async def test_a_state_whose_momentum_nobody_else_published_is_refused(nodes: No
     got = await joiner.fetch_state(sorted(served))  # the liar first, as if it led the lineage
     assert got is not None and got.momentum is not None and torch.equal(got.momentum, momentum)
     [rejected] = events(caplog, "donor_rejected")
-    assert rejected["peer_id"] == "a-liar" and "0 of 3 other hosts of its lineage published" in str(rejected["reason"])
+    assert rejected["peer_id"] == "a-liar" and "0 of the 3 other live hosts published" in str(rejected["reason"])
 
 
 async def test_a_donor_a_round_ahead_of_what_the_others_announced_is_asked_again_once_they_did(

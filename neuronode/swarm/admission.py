@@ -9,8 +9,8 @@ from typing import Any, NoReturn
 
 import grpc
 
-from neuronode.config import is_loopback_host
 from neuronode.events import fields
+from neuronode.quorum import host, is_loopback, peer_ip
 from neuronode.security.auth import AuthError
 from neuronode.security.tls import peer_common_name
 from neuronode.swarm.bans import host_key, node_key
@@ -25,8 +25,9 @@ STRIKE_CODES = ("INVALID_ARGUMENT", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENT
 
 
 def caller_host(context: grpc.aio.ServicerContext) -> str:
-    """The caller's IP from gRPC's peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5")."""
-    return context.peer().split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    """The caller's IP from gRPC's peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"): where its
+    connection comes from (neuronode.quorum: its host is quorum.host of it)."""
+    return peer_ip(context.peer())
 
 
 def member_request(ctx: Context, method: str, request: Any, proven_id: str, what: str) -> str:
@@ -70,9 +71,9 @@ class Admission:
         name = self.certified_id(context)
         if name:
             return node_key(name)
-        host = caller_host(context)
-        if not is_loopback_host(host):
-            return host_key(host)
+        ip = caller_host(context)
+        if not is_loopback(ip):
+            return host_key(host(ip) or ip)  # an IPv6 caller's /64: a new address in it is no escape
         proven = caller_id(context) if self.ctx.security.secret else ""
         return node_key(proven) if proven else ""
 
@@ -92,7 +93,7 @@ class Admission:
     async def admit(self, context: grpc.aio.ServicerContext, node_id: str | None = None) -> None:
         """Admit a caller: loopback only in protected mode, and never a banned one; with
         `node_id` (who the request says it is), under mutual TLS only as its certificate names."""
-        if self.ctx.loopback_only and not is_loopback_host(caller_host(context)):
+        if self.ctx.loopback_only and not is_loopback(caller_host(context)):
             await end_call(context, grpc.StatusCode.PERMISSION_DENIED,
                                 "this node serves loopback callers only (no --secret-file, TLS or --open)")
         key = self.caller_key(context)
@@ -106,7 +107,7 @@ class Admission:
         """Status and health: open to local callers (health checks), members only from elsewhere
         in a closed swarm, loopback only in protected mode, never a banned caller."""
         await self.admit(context)
-        if self.ctx.security.secret and not is_loopback_host(caller_host(context)):
+        if self.ctx.security.secret and not is_loopback(caller_host(context)):
             try:
                 self.ctx.security.verify_metadata(context.invocation_metadata(), method)
             except AuthError as exc:

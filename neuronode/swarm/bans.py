@@ -4,7 +4,9 @@ A ban falls on what the node can prove, never on an id a caller merely writes in
 (anyone holding the swarm's secret can write any id there):
 - `node_key(id)` for an id whose own signatures proved it lied (two signed versions of one
   contribution or receipt), or that a TLS certificate names;
-- `host_key(host)` for the host a refused request came from (the TCP connection proves it).
+- `host_key(host)` for the host a refused request came from (the TCP connection proves it;
+  neuronode.quorum.host: an IPv4 address, an IPv6 address's /64, so that a banned caller does
+  not escape by taking another address of its network).
 Callers on this machine's loopback are the owner's own processes (neuronode.quorum): there the
 id a caller proves with the secret is used, and an open node never bans them.
 

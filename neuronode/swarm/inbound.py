@@ -24,8 +24,7 @@ from neuronode.codec import (
     receiving,
     shard_ranges,
 )
-from neuronode.config import is_loopback_host
-from neuronode.quorum import voice
+from neuronode.quorum import host, is_loopback, voice
 from neuronode.security.auth import AuthError
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.bans import node_key
@@ -33,7 +32,6 @@ from neuronode.swarm.chunks import ChunkView, parse_chunk
 from neuronode.swarm.context import Context
 from neuronode.swarm.hosts import host_claim_refusal, is_canonical_ip
 from neuronode.swarm.links.relay import Relay
-from neuronode.swarm.membership import is_ip
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
@@ -311,7 +309,7 @@ class Inbound:
                           "canonically (empty on loopback)")
         table = self.ctx.table
         peer = table.peers.get(chunk.sender_id)
-        if peer is None or not peer.seen_directly or not is_ip(peer.host) or is_loopback_host(peer.host):
+        if peer is None or not peer.seen_directly or not host(peer.host) or is_loopback(peer.host):
             return
         # Every member we saw ourselves, live or not: ids of one host taking turns to be the only
         # live one there would otherwise each name a host of its own.

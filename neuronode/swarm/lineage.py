@@ -68,11 +68,13 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
     lower) holds, at its newest round, the digest the other published for that round: they held
     the same parameters there and neither has since left them (for histories that are windows of
     recent rounds, as nodes publish, that is agreeing at the newest common round). The relation
-    is closed transitively. The winner is the group with the most members that have trained
-    (counted as hosts: neuronode.quorum; fresh joiners at round 0 vote for no lineage), then the highest round, then the smallest
-    digest at that round (docs/fault-tolerance.md). Everyone applies the same rule to the same
-    reports, so after a partition heals every node picks the same side. A peer claiming a round
-    far ahead of every other peer is not believed (`believable`) and counts nowhere.
+    is closed transitively. The winner is the group with the most members (counted as hosts:
+    neuronode.quorum; members at round 0 too, so that one id announcing a round of its own while
+    a swarm starts is one voice against every member there), then the highest round, then the
+    smallest digest at that round (docs/fault-tolerance.md). Everyone applies the same rule to
+    the same reports, so after a partition heals every node picks the same side. A peer
+    claiming a round far ahead of every other peer is not believed (`believable`) and counts
+    nowhere.
 
     Near-linear in the digests published: nodes are taken newest-first, each looks its own
     newest (round, digest) up among the histories already taken, and a lookup that joins groups
@@ -116,7 +118,7 @@ def lineages(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer
     def rank(group: list[str]) -> tuple[int, int, str]:
         top = max(rounds[i] for i in group)
         holder = min(i for i in group if rounds[i] == top)
-        return (-len({voice_of[i] for i in group if rounds[i] > 0}), -top, histories[holder].get(top, ""))
+        return (-len({voice_of[i] for i in group}), -top, histories[holder].get(top, ""))
 
     return Lineages(groups=sorted(grouped.values(), key=rank), rounds=rounds, voices=voice_of, work=work)
 

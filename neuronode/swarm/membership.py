@@ -21,17 +21,18 @@ from dataclasses import dataclass, field
 from neuronode.averaging.state import RECENT_DIGESTS
 from neuronode.averaging.transport import MemberView
 from neuronode.clock import Clock
-from neuronode.config import is_loopback_host, parse_hostport
+from neuronode.config import parse_hostport
 from neuronode.errors import ConfigError
 from neuronode.events import fields
-from neuronode.quorum import voice
+from neuronode.quorum import host as host_of
+from neuronode.quorum import is_loopback, voice
 from neuronode.swarm.bans import Bans, node_key
 
 logger = logging.getLogger(__name__)
 
 
 MAX_MEMBERS = 1024  # node ids the table holds at most (peers long dead are pruned first)
-MAX_IDS_PER_HOST = 16  # live node ids one host (the address a peer calls from) may hold
+MAX_IDS_PER_HOST = 16  # live node ids one host (neuronode.quorum.host: an IPv4 address, an IPv6 /64) may hold
 PRUNE_AFTER_DEAD_S = 600.0  # a peer dead (or gone) this long is forgotten
 MIN_FANOUT = 16  # peers a heartbeat (and peer exchange) reaches at least: all of a swarm this small
 MAX_GOSSIPED = 16  # new addresses one message's peer list may add (a member lists a sample of 8)
@@ -75,10 +76,10 @@ class Peer:
 
     node_id: str
     address: str
-    host: str = ""  # the IP it last called us from, or that we reached it at (its carrier's, relayed)
-    # `host` is one we saw it at ourselves (it called us, over a session too, or we reached it):
-    # a relayed Hello never moves it to a carrier's host (a member known only through a relay
-    # counts under its carrier's; one we know directly under its own, whoever relays it too).
+    # The IP it last called us from, or that we connected to when we dialed it, never a name
+    # (neuronode.quorum); a member known only through a relay, its carrier's. A relayed Hello
+    # never moves a member we saw directly to a carrier's host.
+    host: str = ""
     seen_directly: bool = False
     public_key: bytes = b""  # the key its id is bound to (neuronode.security.identity)
     verified: bool = True  # spoke as itself: a member; False until then (see PeerTable.heard_from)
@@ -99,6 +100,11 @@ class Peer:
     def voice(self) -> str:
         """Who it counts as in any vote (neuronode.quorum): its host, or its id on our loopback."""
         return voice(self.node_id, self.host)
+
+    @property
+    def counted_host(self) -> str:
+        """The host --max-ids-per-host counts it under (neuronode.quorum.host; loopback too)."""
+        return host_of(self.host) or self.host
 
 
 class PeerTable:
@@ -130,16 +136,18 @@ class PeerTable:
         return self.base_dead_after_s * rotation(len(self.peers), self.min_fanout)
 
     def admit(self, node_id: str, host: str) -> None:
-        """Raise TableFull unless a new `node_id` calling from `host` may join the table."""
+        """Raise TableFull unless a new `node_id` seen at `host` may join the table: at most
+        --max-ids-per-host live ids per host (an IPv6 host is its /64: neuronode.quorum.host)."""
         if node_id in self.peers or node_id == self.self_id:
             return
         if len(self.peers) >= self.max_members:
             self.prune()
         if len(self.peers) >= self.max_members:
             raise TableFull(f"this node already knows {len(self.peers)} members, its most; try again later")
-        same_host = sum(1 for p in self.peers.values() if host and p.host == host and self.is_alive(p))
-        if host and same_host >= self.max_ids_per_host:
-            raise TableFull(f"{same_host} live members already call from {host}, the most one host may "
+        counted = Peer(node_id=node_id, address="", host=host).counted_host
+        same_host = sum(1 for p in self.peers.values() if counted and p.counted_host == counted and self.is_alive(p))
+        if counted and same_host >= self.max_ids_per_host:
+            raise TableFull(f"{same_host} live members already call from {counted}, the most one host may "
                             f"run (--max-ids-per-host {self.max_ids_per_host})")
 
     def prune(self) -> int:
@@ -174,7 +182,7 @@ class PeerTable:
         if peer is not None and self.stale(peer, said_at, round=round, leaving=leaving):
             return False
         relayed = host.startswith(RELAYED)
-        host = self.resolve_host(host)
+        host = self.resolve_host(host) if relayed else host_ip(host)
         fresh = peer is None or not self.is_alive(peer)
         if peer is None:
             self.admit(node_id, host)
@@ -187,8 +195,7 @@ class PeerTable:
                         extra=fields("peer_back", peer_id=node_id, address=address, round=round))
         peer.verified = peer.verified or verified
         moved = not said_at or said_at > peer.said_at or not peer.host  # a replay of this second moves nothing
-        if (host and moved and (not peer.host or is_ip(host) or not is_ip(peer.host))  # a name never hides an IP
-                and not (relayed and peer.seen_directly)):
+        if host and moved and not (relayed and peer.seen_directly):
             peer.host = host
             peer.seen_directly = not relayed
         peer.said_at = max(peer.said_at, said_at)
@@ -309,31 +316,33 @@ class PeerTable:
         return sorted(a for a in self.addresses if (a not in left or a in alive) and a not in undialable)
 
 
-def is_ip(host: str) -> bool:
+def host_ip(seen: str) -> str:
+    """`seen` (an IP the node saw) in canonical spelling; "" for anything else: a name is no host
+    (neuronode.quorum), so a caller that passes one records none."""
     try:
-        ipaddress.ip_address(host.strip("[]"))
+        return str(ipaddress.ip_address(seen.strip("[]")))
     except ValueError:
-        return False
-    return True
+        return ""
 
 
 def gossiped_address_ok(address: str, *, local: bool) -> bool:
-    """Whether to dial an address a peer listed: HOST:PORT with a port, and a host that is a
-    name or a unicast IP; a loopback, unspecified, multicast, link-local or reserved one only
-    when we ourselves are on loopback (`local`: a swarm on one machine). A liar's list must not
-    make us dial this machine's own services, or a network's broadcast."""
+    """Whether to dial an address a peer listed, once resolved (neuronode.swarm.links.resolve:
+    only an IP the node resolved itself is dialed, never the name): IP:PORT with a port, the IP
+    in canonical spelling and unicast; a loopback, unspecified, multicast, link-local or
+    reserved one only when we ourselves are on loopback (`local`: a swarm on one machine). A
+    liar's list must not make us dial this machine's own services, or a network's broadcast."""
     try:
         host, port = parse_hostport(address, "a listed peer")
     except ConfigError:
         return False
-    if not port:
-        return False
-    if is_loopback_host(host):
-        return local
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        return bool(host) and all(c.isalnum() or c in "-._" for c in host)
+        return False
+    if not port or str(ip) != host.lower():
+        return False
+    if is_loopback(host):
+        return local
     return local or not (ip.is_unspecified or ip.is_multicast or ip.is_link_local or ip.is_reserved)
 
 

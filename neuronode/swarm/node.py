@@ -159,8 +159,8 @@ class SwarmNode:
     def carrying(self, peer_id: str) -> None:
         self.transport.push_pending()
 
-    def hello_answer(self, address: str, resp: pb.HelloResponse) -> bool:
-        return self.peers.take_answer(address, resp)
+    def hello_answer(self, carrier: str, address: str, resp: pb.HelloResponse) -> bool:
+        return self.peers.take_answer(address, resp, carrier=carrier)
 
     def relayed_hello(self, carrier: str, request: pb.HelloRequest) -> None:
         self.peers.take_relayed(carrier, request)
@@ -220,8 +220,8 @@ class SwarmNode:
         return closed_without_us(round_id, self.state.digests.get(round_id), self.table.alive())
 
     def vouched(self, round_id: int, param_digest: str, momentum_digest: str) -> bool:
-        """Whether a quorum of the other hosts that published a state for `round_id` published
-        this one (neuronode.swarm.trust.witnesses): what a replayed round must reach."""
+        """Whether a quorum of the other live hosts published this state for `round_id`
+        (neuronode.swarm.trust.witnesses): what a replayed round must reach."""
         return witnesses(round_id, param_digest, self.cfg.node_id, self.table.alive(), momentum_digest).accepted
 
     def alive_count(self) -> int:

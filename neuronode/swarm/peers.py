@@ -201,14 +201,17 @@ class Peers:
             leaving=info.leaving, contributes_from=info.contributes_from, host=host,
             public_key=info.public_key, verified=verified, reachable=info.reachable != pb.REACHABILITY_NO,
             carried_by=tuple(info.carried_by), advertised=bool(info.advertise), said_at=said_at)
+        if dialed and info.advertise and dialed != info.advertise and dialed not in table.bootstrap:
+            table.addresses.discard(dialed)  # the IP its advertised name resolved to: one address per member
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
             self.ctx.book.forgive(info.node_id)
             self.receipts.forget(info.node_id)  # and it holds nothing we sent before
         if verified:  # once its id is bound to its key (heard_from refuses another key)
             self.receipts.take(info)
-        table.add_gossiped((rec.address for rec in known[:MAX_PEERS_LISTED]
-                            if rec.node_id != self.ctx.cfg.node_id and len(rec.address) <= MAX_ADDRESS_CHARS),
-                           local=self.on_loopback(), cap=MAX_MEMBERS)
+        local = self.on_loopback()  # each listed address is taken as the IP it names (links.resolve)
+        self.links.resolver.each([rec.address for rec in known[:MAX_PEERS_LISTED] if rec.node_id != self.ctx.cfg.node_id
+                                  and len(rec.address) <= MAX_ADDRESS_CHARS],
+                                 lambda ips: table.add_gossiped(ips, local=local, cap=MAX_MEMBERS), spawn=self.ctx.tasks.spawn)
         self._contact.set()
         # A new peer, or one that moved to another round or is leaving, may now be owed an open
         # round's push, or no longer be waited for: cheap to re-check on every message.
@@ -300,11 +303,16 @@ class Peers:
         """Greet the node at `address` (live peer `to`: only the receipts and echoes it lacks,
         a sample of the peers we know; anyone else: everything)."""
         ctx = self.ctx
+        target = await self.links.resolve(address)  # the IP we dial: the host of whoever answers
+        if target is None:  # a name that does not resolve
+            self.dial_failed(address, refused=False)
+            return False
         info, mark = self.info_for(to)
         req = pb.HelloRequest(info=info, known_peers=self.known_peers(full=to is None))
         ctx.security.sign_hello(req)
         try:
-            resp = await self.links.dial(address, "Hello", req, timeout_s=max(1.0, ctx.cfg.heartbeat_s))
+            resp = await self.links.dial(target.address, "Hello", req, timeout_s=max(1.0, ctx.cfg.heartbeat_s),
+                                         name=target.name)
         except NoRoute:
             return False
         except grpc.aio.AioRpcError as exc:
@@ -330,11 +338,19 @@ class Peers:
             ctx.table.addresses.discard(address)  # that address is ourselves
             return True
         await ctx.security.check_ahead(resp)  # its signatures, off the event loop
-        return self.take_answer(address, resp)
+        return self.take_answer(address, resp, host=target.ip)
 
-    def take_answer(self, address: str, resp: pb.HelloResponse) -> bool:
-        """A peer's Hello answer (to our Hello, or over its session): check it and learn from it."""
+    def take_answer(self, address: str, resp: pb.HelloResponse, *, host: str = "", carrier: str = "") -> bool:
+        """A peer's Hello answer: to our Hello to `address` (the member is at the IP we dialed,
+        `host`), or over the session we hold to `carrier`, where it speaks for the carrier only
+        and moves no host (a carrier could forward any member's fresh signed answer; our Hellos
+        to the carrier tell us where it is). Check it and learn from it."""
         ctx = self.ctx
+        if carrier and resp.info.node_id != carrier:
+            ctx.say(f"forwarded:{carrier}", logging.WARNING, "not taking %s's Hello answer over %s's session: a "
+                    "session speaks for its carrier only", resp.info.node_id[:MAX_ID_CHARS], carrier,
+                    extra=fields("refused", what="hello over a session", peer_id=carrier, detail="not the carrier's"))
+            return False
         try:
             self.check_info(resp.info)
             ctx.security.check_hello_proof(resp.auth_tag, resp.timestamp_s, resp.info, resp.known_peers)
@@ -342,8 +358,8 @@ class Peers:
             # Under mutual TLS a named id is a member once its own Hello (whose certificate names
             # it) reached us; an answer cannot show us the server's certificate name.
             verified = not ctx.security.tls_files or is_derived(resp.info.node_id)
-            self.learn(resp.info, list(resp.known_peers), host=address.rpartition(":")[0].strip("[]"),
-                       verified=verified, dialed=address, said_at=resp.timestamp_s)
+            self.learn(resp.info, list(resp.known_peers), host=host, verified=verified, dialed=address,
+                       said_at=resp.timestamp_s)
         except (Refusal, AuthError, KeyMismatch) as exc:
             self.dial_failed(address, refused=True)
             self.refused_by(address, str(exc))

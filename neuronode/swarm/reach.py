@@ -3,8 +3,10 @@
 Every Hello answer tells the caller the address its connection came from
 (`HelloResponse.observed_address`). A node with a wildcard --listen and no --advertise takes
 the host a quorum of its peers agree on (`trust.agreed_host`) with its own listen port as its
-candidate address, and asks up to three peers to dial it back there (CheckReachable): with a
-quorum of yes it advertises it; with a quorum of no it is unreachable (behind NAT) and says so
+candidate address, and asks three peers on distinct hosts, drawn at random among the live ones
+(`trust.askers`: ids cheap to grind to a low prefix choose nothing), to dial it back there
+(CheckReachable): with a majority of them saying yes it advertises it; with a majority saying
+no it is unreachable (behind NAT) and says so
 (NodeInfo.reachable), nobody dials it, and it takes part through sessions it opens to
 reachable members (neuronode.swarm.links.sessions). `--reachable yes|no` skips the dial-back.
 """
@@ -12,8 +14,8 @@ reachable members (neuronode.swarm.links.sessions). `--reachable yes|no` skips t
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,10 +23,12 @@ import grpc
 
 from neuronode.config import is_wildcard_host
 from neuronode.events import fields
+from neuronode.quorum import voice
 from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links, NoRoute
+from neuronode.swarm.links.resolve import Resolver, canonical_ip, join, literal, split
 from neuronode.swarm.membership import Peer
-from neuronode.swarm.trust import agreed_host, reachability
+from neuronode.swarm.trust import ASKED, agreed_host, askers, reachability
 from neuronode.swarm.wire import MAX_ADDRESS_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -33,7 +37,7 @@ logger = logging.getLogger(__name__)
 DIAL_BACK_EVERY_S = 60.0
 RECHECK_S = 600.0  # a verdict is checked again this often (a router's port forward may change)
 RETRY_S = 30.0  # after a check without a quorum
-SETTLE_HEARTBEATS = 3  # heartbeats to wait for more peers before asking fewer than three
+SETTLE_HEARTBEATS = 3  # heartbeats to wait for more hosts before asking fewer than three
 
 
 def host_of(address: str) -> str:
@@ -41,7 +45,7 @@ def host_of(address: str) -> str:
 
 
 def join_host_port(host: str, port: int | str) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return join(host, port)
 
 
 class Reach:
@@ -54,11 +58,12 @@ class Reach:
         self.observed: dict[str, str] = {}  # peer id -> the host it sees our connections come from
         self.checked_for = ""  # the address the current verdict is about
         self.checked_at = -RECHECK_S
-        self._dialbacks: dict[str, float] = {}  # node id -> last dial-back we did for it
+        self._dialbacks: dict[str, float] = {}  # caller's host (quorum.voice) -> last dial-back we did for it
         self._said_tls = ""
         self.decided = ("unknown", ctx.advertise)  # the verdict and address we last announced
         self.settled_since: float | None = None  # since when we know a peer to ask
         self._checking = asyncio.Lock()
+        self.rng = random.Random()  # whom to ask (trust.askers)
         if ctx.cfg.reachable == "no":  # before our first Hello: nobody is to dial us, ever
             ctx.reachable = "no"
 
@@ -119,14 +124,14 @@ class Reach:
         now = ctx.clock.now()
         if target == self.checked_for and now - self.checked_at < RECHECK_S:
             return
-        asked = [p for p in ctx.table.alive() if self.links.dialable(p)][:3]
+        asked = askers([p for p in ctx.table.alive() if self.links.dialable(p)], rng=self.rng)
         if not asked:
             self.settled_since = None
             return
-        # Before asking fewer than three, give the swarm a few heartbeats to introduce the rest:
-        # the first peer to answer us must not decide alone.
+        # Before asking fewer than three hosts, give the swarm a few heartbeats to introduce the
+        # rest: the first peer to answer us must not decide alone.
         self.settled_since = self.settled_since if self.settled_since is not None else now
-        if len(asked) < 3 and now - self.settled_since < SETTLE_HEARTBEATS * ctx.cfg.heartbeat_s:
+        if len(asked) < ASKED and now - self.settled_since < SETTLE_HEARTBEATS * ctx.cfg.heartbeat_s:
             return
         verdict = await self.check(target, asked)
         self.checked_for, self.checked_at = target, now if verdict != "unknown" else now - RECHECK_S + RETRY_S
@@ -173,8 +178,8 @@ class Reach:
         return False
 
     async def check(self, target: str, asked: list[Peer]) -> str:
-        """Ask `asked` (up to three live peers) to dial us back at `target`; the verdict needs a
-        quorum of them (neuronode.swarm.trust.reachability)."""
+        """Ask `asked` (up to three live peers on distinct hosts) to dial us back at `target`; the
+        verdict needs a majority of the hosts that answered (neuronode.swarm.trust.reachability)."""
         answers = await asyncio.gather(*(self.ask(p.node_id, target) for p in asked))
         said = [(peer, resp) for peer, resp in zip(asked, answers, strict=True) if resp is not None]
         verdict = reachability([(p.node_id, resp.reachable) for p, resp in said], self.ctx.table.voice)
@@ -200,41 +205,33 @@ class Reach:
 
     async def dial_back(self, node_id: str, caller_host: str, address: str = "") -> pb.ReachResponse:
         """Serve CheckReachable: dial a live member back at the address it advertised in its own
-        Hello (or the one it asks about, before it advertises it), only if that address is the
-        host the call came from (never another machine: no scanning through us), at most once a
-        minute per member; answer yes or no, nothing more."""
+        Hello (or the one it asks about, before it advertises it), only if that address names the
+        IP the call came from (never another machine: no scanning through us), and then that
+        very IP, never the name again (a name resolved twice may name another machine the second
+        time: DNS rebinding); at most once a minute per host; answer yes or no, nothing more."""
         ctx = self.ctx
         peer = ctx.table.peers.get(node_id)
         if peer is None or not ctx.table.is_alive(peer):
             raise Refusal("FAILED_PRECONDITION", "say Hello first: only live members are dialed back")
         address = address or peer.address
-        if len(address) > MAX_ADDRESS_CHARS or not address.rpartition(":")[2].isdigit():
+        parts = split(address) if len(address) <= MAX_ADDRESS_CHARS else None
+        if parts is None:
             raise Refusal("INVALID_ARGUMENT", "the address to dial back must be HOST:PORT")
-        if caller_host not in await self.resolve(host_of(address)):
+        name, port = parts
+        caller = canonical_ip(caller_host)
+        if not caller or caller not in await Resolver.lookup_all(name):
             raise Refusal("PERMISSION_DENIED", f"you ask about {address[:MAX_ADDRESS_CHARS]}, but call from "
                           f"{caller_host}; a node is dialed back only at the host it calls from")
         now = ctx.clock.now()
-        if now - self._dialbacks.get(node_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
-            raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute")
-        self._dialbacks[node_id] = now
+        slot = voice(node_id, caller)  # one per host, whatever ids it runs (per id on our loopback)
+        if now - self._dialbacks.get(slot, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
+            raise Refusal("RESOURCE_EXHAUSTED", "one reachability check per minute per host")
+        self._dialbacks[slot] = now
         for old in [k for k, t in self._dialbacks.items() if now - t >= DIAL_BACK_EVERY_S]:
             del self._dialbacks[old]
         try:
-            await self.links.dial_once(address, "Status", pb.StatusRequest(), timeout_s=5)
+            await self.links.dial_once(join(caller, port), "Status", pb.StatusRequest(), timeout_s=5,
+                                       name="" if literal(address) else name)
             return pb.ReachResponse(reachable=True, address=address)
         except (grpc.aio.AioRpcError, NoRoute):
             return pb.ReachResponse(reachable=False, address=address)
-
-    @staticmethod
-    async def resolve(host: str) -> set[str]:
-        """The addresses `host` names (itself if it is one), resolved without blocking the loop."""
-        try:
-            ipaddress.ip_address(host)
-            return {host}
-        except ValueError:
-            pass
-        try:
-            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None), timeout=5)
-        except (OSError, TimeoutError):
-            return set()
-        return {str(info[4][0]) for info in infos}

@@ -74,12 +74,15 @@ class Security:
         cert, key, ca = (Path(p) for p in self.tls_files)
         return server.add_secure_port(listen, server_credentials(cert, key, ca))
 
-    def channel(self, address: str, *, own_connection: bool = False) -> grpc.aio.Channel:
+    def channel(self, address: str, *, own_connection: bool = False, name: str = "") -> grpc.aio.Channel:
         """A channel to `address`; `own_connection`: one not shared with the process's other
-        channels to it (grpc shares one connection among channels with equal settings)."""
+        channels to it (grpc shares one connection among channels with equal settings); `name`:
+        the host name an IP `address` was resolved from, which TLS checks the certificate against."""
         options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection else CHANNEL_OPTIONS
         if self.tls_files is None:
             return grpc.aio.insecure_channel(address, options=options)
+        if name:
+            options = [*options, ("grpc.ssl_target_name_override", name)]
         from neuronode.security.tls import channel_credentials
 
         cert, key, ca = (Path(p) for p in self.tls_files)

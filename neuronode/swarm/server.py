@@ -69,17 +69,20 @@ class Channels:
 
     def __init__(self, security: Security) -> None:
         self.security = security
-        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, str, str], grpc.aio.Channel] = {}  # (address, lane, name)
 
-    def channel(self, address: str, lane: str = BULK) -> grpc.aio.Channel:
-        channel = self._channels.get((address, lane))
+    def channel(self, address: str, lane: str = BULK, *, name: str = "") -> grpc.aio.Channel:
+        """The channel to `address` on `lane` (`name`: the host name an IP address was resolved
+        from, for TLS: neuronode.swarm.links.resolve)."""
+        channel = self._channels.get((address, lane, name))
         if channel is None:
-            channel = self._channels[(address, lane)] = self.security.channel(address, own_connection=lane != BULK)
+            channel = self._channels[(address, lane, name)] = self.security.channel(
+                address, own_connection=lane != BULK, name=name)
         return channel
 
     def addresses(self) -> set[str]:
         """Addresses we hold a channel to."""
-        return {address for address, _ in self._channels}
+        return {address for address, _, _ in self._channels}
 
     def stub(self, address: str) -> pb_grpc.NodeStub:
         """The generated stub on the control lane (raw clients in tests and tools)."""
@@ -99,7 +102,7 @@ class Channels:
 
     def pop(self, address: str) -> list[grpc.aio.Channel]:
         """Stop keeping the channels to `address`; the caller closes what comes back."""
-        return [c for lane in (CONTROL, BULK) if (c := self._channels.pop((address, lane), None)) is not None]
+        return [self._channels.pop(key) for key in [k for k in self._channels if k[0] == address]]
 
     async def close_all(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -42,8 +42,8 @@ __all__ = ["PROGRESS_S", "Donor", "StateFetch", "StateProvider", "StateReceiver"
            "encode_chunk", "header_chunks_root"]
 
 # A donor a round ahead of what the other members announced so far (they finished it a moment
-# later) has nobody to vouch for it yet: we wait until one of them publishes that round, at
-# most this many heartbeats (2 s at least), and ask again, up to WITNESS_RETRIES times.
+# later) has too few hosts to vouch for it yet: we wait until more of them publish that round,
+# at most this many heartbeats (2 s at least), and ask again, up to WITNESS_RETRIES times.
 WITNESS_WAIT_HEARTBEATS = 4
 WITNESS_RETRIES = 2
 
@@ -93,21 +93,25 @@ class StateFetch:
                 if not self.unwitnessed or retries == WITNESS_RETRIES:
                     return None
                 retries += 1
-                await self.witnessed(dict(self.unwitnessed), donors)
+                await self.witnessed(dict(self.unwitnessed))
         finally:
             self.show(TransferProgress())
 
-    async def witnessed(self, wanted: dict[int, str], lineage: list[str]) -> None:
-        """Wait until a member of `lineage` other than the donor published a digest for a round
-        in `wanted` (round -> donor), at most WITNESS_WAIT_HEARTBEATS heartbeats."""
+    async def witnessed(self, wanted: dict[int, str]) -> None:
+        """Wait until more live hosts than now, the donor's aside, published a digest for a
+        round in `wanted` (round -> donor), at most WITNESS_WAIT_HEARTBEATS heartbeats."""
         ctx = self.ctx
         deadline = ctx.clock.now() + max(2.0, WITNESS_WAIT_HEARTBEATS * ctx.cfg.heartbeat_s)
-        logger.info("no other member has published round %s yet; asking the donors again once one did",
+        logger.info("too few other hosts have published round %s yet; asking the donors again once more did",
                     ", ".join(map(str, sorted(wanted))), extra=fields("state_unwitnessed", rounds=sorted(wanted)))
+
+        def published() -> int:
+            return sum(witnesses(round_id, "", donor, ctx.table.alive()).published for round_id, donor in wanted.items())
+
+        before = published()
         while (left := deadline - ctx.clock.now()) > 0:
             changed = ctx.book.changed()
-            if any(round_id in p.digests for p in ctx.table.alive() if p.node_id in lineage
-                   for round_id, donor in wanted.items() if p.node_id != donor):
+            if published() > before:
                 return
             await ctx.clock.wait(changed, left)
 
@@ -186,20 +190,21 @@ class StateFetch:
     def vouched(self, round_id: int, param_digest: str, donor_id: str, lineage: list[str],
                 momentum_digest: str = "") -> str | None:
         """Why a donor's (round, param_digest, momentum_digest) is not the swarm's, or None when
-        it is: the other members of its lineage (`lineage`, the donors) published it (a quorum,
-        more than published another), or none but the donor is alive. A donor's own word is
-        never enough when anyone else can speak."""
-        members = [p for p in self.ctx.table.alive() if p.node_id in lineage]
-        seen = witnesses(round_id, param_digest, donor_id, members, momentum_digest)
+        it is: other live hosts published it, whatever lineage they are in (a host still at
+        round 0 vouches for nothing), a quorum of those that published the round and more than
+        published another in `lineage` (the donor's, the one the vote chose: the other side of a
+        healed partition objects to nothing) (neuronode.swarm.trust.witnesses); or no other host
+        is alive (a swarm of two). A donor's own word is never enough when anyone else can
+        speak: with nobody to vouch, we keep our own lineage."""
+        seen = witnesses(round_id, param_digest, donor_id, self.ctx.table.alive(), momentum_digest, lineage=lineage)
+        if seen.accepted and seen.others == 0:
+            logger.warning("only %s can vouch for its state of round %d (no other host is alive): adopting it on its "
+                           "word; a swarm of two has no second witness", donor_id, round_id,
+                           extra=fields("unvouched_state", peer_id=donor_id, round_id=round_id))
         if seen.accepted:
             return None
-        if not seen.agree and not seen.disagree and seen.others:
+        if seen.pending:
             self.unwitnessed[round_id] = donor_id  # the others may not have announced it yet
-        if seen.others == 0:
-            logger.warning("only %s can vouch for its state of round %d (no other member of its lineage is alive): "
-                           "adopting it on its word; a lineage of one has no second witness", donor_id, round_id,
-                           extra=fields("unvouched_state", peer_id=donor_id, round_id=round_id))
-            return None
         return (f"its round-{round_id} state (parameters {param_digest[:12]}, momentum {momentum_digest[:12] or 'none'}) "
-                f"is what {seen.agreeing} of {seen.others} other hosts of its lineage published "
-                f"({seen.disagreeing} published another)")
+                f"is what {seen.agreeing} of the {seen.others} other live hosts published ({seen.disagreeing} "
+                f"published another, {seen.others - seen.published} none yet)")

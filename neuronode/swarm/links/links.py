@@ -17,6 +17,7 @@ import grpc
 
 from neuronode.swarm.context import Context
 from neuronode.swarm.links.relay import Relay
+from neuronode.swarm.links.resolve import Resolver, Target
 from neuronode.swarm.links.route import Carried, Dial, Relayed, Route, Unreachable, route
 from neuronode.swarm.links.sessions import Inbox, Sessions
 from neuronode.swarm.membership import Peer
@@ -57,6 +58,11 @@ class Links:
         self.ctx = ctx
         self.sessions = Sessions(ctx, inbox=inbox)
         self.relay = Relay(ctx, sessions=self.sessions)
+        self.resolver = Resolver(clock=ctx.clock)
+
+    async def resolve(self, address: str) -> Target | None:
+        """The IP `address` names, which the node dials and counts (neuronode.swarm.links.resolve)."""
+        return await self.resolver.resolve(address)
 
     def route(self, peer_id: str) -> Route:
         peer = self.ctx.table.peers.get(peer_id)
@@ -78,14 +84,15 @@ class Links:
 
     # ---- calls ---------------------------------------------------------------------------
 
-    async def dial(self, address: str, method: str, request: Any, *, timeout_s: float) -> Any:
+    async def dial(self, address: str, method: str, request: Any, *, timeout_s: float, name: str = "") -> Any:
         """A unary control call to `address` (a member, or an address whose id we do not know
-        yet); raises NoRoute for no address, grpc.aio.AioRpcError as the call fails."""
+        yet; `name`: the host name an IP address was resolved from, for TLS); raises NoRoute for
+        no address, grpc.aio.AioRpcError as the call fails."""
         if not address:
             raise NoRoute(f"{method}: no address to dial")
         ctx = self.ctx
         await asyncio.sleep(ctx.faults.before_call(address))
-        call = ctx.channels.channel(address, CONTROL).unary_unary(
+        call = ctx.channels.channel(address, CONTROL, name=name).unary_unary(
             f"/neuronode.v1.Node/{method}", request_serializer=type(request).SerializeToString,
             response_deserializer=UNARY[method])
         return await call(request, timeout=timeout_s, metadata=ctx.security.metadata(method))
@@ -97,12 +104,12 @@ class Links:
             raise NoRoute(f"{method} to {peer_id}: {describe(where)}")
         return await self.dial(where.address, method, request, timeout_s=timeout_s)
 
-    async def dial_once(self, address: str, method: str, request: Any, *, timeout_s: float) -> Any:
+    async def dial_once(self, address: str, method: str, request: Any, *, timeout_s: float, name: str = "") -> Any:
         """A unary call over a connection of its own, closed after (a reachability dial-back:
         it must test a fresh connection to the address, not reuse one)."""
         if not address:
             raise NoRoute(f"{method}: no address to dial")
-        channel = self.ctx.security.channel(address)
+        channel = self.ctx.security.channel(address, name=name)
         try:
             call = channel.unary_unary(f"/neuronode.v1.Node/{method}", request_serializer=type(request).SerializeToString,
                                        response_deserializer=UNARY[method])

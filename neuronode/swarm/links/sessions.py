@@ -72,8 +72,9 @@ class Inbox(Protocol):
     def carrying(self, peer_id: str) -> None:
         """A session we carry for `peer_id` is up: what we owe it may go over it now."""
 
-    def hello_answer(self, address: str, resp: pb.HelloResponse) -> bool:
-        """The Hello answer of the member at `address`, over the session we hold to it."""
+    def hello_answer(self, carrier: str, address: str, resp: pb.HelloResponse) -> bool:
+        """A Hello answer over the session we hold to `carrier` (dialed at `address`): it speaks
+        for the carrier only (an answer of anyone else is dropped: finding 4, SECURITY.md)."""
 
     def relayed_hello(self, carrier: str, request: pb.HelloRequest) -> None:
         """A Hello of a member nobody can dial, relayed by `carrier` as its maker signed it."""
@@ -339,7 +340,7 @@ class Sessions:
         """One message of a session we hold."""
         if msg.HasField("hello"):
             await self.ctx.security.check_ahead(msg.hello)  # signatures off the loop
-            self.inbox.hello_answer(address, msg.hello)
+            self.inbox.hello_answer(peer_id, address, msg.hello)
         elif msg.HasField("relayed"):
             await self.ctx.security.check_ahead(msg.relayed)
             self.inbox.relayed_hello(peer_id, msg.relayed)
