@@ -4,6 +4,7 @@ member's contribution weighs both processes' samples."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -46,6 +47,11 @@ def member_rank(rank: int, world: int, port: int, folder: str) -> None:
     Path(folder, f"rank-{rank}.json").write_text(json.dumps({
         "steps": steps, "params": flat.tolist(), "round": status.get("round"),
         "local_workers": status.get("local_workers")}))
+    # DDP's reducer holds the process group: freed last, at this function's exit, torch 2.13 joins
+    # gloo's worker threads holding the GIL while a worker waits for it to free a broadcast's
+    # tensors (a deadlock; CI hung here). Let the reducer go first, then the group.
+    del ddp, model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -272,7 +272,7 @@ async def test_a_donor_whose_chunk_list_is_its_own_is_refused_before_it_sends_a_
     got = await joiner.fetch_state(["a-liar", "b", "c"])  # the liar first, as if it led the lineage
     assert same(got, state)
     [rejected] = events(caplog, "donor_rejected")
-    assert rejected["peer_id"] == "a-liar" and "0 of 2 other hosts" in rejected["reason"], rejected
+    assert rejected["peer_id"] == "a-liar" and "0 of the 2 other live hosts" in rejected["reason"], rejected
     assert from_liar.written == 0, from_liar.requests
     assert "a-liar" not in downloaded(caplog)["chunks_by_donor"]
 
