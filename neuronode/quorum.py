@@ -96,6 +96,16 @@ def quorum(spoke: int) -> int:
     return spoke // 2 + 1 if spoke > 0 else 0
 
 
+def reached(rounds: Iterable[tuple[str, int]]) -> int | None:
+    """The round a quorum of hosts reached, from (voice, round) pairs, each host at its furthest
+    id: one host claiming a round more, under any number of ids, moves nothing. None: no host."""
+    furthest: dict[str, int] = {}
+    for spoke, at in rounds:
+        furthest[spoke] = max(furthest.get(spoke, at), at)
+    ordered = sorted(furthest.values(), reverse=True)
+    return ordered[quorum(len(ordered)) - 1] if ordered else None
+
+
 def majority(said: Iterable[str], of: Iterable[str], voice_of: VoiceOf) -> bool:
     """Whether the ids in `said` are a strict majority of the voices of `of` (and `of` has one)."""
     spoke = voices(of, voice_of)

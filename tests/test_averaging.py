@@ -515,6 +515,27 @@ async def test_below_min_peers_the_round_waits_one_more_deadline_at_a_time(pools
     assert [r.contributors for r in results] == [["a", "b", "c"]] * 3 and identical(results)
 
 
+async def test_below_min_peers_a_round_the_swarm_went_past_closes_at_its_deadline(
+        pools, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """x waits in round 2 for --min-peers 3 while a and b (a quorum of the other hosts) already
+    went on to round 4: nobody will contribute to round 2 again. It waited one deadline after
+    another for ever (seen in the many-ids swarm: two members whose round 2 went another way
+    waited there, and the swarm of --min-peers 9 waited for them); now its deadline closes it,
+    so x catches up at the next round's start. Where the others are in that round, x waits on."""
+    swarm = Swarm(pools, AllToAll, min_contributors=3)
+    for name in "abx":
+        swarm.join(name)
+    for name in "ab":
+        swarm.local.members[name].state.round = 4
+    waiting = asyncio.ensure_future(swarm.round("x", round_id=2))
+    await until("x waiting on the clock", lambda: swarm.clock.waiting == 1)
+    swarm.clock.advance(TIMEOUT_S)
+    await until("x's round to close", waiting.done, timeout_s=5.0)
+    assert waiting.result().contributors == ["x"]
+    [moved] = [r for r in caplog.records if getattr(r, "event", None) == "swarm_moved_on"]
+    assert moved.round_id == 2  # type: ignore[attr-defined]
+
+
 # ---- all-to-all: which contributions a round averages (the receipts) ----------------------------
 
 

@@ -47,7 +47,7 @@ class AllToAll(Averaging):
         got = await book.collect(
             round_id, phase=Phase.WHOLE, expected=lambda: self.transport.round_peers(round_id) | {self.cfg.node_id},
             timeout_s=self.cfg.sync_timeout_s, min_contributors=self.cfg.min_contributors,
-            on_extend=sending.extend, fetchable=self.held_elsewhere(round_id, Phase.WHOLE, lineage),
+            on_extend=sending.extend, moved_past=lambda: self.transport.moved_past(round_id), fetchable=self.held_elsewhere(round_id, Phase.WHOLE, lineage),
             reached=self.held_elsewhere(round_id, Phase.WHOLE, lineage, at_least=1), voice=self.transport.voice)
         got = same_lineage(got, own.lineage)
         # The round's members as it closed: one that appears later (a joiner, a ghost) has no receipt to wait for.

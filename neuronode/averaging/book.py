@@ -318,6 +318,7 @@ class RoundBook:
     async def collect(
         self, round_id: int, *, phase: Phase = Phase.WHOLE, expected: Callable[[], set[str]], timeout_s: float,
         min_contributors: int = 1, on_extend: Callable[[], None] | None = None,
+        moved_past: Callable[[], bool] = lambda: False,
         fetchable: Callable[[], set[str]] = set, reached: Callable[[], set[str]] | None = None,
         voice: VoiceOf = by_id,
     ) -> dict[str, Contribution]:
@@ -326,7 +327,8 @@ class RoundBook:
         members hold (their receipts say so), which we will fetch: they count toward
         `min_contributors`. `reached()` (default `fetchable`): senders whose contributions reached
         other members: at the cut, they are not waited for and not late. `voice`: the host of a
-        member, for the majority the cut follows."""
+        member, for the majority the cut follows. `moved_past()`: the swarm went on past this round
+        (a quorum of the other hosts): the deadline closes it, however few contributed."""
         opened = self.clock.now()
         deadline = opened + timeout_s
         cut: float | None = None
@@ -389,6 +391,12 @@ class RoundBook:
                                    round_id, ", ".join(sorted(missing)), len(have),
                                    extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have),
                                                 relays=relays))
+                    break
+                if moved_past():
+                    logger.warning("round %d: %d of --min-peers %d contributors, but a quorum of the other hosts "
+                                   "went on past this round; closing it (we catch up at the next round's start)",
+                                   round_id, len(have), min_contributors,
+                                   extra=fields("swarm_moved_on", round_id=round_id, contributors=len(have)))
                     break
                 logger.warning("round %d: %d of --min-peers %d contributors; waiting %.0f s more",
                                round_id, len(have), min_contributors, timeout_s,

@@ -17,7 +17,7 @@ from neuronode.averaging.state import RoundState
 from neuronode.averaging.transport import MemberView
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
-from neuronode.quorum import voice
+from neuronode.quorum import reached, voice
 
 
 @dataclass
@@ -140,6 +140,10 @@ class LocalTransport:
 
     def alive(self) -> set[str]:
         return {m.node_id for m in self.others()}
+
+    def moved_past(self, round_id: int) -> bool:
+        at = reached((self.voice(m.node_id), m.state.round) for m in self.others())
+        return at is not None and at > round_id + self.swarm.round_lag - 1
 
     def reducers(self, members: Iterable[str]) -> set[str]:
         return set(members) - self.swarm.undialable

@@ -50,6 +50,10 @@ class Transport(Protocol):
     def alive(self) -> set[str]:
         """Live peers (not us)."""
 
+    def moved_past(self, round_id: int) -> bool:
+        """A quorum of the other live hosts is past `round_id`: waiting for --min-peers in it is
+        waiting for nobody (we catch up, or repair, at the next round's start)."""
+
     def reducers(self, members: Iterable[str]) -> set[str]:
         """Which of `members` (us included) peers can dial: the reducers under reduce-scatter."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from neuronode.quorum import by_id, quorum
+from neuronode.quorum import by_id, reached
 from neuronode.swarm.membership import Peer
 
 # A member more than this many rounds ahead of the most advanced other host is not believed:
@@ -140,12 +140,9 @@ def plan_catch_up(self_id: str, own_round: int, own: dict[int, str], peers: list
     winner = lin.winner
     # Where the swarm is: the round a quorum of its other hosts reached (each host at its
     # furthest id), so one host claiming a round more, under any number of ids, moves nobody.
-    reached: dict[str, int] = {}
-    for i in winner:
-        if i != self_id:
-            reached[lin.voices[i]] = max(reached.get(lin.voices[i], 0), lin.rounds[i])
-    others = sorted(reached.values(), reverse=True)
-    top = others[quorum(len(others)) - 1] if others else own_round
+    top = reached((lin.voices[i], lin.rounds[i]) for i in winner if i != self_id)
+    if top is None:
+        top = own_round
     if self_id in winner:
         if own_round >= top:
             return None

@@ -25,7 +25,7 @@ from neuronode.config import parse_hostport
 from neuronode.errors import ConfigError
 from neuronode.events import fields
 from neuronode.quorum import host as host_of
-from neuronode.quorum import is_loopback, voice
+from neuronode.quorum import is_loopback, reached, voice
 from neuronode.swarm.bans import Bans, node_key
 
 logger = logging.getLogger(__name__)
@@ -354,6 +354,13 @@ def round_peers(table: PeerTable, round_id: int, *, round_lag: int) -> set[str]:
     to round r while round r - 1 still syncs)."""
     return {p.node_id for p in table.alive()
             if round_id - round_lag <= p.round <= round_id + 1 and p.contributes_from <= round_id}
+
+
+def moved_past(table: PeerTable, round_id: int, *, round_lag: int) -> bool:
+    """A quorum of the other live hosts is past `round_id` (closed it, and under --overlap its
+    sync too): nobody else contributes to it any more."""
+    at = reached((p.voice, p.round) for p in table.alive())
+    return at is not None and at > round_id + round_lag - 1
 
 
 def reducers(table: PeerTable, members: Iterable[str], *, self_dialable: bool) -> set[str]:

@@ -29,7 +29,7 @@ from neuronode.swarm.hosts import canonical_ip
 from neuronode.swarm.inbound import Inbound, bound_digest
 from neuronode.swarm.links import Links, NoRoute, SessionClosed, retry_until
 from neuronode.swarm.links.links import EARLY_STATUS_BUG, FINAL_CODES
-from neuronode.swarm.membership import member_views, reducers, round_peers
+from neuronode.swarm.membership import member_views, moved_past, reducers, round_peers
 from neuronode.swarm.missed import Missed
 from neuronode.swarm.receipts import EQUIVOCATION_BAN_S, Receipts
 from neuronode.v1 import node_pb2 as pb
@@ -112,6 +112,9 @@ class GrpcTransport:
 
     def alive(self) -> set[str]:
         return {p.node_id for p in self.ctx.table.alive()}
+
+    def moved_past(self, round_id: int) -> bool:
+        return moved_past(self.ctx.table, round_id, round_lag=self.ctx.cfg.round_lag)
 
     def reducers(self, members: Iterable[str]) -> set[str]:
         return reducers(self.ctx.table, members, self_dialable=bool(self.ctx.advertise) and self.ctx.reachable != "no")
