@@ -17,6 +17,7 @@ from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatte
 from neuronode.averaging.agreement import lineage_hash, listed, receipt_of
 from neuronode.averaging.book import (
     GRACE,
+    LATE_GRACE,
     BufferFull,
     DuplicateContribution,
     RoundBook,
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.timeout(30)
 
 N = 3000
 TIMEOUT_S = 60.0  # --sync-timeout: never waited for in real time here
+TRAIN_S = 10.0  # a round's inner steps, where a test lets them take time
 
 
 @pytest.fixture
@@ -248,9 +250,10 @@ async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delive
 async def test_late_is_late_however_it_is_timed() -> None:
     """Issue 26 item 5. Four members: a (us), b and c deliver at once, x does not. A strict
     majority of hosts delivered, so the round waits a grace more (its cut, GRACE x the timeout
-    here), not the deadline: x is late at the cut. Rounds then do not wait for x at all, and a
-    contribution of x that lands just before each deadline (a just-in-time member) never ends its
-    lateness: it begins after the round's cut. Before, the round waited until its deadline, and
+    here), not the deadline: x is late at the cut. Rounds then wait for x only their late grace
+    (LATE_GRACE x the time the others took since the round began), and a contribution of x that
+    lands just before each deadline (a just-in-time member) never ends its lateness: it begins
+    after the round's cut. Before, the round waited until its deadline, and
     any contribution that arrived whole, even after its round closed, ended the lateness, so a
     just-in-time member cost every round a deadline. A stream begun by the cut that arrives
     whole ends it,
@@ -281,16 +284,29 @@ async def test_late_is_late_however_it_is_timed() -> None:
     await until("round 0 to close at its cut", closing.done)
     assert set(closing.result()) == {"a", "b", "c"} and clock.now() - started == pytest.approx(grace)
     assert book.excused(Phase.WHOLE) == {"x"}
+    began = clock.now()  # round 0 closed here: round 1 began
     for round_id in (1, 2, 3):  # x lands a second before each deadline: too late, every time
+        clock.advance(TRAIN_S)  # the others train the round
+        opened = clock.now()
         closing = collecting(round_id)
-        await until(f"round {round_id} to close without waiting", closing.done)
-        clock.advance(TIMEOUT_S - 1.0)
+        await until(f"round {round_id} to wait for x its late grace", lambda: clock.waiting == 1)
+        clock.advance(min(LATE_GRACE * (opened - began), grace) - 0.01)  # never past the round's cut
+        await until(f"round {round_id} still waiting", lambda: clock.waiting == 1)
+        assert not closing.done()
+        clock.advance(0.01)
+        await until(f"round {round_id} to close at its late grace", closing.done)
+        assert set(closing.result()) == {"a", "b", "c"}
+        began = clock.now()
+        clock.advance(opened + TIMEOUT_S - 1.0 - clock.now())
         with pytest.raises(RoundClosed):
             book.begin(round_id, "x")
         assert book.excused(Phase.WHOLE) == {"x"}
-    closing = collecting(4)
-    await until("round 4 to close without waiting", closing.done)
-    clock.advance(grace - 1.0)  # x begins by round 4's cut (it was slow, not late): its stream runs to its end
+    closing = collecting(4)  # x is late for round 4 too
+    late = min(LATE_GRACE * (clock.now() - began), grace)
+    await until("round 4 to wait for x its late grace", lambda: clock.waiting == 1)
+    clock.advance(late)
+    await until("round 4 to close at its late grace", closing.done)
+    clock.advance(grace - late - 1.0)  # x begins by round 4's cut (it was slow, not late): its stream runs to its end
     book.begin(4, "x")
     clock.advance(TIMEOUT_S)
     with pytest.raises(RoundClosed):

@@ -28,17 +28,21 @@ Rules (docs/protocol.md repeats them):
   contribution in flight is not left out (every member would leave it out alike, its maker
   too). One still streaming when its round closes is discarded: its stream is aborted and its
   buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
-- Late is late, however it is timed: a sender missing at a round's cut or deadline is late, and
-  no round waits for it (it still counts if it arrives before a round closes). Past the cut a
-  stream is waited for while it moves (a chunk within the grace), so a stream that begins in
-  time and stalls is late too. A late sender stops being late when a contribution of its that
-  began by a round's cut arrives whole: a stream it begins by the cut of a round that closed
-  without waiting for it (or that the round's close would cut off) runs to its end to show it,
-  and is then dropped. Or when it comes back after it was gone (`forgive`). So a member whose
-  contribution lands just before each deadline, or that stalls its streams, is late every round
-  and costs the swarm one grace each time it falls late (which takes a delivery in time in
-  between); an honest member that was slow once (its stream, begun by
-  the cut, arrives whole) is waited for again from the next round.
+- Late is late, however it is timed: a sender missing at a round's cut or deadline is late.
+  Past the cut a stream is waited for while it moves (a chunk within the grace), so a stream
+  that begins in time and stalls is late too. A round waits for a late sender only a bounded
+  *late grace*: once every member that is not late delivered, LATE_GRACE x the time they took
+  since the round began here (our previous round's close), never past the round's cut or
+  deadline, and not while its stream merely moves. A late sender whose contribution arrives
+  within it counts in the round, and is late no more. So a member slower than the others by
+  less than LATE_GRACE of a round (compute, link, or a round lost once: when the others closed
+  without waiting for it, it started the next round behind them, and each late grace they wait
+  takes that much off its lag) gets back into the rounds, while a member that delivers
+  after it every round on purpose costs each round that late grace, never more. A late sender
+  also stops being late when a contribution of its that began by a round's cut arrives whole:
+  a stream it begins by the cut of a round that closed without it (or that the round's close
+  would cut off) runs to its end to show it, and is then dropped. Or when it comes back after
+  it was gone (`forgive`).
 - A relay's stall is charged to the relay (`via`: neuronode.swarm.links.relay forwards whole
   contributions it holds, so a relayed stream that stalls is the relay's doing): a maker whose
   relayed stream missed the cut or the deadline is not late; the relay is a late relay, and no
@@ -71,6 +75,7 @@ logger = logging.getLogger(__name__)
 
 Lineage = tuple[str, tuple[str, ...]]  # (base_digest, members): Contribution.lineage
 GRACE = 0.5  # the least a round waits past its majority (the cut), as a fraction of its timeout
+LATE_GRACE = 0.5  # a late sender is waited for this fraction of the time the others took (module docstring)
 
 
 def cut_grace(timeout_s: float, waited_s: float, took_s: float = 0.0) -> float:
@@ -135,6 +140,7 @@ class RoundBook:
         self._cuts: dict[tuple[Phase, int], float] = {}  # a round's cut, once known (module docstring)
         self._graces: dict[tuple[Phase, int], float] = {}  # and the grace it gave
         self._took: dict[tuple[Phase, int], float] = {}  # the longest a contribution took to stream in
+        self._closed_at: dict[Phase, tuple[int, float]] = {}  # the last round closed, and when
         self._changed = asyncio.Event()
 
     @property
@@ -249,7 +255,11 @@ class RoundBook:
         stream = self._streaming.pop(key, None)
         reserved = stream.reserved_bytes if stream is not None else 0
         if stream is not None and self._in_time(c.phase, c.round_id, stream):  # it delivered in time
-            self.late.discard((c.phase, c.sender_id))
+            if (c.phase, c.sender_id) in self.late:
+                self.late.discard((c.phase, c.sender_id))
+                logger.info("round %d: %s delivered its %s in time: rounds wait for it again", c.round_id,
+                            c.sender_id, c.phase.label, extra=fields("late_ended", round_id=c.round_id,
+                                                                       peer_id=c.sender_id))
             self.late_relays.discard((c.phase, self._relay(*key)))
         if c.round_id < self._closed_below[c.phase]:
             self._release(c.sender_id, reserved)
@@ -262,7 +272,7 @@ class RoundBook:
         self.notify()
 
     def excused(self, phase: Phase) -> set[str]:
-        """Late senders: no round of `phase` waits for them."""
+        """Late senders: a round of `phase` waits for them only its late grace (`late_grace`)."""
         return {sender for ph, sender in self.late if ph == phase}
 
     def forgive(self, sender_id: str) -> None:
@@ -331,6 +341,8 @@ class RoundBook:
         deadline = opened + timeout_s
         cut: float | None = None
         grace = 0.0
+        late_until: float | None = None  # the end of the late grace, once every punctual member delivered
+        late_s = 0.0
         said = False
         while True:
             changed = self._changed
@@ -359,8 +371,8 @@ class RoundBook:
                                     extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
                     if gone - skipped:
                         logger.warning("round %d: %s missed the round's cut (a majority of hosts delivered, and "
-                                       "the grace passed); they are late: no round waits for them until one of "
-                                       "their contributions, begun by a round's cut, arrives whole", round_id,
+                                       "the grace passed); they are late: rounds wait for them only a late grace until one "
+                                       "of their contributions arrives in time", round_id,
                                        ", ".join(sorted(gone - skipped)),
                                        extra=fields("cut", round_id=round_id, late=sorted(gone - skipped),
                                                     contributors=len(have), grace_s=round(grace, 3), relays=relays))
@@ -369,7 +381,21 @@ class RoundBook:
                 else:
                     wake = min(deadline, cut)
             if not missing and len(counted) >= min_contributors:
-                break
+                waiting = (members - have) & self.excused(phase)
+                if not waiting:
+                    break
+                if late_until is None:
+                    late_s = self.late_grace(phase, round_id, since=opened)
+                    late_until = now + late_s
+                end = min(late_until, deadline, cut if cut is not None else deadline)
+                if now >= end:
+                    logger.info("round %d: closing without %s: late, and not here within the late grace (%.1f s)",
+                                round_id, ", ".join(sorted(waiting)), late_s,
+                                extra=fields("late_grace", round_id=round_id, late=sorted(waiting),
+                                             contributors=len(have), grace_s=round(late_s, 3)))
+                    break
+                await self.clock.wait(changed, end - now)
+                continue
             arriving = missing & {s for ph, r, s in self._streaming if ph == phase and r == round_id}
             if now >= deadline and arriving and now < deadline + timeout_s:
                 if not said:
@@ -384,8 +410,8 @@ class RoundBook:
                 relays = self._mark_late(phase, round_id, missing)
                 if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
-                                   "(no round waits for them until one of their contributions, begun by a round's cut, "
-                                   "arrives whole)",
+                                   "(they are late: rounds wait for them only a late grace until one of their contributions "
+                                   "arrives in time)",
                                    round_id, ", ".join(sorted(missing)), len(have),
                                    extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have),
                                                 relays=relays))
@@ -401,6 +427,14 @@ class RoundBook:
         self._cuts.setdefault((phase, round_id), deadline)  # it had none: a stream begun by the deadline was in time
         return self.close(round_id, phase)
 
+    def late_grace(self, phase: Phase, round_id: int, *, since: float) -> float:
+        """How long a round waits for its late senders once every other member delivered (now):
+        LATE_GRACE x the time those took since the round began here, our close of the round
+        before (or `since`, when we began collecting, if we did not close that one)."""
+        last = self._closed_at.get(phase)
+        began = last[1] if last is not None and last[0] == round_id - 1 else since
+        return LATE_GRACE * max(0.0, self.clock.now() - began)
+
     def _mark_late(self, phase: Phase, round_id: int, senders: set[str]) -> dict[str, str]:
         """`senders` missed `round_id`'s cut or deadline: each is late, unless a relay carried
         its stream of the round, which then stalled it: the relay is charged (`late_relays`, module
@@ -413,6 +447,7 @@ class RoundBook:
     def close(self, round_id: int, phase: Phase = Phase.WHOLE) -> dict[str, Contribution]:
         """Close `round_id` of `phase` (and everything before it); return its contributions."""
         self._closed_below[phase] = max(self._closed_below[phase], round_id + 1)
+        self._closed_at[phase] = (round_id, self.clock.now())
         result = self._complete.pop((phase, round_id), {})
         for sender in result:  # the caller holds them now
             self._release(sender, self._held.pop((phase, round_id, sender), 0))

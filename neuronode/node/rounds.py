@@ -78,7 +78,7 @@ class Rounds:
         round_id = self.state.training_round
         started = time.monotonic()
         self.state.phase = NodePhase.TRAINING
-        await self.pools.run(self.pools.train, self.trainer.train_round, self.stop, self.on_step)
+        await self.pools.run(self.pools.train, self.trainer.train_round, self.stop, self.stepped())
         train_s = time.monotonic() - started
         if not self.trainer.round_complete():
             return False
@@ -159,6 +159,21 @@ class Rounds:
         delta = await self.pools.run(self.pools.train, self.trainer.pseudo_gradient, self.drill())
         return await self.averaging.prepare(round_id, delta, base_digest=self.state.param_digest,
                                             weight=self.trainer.weight(), give_up=self.stop.is_set)
+
+    def stepped(self) -> Callable[[Trainer], None] | None:
+        """What runs after each inner step: `on_step`, after a fault drill's sleep (--fault-file
+        `step_delay_s`: a slower member), read at every step."""
+        if self.swarm.fault_plan() is None:
+            return self.on_step
+
+        def step(trainer: Trainer) -> None:
+            plan = self.swarm.fault_plan()
+            if plan is not None and plan.step_delay_s > 0:
+                time.sleep(plan.step_delay_s)  # on the training thread
+            if self.on_step is not None:
+                self.on_step(trainer)
+
+        return step
 
     def drill(self) -> Drill | None:
         plan = self.swarm.fault_plan()
