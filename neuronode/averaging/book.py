@@ -454,6 +454,14 @@ class RoundBook:
         self._discard_below(phase, self._closed_below[phase])
         return result
 
+    def advance(self, first_round: int) -> None:
+        """Rounds below `first_round` were applied without collecting them here (the node caught
+        up by rounds): close them, in every phase still below (never reopening one)."""
+        for phase in Phase:
+            if self._closed_below[phase] < first_round:
+                self._closed_below[phase] = first_round
+                self._discard_below(phase, first_round)
+
     def reset(self, first_round: int) -> None:
         """Jump to another round (after a state transfer): drop everything buffered before it."""
         self._closed_below = dict.fromkeys(Phase, first_round)
