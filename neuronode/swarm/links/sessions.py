@@ -333,6 +333,11 @@ class Sessions:
             if peer_id in self.open:
                 self.open.discard(peer_id)
                 if not self.ctx.leaving:
+                    peer = ctx.table.peers.get(peer_id)
+                    logger.warning("our session to %s ended (%s); taking part through %s", peer_id,
+                                   "it left" if peer is not None and peer.left else "it died, or its link did",
+                                   ", ".join(sorted(self.open)) or "no other member until one answers",
+                                   extra=fields("carrier_lost", peer_id=peer_id, carried_by=sorted(self.open)))
                     self.inbox.carriers_changed()  # another carrier relays to us now
 
     async def take(self, peer_id: str, address: str, msg: pb.SessionMessage, flows: Inflow) -> None:
