@@ -129,9 +129,10 @@ def add_bench_parser(sub: Any) -> None:
                            "authentication (default: none)")
     sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     # stdlib-only modules at import time (swarm imports torch when it runs): cheap to import
-    from neuronode.bench import membership, quality, stall, swarm, utilization
+    from neuronode.bench import catchup, membership, quality, stall, swarm, utilization
 
     quality.add_parser(kinds)
+    catchup.add_parser(kinds)
     membership.add_parser(kinds)
     utilization.add_parser(kinds)
     stall.add_parser(kinds)
@@ -233,11 +234,11 @@ def run_bench(args: argparse.Namespace, parser: Parser) -> int:
         from neuronode.bench.sync import run_sync_bench
 
         result = run_sync_bench(args)
-    elif args.bench in ("quality", "utilization", "stall", "membership"):
-        from neuronode.bench import membership, quality, stall, utilization
+    elif args.bench in ("quality", "utilization", "stall", "membership", "catchup"):
+        from neuronode.bench import catchup, membership, quality, stall, utilization
 
         result = {"quality": quality, "utilization": utilization, "stall": stall,
-                  "membership": membership}[args.bench].run(args)
+                  "membership": membership, "catchup": catchup}[args.bench].run(args)
     elif args.bench == "swarm":
         from neuronode.bench import swarm
 
@@ -246,7 +247,8 @@ def run_bench(args: argparse.Namespace, parser: Parser) -> int:
             print(swarm.format_table(result))
             return 0
     else:
-        raise UsageError("neuronode bench: choose a benchmark: sync, quality, utilization, stall, swarm or membership")
+        raise UsageError("neuronode bench: choose a benchmark: sync, quality, utilization, stall, swarm, membership "
+                         "or catchup")
     print(json.dumps(result, sort_keys=True))
     return 0
 

@@ -101,6 +101,7 @@ class Averaging:
         self.clock = clock or Clock()
         self.late_receipts: set[str] = set()  # members whose receipt a deadline passed without
         self.agreed: dict[int, dict[str, Contribution]] = {}  # round -> the whole contributions it averaged
+        self.fetched: dict[int, int] = {}  # round -> payload bytes we fetched of it (missed contributions, updates)
 
     async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
@@ -254,6 +255,7 @@ class Averaging:
             self.transport.fetch(s, [h for h in decision.holders[s.slot] if h != me], timeout_s=self.cfg.sync_timeout_s)
             for s in missing))
         got = {s.sender: c for s, c in zip(missing, results, strict=True) if c is not None}
+        self.count_fetched(round_id, got.values())
         failed = sorted(s.sender for s, c in zip(missing, results, strict=True) if c is None)
         if failed:
             logger.warning("round %d: could not fetch the contributions of %s that other members average; this "
@@ -295,8 +297,14 @@ class Averaging:
                                                    timeout_s=self.cfg.sync_timeout_s)
         if update is None:
             return None
+        self.count_fetched(round_id, [update])
         vector = await asyncio.get_running_loop().run_in_executor(self.executor, update.data.decode)
         return Average(vector=vector, contributors=sorted(update.contributors), fewest=len(update.contributors))
+
+    def count_fetched(self, round_id: int, got: Iterable[Contribution]) -> None:
+        """Add what we fetched of `round_id` (payload bytes, before zstd) to `fetched` (a few rounds kept)."""
+        self.fetched = {r: n for r, n in self.fetched.items() if r > round_id - 8}
+        self.fetched[round_id] = self.fetched.get(round_id, 0) + sum(c.data.size_bytes for c in got)
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,

@@ -155,16 +155,17 @@ class ByRounds:
         applied so far kept, when one is not held any more or a stop came."""
         self.state.phase = NodePhase.SYNCING
         started, first = time.monotonic(), self.state.round
-        received = self.swarm.counters.bytes_received
+        received, payload = self.swarm.counters.bytes_received, 0
         while self.state.round < target:
             if stopped is not None and stopped.is_set() or not await self.one(self.state.round, stopped):
                 break
+            payload += self.averaging.fetched.get(self.state.round - 1, 0)
         if self.state.round > first:
             await self.save()
-            logger.info("caught up by rounds %d to %d in %.1fs (%d bytes fetched, no state downloaded)", first,
-                        self.state.round, time.monotonic() - started, self.swarm.counters.bytes_received - received,
+            logger.info("caught up by rounds %d to %d in %.1fs (%d bytes of updates and contributions fetched, no "
+                        "state downloaded)", first, self.state.round, time.monotonic() - started, payload,
                         extra=fields("caught_up", round_id=first, round=self.state.round, rounds=self.state.round - first,
-                                     bytes=self.swarm.counters.bytes_received - received,
+                                     payload_bytes=payload, bytes=self.swarm.counters.bytes_received - received,
                                      seconds=round(time.monotonic() - started, 3)))
         return self.state.round >= target
 
@@ -172,33 +173,36 @@ class ByRounds:
         """Apply `round_id` (we hold its start): from a holder's averaged update, else from the
         contributions its receipts decided; True once the digests after it are the swarm's."""
         base = self.state.param_digest
+        self.averaging.fetched.pop(round_id, None)
         for holder in self.swarm.holders(round_id, base):
             average = await until_stopped(self.averaging.replay_update(round_id, [holder], base_digest=base), stopped)
-            if average is not None and await self.applied(round_id, average, f"{holder}'s averaged update"):
+            if average is not None and await self.applied(round_id, average, "update", holder):
                 return True
         average = await until_stopped(self.averaging.replay(round_id, base_digest=base), stopped)
         if average is None or not average.contributors:
             return False
-        return await self.applied(round_id, average, f"{len(average.contributors)} agreed contributions")
+        return await self.applied(round_id, average, "contributions", "its receipts")
 
-    async def applied(self, round_id: int, average: Average, source: str) -> bool:
-        """Take `round_id`'s outer step with `average`, as a member that trained the round did
-        (its inner steps counted), and keep it if the digests after it are the ones a quorum of
-        the other hosts published; else restore the state from before it."""
+    async def applied(self, round_id: int, average: Average, source: str, holder: str) -> bool:
+        """Take `round_id`'s outer step with `average` (`source`: a `holder`'s averaged update,
+        or the contributions the receipts decided), as a member that trained the round did (its
+        inner steps counted), and keep it if the digests after it are the ones a quorum of the
+        other hosts published; else restore the state from before it."""
         before = await self.pools.run(self.pools.train, self.trainer.snapshot)
         digest = await self.pools.run(self.pools.train, self.step, average)
         if not self.swarm.vouched(round_id + 1, digest, self.trainer.momentum_digest):
-            logger.warning("round %d: replaying it from %s gave parameters %s, which the swarm did not publish; "
-                           "not keeping them", round_id, source, digest[:12],
+            logger.warning("round %d: replaying it from the %s of %s gave parameters %s, which the swarm did not "
+                           "publish; not keeping them", round_id, source, holder, digest[:12],
                            extra=fields("replay_mismatch", round_id=round_id, param_digest=digest))
             await self.pools.run(self.pools.train, self.trainer.adopt, before)
             return False
         start = self.state.param_digest
         self.state.completed(round_id, digest, self.trainer.momentum_digest)
         await self.averaging.keep(round_id, average, base_digest=start)  # for the next member that catches up
-        logger.info("round %d replayed from %s: digest %s (no state downloaded)", round_id, source, digest[:12],
+        logger.info("round %d replayed from the %s of %s: digest %s (no state downloaded)", round_id, source,
+                    holder, digest[:12],
                     extra=fields("replayed", round_id=round_id, round=round_id + 1, contributors=average.contributors,
-                                 param_digest=digest, source="update" if "update" in source else "contributions"))
+                                 param_digest=digest, source=source, payload_bytes=self.averaging.fetched.get(round_id, 0)))
         return True
 
     def step(self, average: Average) -> str:
