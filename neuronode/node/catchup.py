@@ -196,9 +196,8 @@ class ByRounds:
                            extra=fields("replay_mismatch", round_id=round_id, param_digest=digest))
             await self.pools.run(self.pools.train, self.trainer.adopt, before)
             return False
-        start = self.state.param_digest
+        await self.averaging.keep(round_id, average, base_digest=self.state.param_digest)  # for the next one behind
         self.state.completed(round_id, digest, self.trainer.momentum_digest)
-        await self.averaging.keep(round_id, average, base_digest=start)  # for the next member that catches up
         logger.info("round %d replayed from the %s of %s: digest %s (no state downloaded)", round_id, source,
                     holder, digest[:12],
                     extra=fields("replayed", round_id=round_id, round=round_id + 1, contributors=average.contributors,

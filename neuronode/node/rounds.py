@@ -109,14 +109,18 @@ class Rounds:
         what they need, else by adopting its state (and then by rounds, if the swarm moved on
         during the download); under --overlap we then listen to the round we adopted
         (catchup.py says why). Never past --rounds."""
-        if await self.by_rounds(stopped):
-            return
-        adopted = await self.catch_up.maybe(stopped)
+        await self.until_caught_up(stopped)
+        adopted = await self.catch_up.maybe(stopped)  # nothing, when we are where the swarm is
         if adopted is not None and self.cfg.overlap:
             # The swarm's round-R contributions started before the state we adopted (catchup.py).
             self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=None))
-        elif adopted is not None and not (stopped is not None and stopped.is_set()):
-            await self.by_rounds(stopped)
+        elif adopted is not None:
+            await self.until_caught_up(stopped)
+
+    async def until_caught_up(self, stopped: asyncio.Event | None) -> None:
+        """Catch up by rounds, again while the swarm moved on as we did (until a stop)."""
+        while not (stopped is not None and stopped.is_set()) and await self.by_rounds(stopped):
+            pass
 
     async def by_rounds(self, stopped: asyncio.Event | None = None) -> bool:
         """Verify instead of adopting (SECURITY.md): behind the swarm by at most CATCHUP_ROUNDS
@@ -208,11 +212,11 @@ class Rounds:
         average = exchange.result()
         self.on_sync(self.last_sync_s)
         self.state.phase = NodePhase.OUTER_STEP
-        start = self.state.param_digest
         digest = await self.pools.run(self.pools.train, self.trainer.apply_average, average.vector)
         self.last_contributors = average.contributors
+        # What a member catching up applies, kept before we announce the round's end.
+        await self.averaging.keep(round_id, average, base_digest=self.state.param_digest)
         self.state.completed(round_id, digest, self.trainer.momentum_digest)
-        await self.averaging.keep(round_id, average, base_digest=start)  # what a member catching up applies
         await self.save()
         if self.on_round is not None:
             await self.on_round()

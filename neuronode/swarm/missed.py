@@ -9,8 +9,8 @@ each of its CATCHUP_ROUNDS newest rounds, what a member that holds the round's s
 apply it: the averaged update it applied (one fp32 contribution of phase UPDATE, signed by it,
 served to FetchContribution with that phase and an empty body), or the round's agreed
 contributions, whichever is fewer bytes (`keep_round`; the caller decides). The fetcher checks
-an update's header and signature here, and what it applies against the digests a quorum of
-hosts published for the round's end (neuronode.node.catchup).
+an update's header and signature as it reads it (neuronode.swarm.inbound), and what it applies
+against the digests a quorum of hosts published for the round's end (neuronode.node.catchup).
 
 Bounds: a holder keeps a contribution only while some member's receipt lacks it (up to 2x
 --sync-timeout) or while its round is one it keeps for catching up (CATCHUP_ROUNDS rounds, each

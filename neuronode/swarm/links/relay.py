@@ -118,7 +118,7 @@ class Relay:
         """Start the forwards we owe: cheap to call on every message a peer sends."""
         if not self.held:
             return
-        now, table = self.ctx.clock.now(), self.ctx.table
+        now, table, lag = self.ctx.clock.now(), self.ctx.table, self.ctx.cfg.round_lag
         for key, (c, deadline) in list(self.held.items()):
             if self.stale(c, deadline, now):
                 del self.held[key]
@@ -129,6 +129,9 @@ class Relay:
             if maker is None or maker.reachable:
                 continue  # the others dial it themselves
             for receiver in self.receivers(c.sender_id):
+                peer = table.peers.get(receiver)
+                if peer is None or not peer.round <= c.round_id <= peer.round + lag:
+                    continue  # it could not take it now (behind: it catches up first; or past the round): later
                 if (*key, receiver) not in self.forwarded:
                     self.forwarded.add((*key, receiver))
                     if (was := self.deferred.pop((*key, receiver), None)) is not None:
