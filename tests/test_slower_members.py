@@ -74,14 +74,14 @@ def check_everyone_counts(nodes: list[Node], rounds: int) -> None:
 
 
 def test_a_member_25_percent_slower_contributes_to_every_round(tmp_path: Path) -> None:
-    rounds = 6
+    rounds = 4
     nodes = swarm(tmp_path, {"a": STEP_S, "b": 1.25 * STEP_S}, "--inner-steps", "40", "--rounds", str(rounds))
     run(nodes)
     check_everyone_counts(nodes, rounds)
 
 
 def test_five_members_one_30_percent_slower_all_contribute_to_every_round(tmp_path: Path) -> None:
-    rounds = 5
+    rounds = 4
     delays = {"a": STEP_S, "b": STEP_S, "c": STEP_S, "d": STEP_S, "s": 1.3 * STEP_S}
     nodes = swarm(tmp_path, delays, "--inner-steps", "40", "--rounds", str(rounds))
     run(nodes, 280)
@@ -97,7 +97,7 @@ def test_a_member_late_once_gets_back_into_the_rounds(tmp_path: Path) -> None:
     (b never counted again: checked). Now a waits a late member its late grace (half of what
     a's round took): b's lag shrinks by that each round until its contribution lands within it;
     from then on it is punctual, and every round averages both."""
-    rounds = 8
+    rounds = 6
     nodes = swarm(tmp_path, {"a": 10 * STEP_S, "b": 10 * STEP_S}, "--inner-steps", "40", "--sync-timeout", "5",
                   "--rounds", str(rounds))
     a, b = nodes
