@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Node, finish, poll
+from helpers import Node, finish, poll, run_to_end
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -50,16 +50,6 @@ def swarm(tmp: Path, delays: dict[str, float], *args: str) -> list[Node]:
     return nodes
 
 
-def run(nodes: list[Node], timeout_s: float = 240) -> None:
-    try:
-        for node in nodes:
-            node.start()
-        finish(nodes, timeout_s)
-    finally:
-        for node in nodes:
-            node.kill()
-
-
 def check_everyone_counts(nodes: list[Node], rounds: int) -> None:
     """Every round from round 1 on (round_done `round` 2 on) averaged every member, on every
     member, and they end with one digest."""
@@ -76,7 +66,7 @@ def check_everyone_counts(nodes: list[Node], rounds: int) -> None:
 def test_a_member_25_percent_slower_contributes_to_every_round(tmp_path: Path) -> None:
     rounds = 4
     nodes = swarm(tmp_path, {"a": STEP_S, "b": 1.25 * STEP_S}, "--inner-steps", "40", "--rounds", str(rounds))
-    run(nodes)
+    run_to_end(nodes, 240)
     check_everyone_counts(nodes, rounds)
 
 
@@ -84,7 +74,7 @@ def test_five_members_one_30_percent_slower_all_contribute_to_every_round(tmp_pa
     rounds = 4
     delays = {"a": STEP_S, "b": STEP_S, "c": STEP_S, "d": STEP_S, "s": 1.3 * STEP_S}
     nodes = swarm(tmp_path, delays, "--inner-steps", "40", "--rounds", str(rounds))
-    run(nodes, 280)
+    run_to_end(nodes, 280)
     check_everyone_counts(nodes, rounds)
 
 
