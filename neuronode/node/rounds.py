@@ -128,13 +128,20 @@ class Rounds:
         against the digests a quorum of the other hosts published). False when we are not
         behind that way, or a round is no longer held: the caller downloads the state."""
         plan = self.catch_up.plan()
-        if plan is None or plan.reason != "behind" or self.cfg.overlap:
+        if plan is None or plan.reason != "behind" or not self.by_rounds_here():
             return False
         target = min(plan.target_round, self.cfg.rounds) if self.cfg.rounds else plan.target_round
         if not 0 < target - self.state.round <= CATCHUP_ROUNDS:
             return False
         return await ByRounds(cfg=self.cfg, trainer=self.trainer, state=self.state, swarm=self.swarm,
                               averaging=self.averaging, pools=self.pools, save=self.save).run(target, stopped)
+
+    def by_rounds_here(self) -> bool:
+        """Members catch up by rounds under all-to-all without --overlap (a swarm-wide setting).
+        Under --overlap a round's contributions start before the state a member reaches, and
+        under reduce-scatter a member must listen to the round it reaches (catchup.py says why
+        for both): there a member behind downloads the state, and nobody keeps rounds for it."""
+        return not self.cfg.overlap and self.cfg.averaging == "all-to-all"
 
     async def sync(self, round_id: int) -> Awaitable[Average]:
         """What averages `round_id` for us, by how we take part in it."""
@@ -214,8 +221,8 @@ class Rounds:
         self.state.phase = NodePhase.OUTER_STEP
         digest = await self.pools.run(self.pools.train, self.trainer.apply_average, average.vector)
         self.last_contributors = average.contributors
-        # What a member catching up applies, kept before we announce the round's end.
-        await self.averaging.keep(round_id, average, base_digest=self.state.param_digest)
+        if self.by_rounds_here():  # what a member catching up applies, kept before we announce the round's end
+            await self.averaging.keep(round_id, average, base_digest=self.state.param_digest)
         self.state.completed(round_id, digest, self.trainer.momentum_digest)
         await self.save()
         if self.on_round is not None:
