@@ -140,10 +140,20 @@ def add_bench_parser(sub: Any) -> None:
                            "authentication (default: none)")
     sync.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     # stdlib-only modules at import time (swarm imports torch when it runs): cheap to import
-    from neuronode.bench import api, membership, quality, stall, statesync, swarm, utilization
+    from neuronode.bench import (
+        api,
+        catchup,
+        membership,
+        quality,
+        stall,
+        statesync,
+        swarm,
+        utilization,
+    )
 
     quality.add_parser(kinds)
     statesync.add_parser(kinds)
+    catchup.add_parser(kinds)
     membership.add_parser(kinds)
     utilization.add_parser(kinds)
     stall.add_parser(kinds)
@@ -254,11 +264,11 @@ def run_bench(args: argparse.Namespace, parser: Parser) -> int:
         from neuronode.bench.sync import run_sync_bench
 
         result = run_sync_bench(args)
-    elif args.bench in ("quality", "utilization", "stall", "membership", "api", "statesync"):
-        from neuronode.bench import api, membership, quality, stall, statesync, utilization
+    elif args.bench in ("quality", "utilization", "stall", "membership", "api", "statesync", "catchup"):
+        from neuronode.bench import api, catchup, membership, quality, stall, statesync, utilization
 
         result = {"quality": quality, "utilization": utilization, "stall": stall,
-                  "membership": membership, "api": api, "statesync": statesync}[args.bench].run(args)
+                  "membership": membership, "api": api, "statesync": statesync, "catchup": catchup}[args.bench].run(args)
     elif args.bench == "swarm":
         from neuronode.bench import swarm
 
@@ -268,7 +278,7 @@ def run_bench(args: argparse.Namespace, parser: Parser) -> int:
             return 0
     else:
         raise UsageError("neuronode bench: choose a benchmark: sync, quality, utilization, stall, swarm, "
-                         "membership, api or statesync")
+                         "membership, api, statesync or catchup")
     print(json.dumps(result, sort_keys=True))
     return 0
 

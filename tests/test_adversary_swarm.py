@@ -66,8 +66,8 @@ def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
                 # takes that one peer's word (a quorum of one), which is not what this tests.
                 poll("h1 to know the honest members", lambda: len(h1.events("peer_joined")) >= 3, timeout_s=60)
             node.start()
-        if joiner:
-            poll("h1 at round 2", lambda: any(e["round"] >= 2 for e in h1.events("round_done")), timeout_s=120)
+        if joiner:  # past the rounds members keep for catching up by rounds: the joiner downloads the state
+            poll("h1 at round 4", lambda: any(e["round"] >= 4 for e in h1.events("round_done")), timeout_s=120)
             via = nodes[LIAR] if behaviour else h1
             nodes["h4"] = Node(tmp, "h4", *args, *min_peers, "--node-id", "h4", "--peers", via.address).start()
         if behaviour in REFUSED:  # refused by its only bootstrap peer: it stops rather than train alone

@@ -17,6 +17,7 @@ from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatte
 from neuronode.averaging.agreement import lineage_hash, listed, receipt_of
 from neuronode.averaging.book import (
     GRACE,
+    LATE_GRACE,
     BufferFull,
     DuplicateContribution,
     RoundBook,
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.timeout(30)
 
 N = 3000
 TIMEOUT_S = 60.0  # --sync-timeout: never waited for in real time here
+TRAIN_S = 10.0  # a round's inner steps, where a test lets them take time
 
 
 @pytest.fixture
@@ -248,9 +250,10 @@ async def test_a_member_that_missed_a_deadline_is_not_waited_for_until_it_delive
 async def test_late_is_late_however_it_is_timed() -> None:
     """Issue 26 item 5. Four members: a (us), b and c deliver at once, x does not. A strict
     majority of hosts delivered, so the round waits a grace more (its cut, GRACE x the timeout
-    here), not the deadline: x is late at the cut. Rounds then do not wait for x at all, and a
-    contribution of x that lands just before each deadline (a just-in-time member) never ends its
-    lateness: it begins after the round's cut. Before, the round waited until its deadline, and
+    here), not the deadline: x is late at the cut. Rounds then wait for x only their late grace
+    (LATE_GRACE x the time the others took since the round began, halved for each one x missed
+    in a row), and a contribution of x that lands just before each deadline (a just-in-time
+    member) never ends its lateness: it begins after the round's cut. Before, the round waited until its deadline, and
     any contribution that arrived whole, even after its round closed, ended the lateness, so a
     just-in-time member cost every round a deadline. A stream begun by the cut that arrives
     whole ends it,
@@ -281,18 +284,36 @@ async def test_late_is_late_however_it_is_timed() -> None:
     await until("round 0 to close at its cut", closing.done)
     assert set(closing.result()) == {"a", "b", "c"} and clock.now() - started == pytest.approx(grace)
     assert book.excused(Phase.WHOLE) == {"x"}
+    began = clock.now()  # round 0 closed here: round 1 began
     for round_id in (1, 2, 3):  # x lands a second before each deadline: too late, every time
+        clock.advance(TRAIN_S)  # the others train the round
+        opened = clock.now()
         closing = collecting(round_id)
-        await until(f"round {round_id} to close without waiting", closing.done)
-        clock.advance(TIMEOUT_S - 1.0)
+        await until(f"round {round_id} to wait for x its late grace", lambda: clock.waiting == 1)
+        late = min(LATE_GRACE * (opened - began) / 2 ** (round_id - 1), grace)  # halved per one missed, within the cut
+        clock.advance(late - 0.01)
+        await until(f"round {round_id} still waiting", lambda: clock.waiting == 1)
+        assert not closing.done()
+        clock.advance(0.01)
+        await until(f"round {round_id} to close at its late grace", closing.done)
+        assert set(closing.result()) == {"a", "b", "c"}
+        began = clock.now()
+        clock.advance(1.0)
+        with pytest.raises(RoundClosed):  # after its late grace, though before the round's cut: too late
+            book.begin(round_id, "x")
+        clock.advance(opened + TIMEOUT_S - 1.0 - clock.now())
         with pytest.raises(RoundClosed):
             book.begin(round_id, "x")
         assert book.excused(Phase.WHOLE) == {"x"}
-    closing = collecting(4)
-    await until("round 4 to close without waiting", closing.done)
-    clock.advance(grace - 1.0)  # x begins by round 4's cut (it was slow, not late): its stream runs to its end
-    book.begin(4, "x")
-    clock.advance(TIMEOUT_S)
+    closing = collecting(4)  # x is late for round 4 too
+    late = min(LATE_GRACE * (clock.now() - began) / 2**3, grace)
+    await until("round 4 to wait for x its late grace", lambda: clock.waiting == 1)
+    clock.advance(late - 0.5)
+    book.begin(4, "x")  # within its late grace (x was slow, not late), on a slow link: not waited for while it moves
+    clock.advance(0.5)
+    await until("round 4 to close at its late grace", closing.done)
+    assert set(closing.result()) == {"a", "b", "c"}
+    clock.advance(TIMEOUT_S)  # its stream runs to its end
     with pytest.raises(RoundClosed):
         book.finish(record("x", 4))  # type: ignore[arg-type]
     assert book.excused(Phase.WHOLE) == set()  # it arrived whole: late no more
@@ -323,6 +344,61 @@ async def test_late_is_late_however_it_is_timed() -> None:
     clock.advance(book.idle_s)
     assert book.expire() == 2 and aborted  # rounds 6's and 7's never do: cut off at the idle limit
     assert book.excused(Phase.WHOLE) == {"x"}
+
+
+async def test_a_late_member_counts_within_its_late_grace_which_halves_while_it_stays_late() -> None:
+    """Issue 39 item 1. x missed round 0's cut: it is late. Round 1 began when round 0 closed,
+    and a, b and c delivered TRAIN_S later: the round waits for x LATE_GRACE x TRAIN_S more, x's
+    contribution lands within it, counts, and x is late no more (waited for until the cut
+    again). Before, no round waited for a late member at all: one a little behind the others
+    found every round closed, and never got back in. A member late on purpose costs each round
+    its late grace, halved for each it missed in a row: TRAIN_S/2, /4, /8 (less than TRAIN_S in
+    all), whole again once it delivered in time."""
+    clock = ManualClock()
+    book = RoundBook(first_round=0, clock=clock)
+    members = {"a", "b", "c", "x"}
+    grace = GRACE * TIMEOUT_S
+
+    def collecting(round_id: int) -> asyncio.Future[dict[str, object]]:
+        clock.advance(TRAIN_S)  # the round's inner steps, since the round before closed
+        for sender in "bc":
+            book.begin(round_id, sender)
+            book.finish(record(sender, round_id))  # type: ignore[arg-type]
+        book.add_own(record("a", round_id))  # type: ignore[arg-type]
+        return asyncio.ensure_future(book.collect(round_id, expected=lambda: members, timeout_s=TIMEOUT_S))
+
+    async def closes_after(closing: asyncio.Future[dict[str, object]], wait_s: float) -> set[str]:
+        opened = clock.now()
+        await until("the round to wait", lambda: clock.waiting == 1)
+        clock.advance(wait_s - 0.01)
+        await until("the round still waiting", lambda: clock.waiting == 1)
+        assert not closing.done()
+        clock.advance(0.01)
+        await until("the round to close", closing.done)
+        assert clock.now() - opened == pytest.approx(wait_s)
+        return set(closing.result())
+
+    assert await closes_after(collecting(0), grace) == {"a", "b", "c"} and book.excused(Phase.WHOLE) == {"x"}
+    closing = collecting(1)
+    await until("round 1 to wait for x its late grace", lambda: clock.waiting == 1)
+    clock.advance(LATE_GRACE * TRAIN_S - 1.0)
+    book.begin(1, "x")
+    book.finish(record("x", 1))  # type: ignore[arg-type]
+    await until("round 1 to close with x", closing.done)
+    assert set(closing.result()) == members and book.excused(Phase.WHOLE) == set()
+    assert await closes_after(collecting(2), grace) == {"a", "b", "c"}  # x punctual: waited until the cut
+    assert book.excused(Phase.WHOLE) == {"x"}
+    for round_id, halved in ((3, 1), (4, 2), (5, 4), (6, 8)):  # x delivers after each: late in a row
+        assert await closes_after(collecting(round_id), LATE_GRACE * TRAIN_S / halved) == {"a", "b", "c"}
+    closing = collecting(7)
+    await until("round 7 to wait for x", lambda: clock.waiting == 1)
+    clock.advance(LATE_GRACE * TRAIN_S / 16 - 0.1)  # x within the late grace: in time
+    book.begin(7, "x")
+    book.finish(record("x", 7))  # type: ignore[arg-type]
+    await until("round 7 to close with x", closing.done)
+    assert set(closing.result()) == members and book.excused(Phase.WHOLE) == set()
+    assert await closes_after(collecting(8), grace) == {"a", "b", "c"}  # late again, at the cut
+    assert await closes_after(collecting(9), LATE_GRACE * TRAIN_S) == {"a", "b", "c"}  # its late grace whole again
 
 
 def test_lateness_ends_when_a_contribution_begun_by_the_cut_arrives_whole_or_the_member_comes_back() -> None:

@@ -15,6 +15,7 @@ Hellos and contributions as their makers signed them (neuronode.swarm.links.rela
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import pytest
 from helpers import finish, poll, run_to_end
 from netns import Net, net_fixture  # noqa: F401
 from test_nat import ARGS, PORT, HostNode, rounds_done
+
+from neuronode.swarm.links.route import relay_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -108,3 +111,52 @@ def test_killing_a_home_members_relay_mid_round_costs_at_most_one_deadline(tmp_p
     for name in homes:  # p1 carries them now
         assert statuses[name]["sessions"] == ["p1"], statuses[name]
         assert not nodes[name].events("adopted"), nodes[name].log()[-3000:]
+
+
+def test_a_relay_killed_while_it_forwards_a_home_members_contribution_fails_over_within_the_round(
+        tmp_path: Path, net: Net) -> None:
+    """Issue 39 item 4: the member relaying h1's contributions to h2 (picked by hash among p1,
+    p2) forwards slowly (--max-relay-mbps 0.2: a contribution takes seconds) and is killed with
+    -9 while it forwards h1's round-2 contribution. h2's session to it ends at once (a
+    `carrier_lost` event names it, and the members it still has), h2 tells the others, and the
+    other public member, which holds h1's contribution too (h1 pushed it there), forwards it to
+    h2: round 2 (or round 3 at the latest) averages both home members everywhere, as does every
+    round after, and the rest end with one digest. Rounds of two seconds (a sleep per inner
+    step: --fault-file step_delay_s), the swarm going on with three (--min-peers 3)."""
+    publics, homes = ["p1", "p2"], ["h1", "h2"]
+    victim = relay_for("h1", "h2", publics)
+    pace = tmp_path / "pace.json"
+    pace.write_text(json.dumps({"step_delay_s": 0.1}))
+    hosts = [net.public_host(name) for name in publics] + [net.home(name) for name in homes]
+    bootstrap = f"{hosts[0].ip}:{PORT}"
+    common = (*ARGS, "--rounds", "6", "--min-peers", "3", "--inner-steps", "20", "--fault-file", str(pace))
+    nodes = {h.name: HostNode(tmp_path, h, *common, "--node-id", h.name, *(("--peers", bootstrap) if i else ()),
+                              *(("--max-relay-mbps", "0.2") if h.name == victim else ()),
+                              *(("--log-level", "debug") if h.name == "h1" else ()))  # its `pushed` events
+             for i, h in enumerate(hosts)}
+    relay, h1 = nodes[victim], nodes["h1"]
+    try:
+        for node in nodes.values():
+            node.start()
+        poll(f"h1 to push its round-2 contribution to {victim}", lambda: any(
+            e["round_id"] == 2 and e["peer_id"] == victim for e in h1.events("pushed")), timeout_s=180,
+             context=lambda: h1.log()[-3000:])
+        relay.kill()  # -9, while it forwards h1's contribution to h2
+        rest = [n for name, n in nodes.items() if name != victim]
+        finish(rest, 180)
+    finally:
+        for node in nodes.values():
+            node.kill()
+    statuses = {n.name: n.status() for n in rest}
+    assert all(s["round"] == 6 for s in statuses.values()), statuses
+    assert len({s["param_digest"] for s in statuses.values()}) == 1, statuses
+    for node in rest:
+        done = rounds_done(node)
+        first = min(r for r in (3, 4) if {"h1", "h2"} <= set(done[r]["contributors"]))  # round 2 or 3
+        assert all({"h1", "h2", ("p1" if victim == "p2" else "p2")} <= set(done[r]["contributors"])
+                   for r in range(first, 7)), (node.name, {r: e["contributors"] for r, e in done.items()})
+    lost = nodes["h2"].events("carrier_lost")
+    assert [e["peer_id"] for e in lost] == [victim], nodes["h2"].log()[-3000:]
+    other = nodes["p1" if victim == "p2" else "p2"]
+    took_over = [(e["round_id"], e["sender"], e["peer_id"], e["relay"]) for e in other.events("relay_failover")]
+    assert (2, "h1", "h2", victim) in took_over, (took_over, other.log()[-3000:])

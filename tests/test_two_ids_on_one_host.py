@@ -15,7 +15,7 @@ would from one machine. Every node listens on 0.0.0.0 without --advertise (as in
     nobody adopts their state: two ids on one host are one voice of five, in where the swarm
     is and in the lineage vote.
 (d) a donor with doctored momentum: two ids serve the swarm's parameters with their momentum x 3
-    to a fifth honest member joining at round 2. Witnesses vouched for the parameters only: the
+    to a fifth honest member joining at round 4. Witnesses vouched for the parameters only: the
     joiner adopted it and repaired, in a loop. Members now publish each round's momentum digest
     too: the joiner refuses both ids, adopts an honest member's state once, and finishes with
     the swarm.
@@ -287,7 +287,7 @@ def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_fac
 # (d): a donor with doctored momentum: two ids serve the swarm's parameters with momentum x 3.
 DOCTORED_MOMENTUM = Attacker("doctored-momentum", ("a-x1", "a-x2"), joiner=True)
 JOINER = "h5"
-JOIN_AT = 2  # rounds the swarm finished when the joiner starts
+JOIN_AT = 4  # rounds the swarm finished when the joiner starts: past the 3 members keep, so it downloads the state
 # Inner steps in (d): rounds of ~5 s (more on loaded cores), so the joiner, which takes 2-4 s to
 # start, plans its catch-up mid-round, once every member announced the swarm's round. At TRAINING
 # (rounds of ~3 s) it once planned at a round's turn, when only two honest members had announced

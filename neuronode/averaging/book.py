@@ -28,17 +28,23 @@ Rules (docs/protocol.md repeats them):
   contribution in flight is not left out (every member would leave it out alike, its maker
   too). One still streaming when its round closes is discarded: its stream is aborted and its
   buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
-- Late is late, however it is timed: a sender missing at a round's cut or deadline is late, and
-  no round waits for it (it still counts if it arrives before a round closes). Past the cut a
-  stream is waited for while it moves (a chunk within the grace), so a stream that begins in
-  time and stalls is late too. A late sender stops being late when a contribution of its that
-  began by a round's cut arrives whole: a stream it begins by the cut of a round that closed
-  without waiting for it (or that the round's close would cut off) runs to its end to show it,
-  and is then dropped. Or when it comes back after it was gone (`forgive`). So a member whose
-  contribution lands just before each deadline, or that stalls its streams, is late every round
-  and costs the swarm one grace each time it falls late (which takes a delivery in time in
-  between); an honest member that was slow once (its stream, begun by
-  the cut, arrives whole) is waited for again from the next round.
+- Late is late, however it is timed: a sender missing at a round's cut or deadline is late.
+  Past the cut a stream is waited for while it moves (a chunk within the grace), so a stream
+  that begins in time and stalls is late too. A round waits for a late sender only a bounded
+  *late grace*: once every member that is not late delivered, LATE_GRACE x the time they took
+  since the round began here (our previous round's close), never past the round's cut or
+  deadline, and not while its stream merely moves; halved for each late grace in a row the
+  sender missed. A late sender whose contribution arrives within it counts in the round, and is
+  late no more (its next late grace is whole again). So a member behind the others by less than
+  LATE_GRACE of a round (slower compute or link, or a round lost once: when the others closed
+  without waiting for it, it started the next round behind them) gets back into the rounds at
+  once, and one further behind gets closer by each late grace the others wait; while a member
+  that delivers after it every round on purpose costs a round at most that late grace, and all
+  rounds together at most twice the first. A late sender also stops being late when a
+  contribution of its that began in time arrives whole (a slow link): by the end of the round's
+  late grace (by the cut, if it fell late at that round's cut), a stream it begins for a round
+  that closed without it (or that the round's close would cut off) runs to its end to show it,
+  and is then dropped. Or when it comes back after it was gone (`forgive`).
 - A relay's stall is charged to the relay (`via`: neuronode.swarm.links.relay forwards whole
   contributions it holds, so a relayed stream that stalls is the relay's doing): a maker whose
   relayed stream missed the cut or the deadline is not late; the relay is a late relay, and no
@@ -71,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 Lineage = tuple[str, tuple[str, ...]]  # (base_digest, members): Contribution.lineage
 GRACE = 0.5  # the least a round waits past its majority (the cut), as a fraction of its timeout
+LATE_GRACE = 0.5  # a late sender is waited for this fraction of the time the others took (module docstring)
 
 
 def cut_grace(timeout_s: float, waited_s: float, took_s: float = 0.0) -> float:
@@ -113,6 +120,7 @@ class Stream:
     last_active: float
     abort: Abort | None = None
     began: float = 0.0
+    late: bool = False  # its sender (or the relay carrying it) was late when it began
 
 
 class RoundBook:
@@ -130,11 +138,14 @@ class RoundBook:
         self._held: dict[tuple[Phase, int, str], int] = {}  # complete contributions' reservations
         self._by_sender: dict[str, int] = {}
         self.late: set[tuple[Phase, str]] = set()
+        self._missed: dict[tuple[Phase, str], int] = {}  # late graces a late sender missed in a row
         self.late_relays: set[tuple[Phase, str]] = set()  # relays that stalled a stream they carried
         self._via: dict[tuple[Phase, int, str], str] = {}  # the relay that carried a maker's stream of a round
         self._cuts: dict[tuple[Phase, int], float] = {}  # a round's cut, once known (module docstring)
+        self._late_ends: dict[tuple[Phase, int], float] = {}  # when a round stopped waiting for late senders
         self._graces: dict[tuple[Phase, int], float] = {}  # and the grace it gave
         self._took: dict[tuple[Phase, int], float] = {}  # the longest a contribution took to stream in
+        self._closed_at: dict[Phase, tuple[int, float]] = {}  # the last round closed, and when
         self._changed = asyncio.Event()
 
     @property
@@ -190,8 +201,9 @@ class RoundBook:
         charged to it, not to the maker). A late sender (or relay) may stream for a round that
         closed without waiting for it, if it begins by that round's cut: its stream runs to its
         end to show it was in time (`finish` then drops it), else RoundClosed."""
-        proof = (round_id < self._closed_below[phase] and self._owes_proof(phase, sender_id, via)
-                 and self.clock.now() <= self._cuts.get((phase, round_id), float("-inf")))
+        late = self._owes_proof(phase, sender_id, via)
+        proof = (round_id < self._closed_below[phase] and late
+                 and self.clock.now() <= self._late_ends.get((phase, round_id), float("-inf")))
         if not proof:
             self.check_open(round_id, sender_id, phase, lineage)
         elif (phase, round_id, sender_id) in self._streaming:
@@ -206,7 +218,8 @@ class RoundBook:
         if self.max_sender_bytes and held + reserved_bytes > self.max_sender_bytes:
             raise BufferFull(f"round {round_id}: {sender_id} already has {held} bytes buffered here (at most "
                              f"{self.max_sender_bytes} per member); send the next contribution once a round closed")
-        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now())
+        self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now(),
+                                                               late)
         if via:
             self._via[(phase, round_id, sender_id)] = via
         else:  # the latest stream of a maker's round says who carried it
@@ -226,8 +239,9 @@ class RoundBook:
         return (phase, sender_id) in self.late or (bool(via) and (phase, via) in self.late_relays)
 
     def _in_time(self, phase: Phase, round_id: int, stream: Stream) -> bool:
-        """Whether `stream` began by its round's cut (any time before a cut is known)."""
-        return stream.began <= self._cuts.get((phase, round_id), float("inf"))
+        """Whether `stream` began by its round's cut, or, from a late sender (or relay), by the
+        end of the round's wait for late senders (any time before those are known)."""
+        return stream.began <= (self._late_ends if stream.late else self._cuts).get((phase, round_id), float("inf"))
 
     def touch(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
         """A chunk of the stream arrived: it is not idle."""
@@ -249,7 +263,12 @@ class RoundBook:
         stream = self._streaming.pop(key, None)
         reserved = stream.reserved_bytes if stream is not None else 0
         if stream is not None and self._in_time(c.phase, c.round_id, stream):  # it delivered in time
-            self.late.discard((c.phase, c.sender_id))
+            self._missed.pop((c.phase, c.sender_id), None)
+            if (c.phase, c.sender_id) in self.late:
+                self.late.discard((c.phase, c.sender_id))
+                logger.info("round %d: %s delivered its %s in time: rounds wait for it again", c.round_id,
+                            c.sender_id, c.phase.label, extra=fields("late_ended", round_id=c.round_id,
+                                                                       peer_id=c.sender_id))
             self.late_relays.discard((c.phase, self._relay(*key)))
         if c.round_id < self._closed_below[c.phase]:
             self._release(c.sender_id, reserved)
@@ -262,13 +281,14 @@ class RoundBook:
         self.notify()
 
     def excused(self, phase: Phase) -> set[str]:
-        """Late senders: no round of `phase` waits for them."""
+        """Late senders: a round of `phase` waits for them only its late grace (`late_grace`)."""
         return {sender for ph, sender in self.late if ph == phase}
 
     def forgive(self, sender_id: str) -> None:
         """`sender_id` is back after it was gone (a restart, a healed partition): wait for it again."""
         self.late_relays = {(phase, relay) for phase, relay in self.late_relays if relay != sender_id}
         self.late = {(phase, sender) for phase, sender in self.late if sender != sender_id}
+        self._missed = {key: n for key, n in self._missed.items() if key[1] != sender_id}
 
     def expire(self) -> int:
         """Abort streams that sent nothing for `idle_s`; how many were aborted."""
@@ -285,7 +305,7 @@ class RoundBook:
 
     def _discard_below(self, phase: Phase | None, below: int) -> None:
         """Drop what is buffered for rounds below `below` (of `phase`, or all phases)."""
-        kept: list[dict[Any, Any]] = [self._cuts, self._graces, self._took, self._via]
+        kept: list[dict[Any, Any]] = [self._cuts, self._late_ends, self._graces, self._took, self._via]
         for old in kept:  # a closed round's cut judges streams that begin after it closed
             for key in [k for k in old if (phase is None or k[0] == phase) and k[1] < below - self.window]:
                 del old[key]
@@ -331,8 +351,11 @@ class RoundBook:
         (a quorum of the other hosts): the deadline closes it, however few contributed."""
         opened = self.clock.now()
         deadline = opened + timeout_s
+        late_before = self.excused(phase)  # whose late grace this round is (not those late at its cut)
         cut: float | None = None
         grace = 0.0
+        late_until: float | None = None  # the end of the late grace, once every punctual member delivered
+        late_s = 0.0
         said = False
         while True:
             changed = self._changed
@@ -361,8 +384,8 @@ class RoundBook:
                                     extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
                     if gone - skipped:
                         logger.warning("round %d: %s missed the round's cut (a majority of hosts delivered, and "
-                                       "the grace passed); they are late: no round waits for them until one of "
-                                       "their contributions, begun by a round's cut, arrives whole", round_id,
+                                       "the grace passed); they are late: rounds wait for them only a late grace until one "
+                                       "of their contributions arrives in time", round_id,
                                        ", ".join(sorted(gone - skipped)),
                                        extra=fields("cut", round_id=round_id, late=sorted(gone - skipped),
                                                     contributors=len(have), grace_s=round(grace, 3), relays=relays))
@@ -371,7 +394,24 @@ class RoundBook:
                 else:
                     wake = min(deadline, cut)
             if not missing and len(counted) >= min_contributors:
-                break
+                waiting = (members - have) & self.excused(phase)
+                if not waiting:
+                    break
+                if late_until is None:
+                    late_s = self.late_grace(phase, round_id, waiting, since=opened)
+                    late_until = now + late_s
+                end = min(late_until, deadline, cut if cut is not None else deadline)
+                self._late_ends[(phase, round_id)] = end
+                if now >= end:
+                    for sender in waiting & late_before:
+                        self._missed[(phase, sender)] = self._missed.get((phase, sender), 0) + 1
+                    logger.info("round %d: closing without %s: late, and not here within the late grace (%.1f s)",
+                                round_id, ", ".join(sorted(waiting)), late_s,
+                                extra=fields("late_grace", round_id=round_id, late=sorted(waiting),
+                                             contributors=len(have), grace_s=round(late_s, 3)))
+                    break
+                await self.clock.wait(changed, end - now)
+                continue
             arriving = missing & {s for ph, r, s in self._streaming if ph == phase and r == round_id}
             if now >= deadline and arriving and now < deadline + timeout_s:
                 if not said:
@@ -386,8 +426,8 @@ class RoundBook:
                 relays = self._mark_late(phase, round_id, missing)
                 if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
-                                   "(no round waits for them until one of their contributions, begun by a round's cut, "
-                                   "arrives whole)",
+                                   "(they are late: rounds wait for them only a late grace until one of their contributions "
+                                   "arrives in time)",
                                    round_id, ", ".join(sorted(missing)), len(have),
                                    extra=fields("deadline", round_id=round_id, missing=sorted(missing), contributors=len(have),
                                                 relays=relays))
@@ -407,7 +447,18 @@ class RoundBook:
                 wake = deadline
             await self.clock.wait(changed, wake - now)
         self._cuts.setdefault((phase, round_id), deadline)  # it had none: a stream begun by the deadline was in time
+        self._late_ends.setdefault((phase, round_id), self.clock.now())  # it waited for no late sender
         return self.close(round_id, phase)
+
+    def late_grace(self, phase: Phase, round_id: int, senders: set[str], *, since: float) -> float:
+        """How long a round waits for its late `senders` once every other member delivered
+        (now): LATE_GRACE x the time those took since the round began here, our close of the
+        round before (or `since`, when we began collecting, if we did not close that one),
+        halved for each late grace in a row the least-missing of them missed."""
+        last = self._closed_at.get(phase)
+        began = last[1] if last is not None and last[0] == round_id - 1 else since
+        missed = min(self._missed.get((phase, s), 0) for s in senders)
+        return LATE_GRACE * max(0.0, self.clock.now() - began) / 2 ** missed
 
     def _mark_late(self, phase: Phase, round_id: int, senders: set[str]) -> dict[str, str]:
         """`senders` missed `round_id`'s cut or deadline: each is late, unless a relay carried
@@ -421,11 +472,20 @@ class RoundBook:
     def close(self, round_id: int, phase: Phase = Phase.WHOLE) -> dict[str, Contribution]:
         """Close `round_id` of `phase` (and everything before it); return its contributions."""
         self._closed_below[phase] = max(self._closed_below[phase], round_id + 1)
+        self._closed_at[phase] = (round_id, self.clock.now())
         result = self._complete.pop((phase, round_id), {})
         for sender in result:  # the caller holds them now
             self._release(sender, self._held.pop((phase, round_id, sender), 0))
         self._discard_below(phase, self._closed_below[phase])
         return result
+
+    def advance(self, first_round: int) -> None:
+        """Rounds below `first_round` were applied without collecting them here (the node caught
+        up by rounds): close them, in every phase still below (never reopening one)."""
+        for phase in Phase:
+            if self._closed_below[phase] < first_round:
+                self._closed_below[phase] = first_round
+                self._discard_below(phase, first_round)
 
     def reset(self, first_round: int) -> None:
         """Jump to another round (after a state transfer): drop everything buffered before it."""

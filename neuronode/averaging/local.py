@@ -27,6 +27,7 @@ class Member:
     book: RoundBook
     receipts: dict[tuple[int, Phase], Receipt] = field(default_factory=dict)  # what it published
     retained: dict[Statement, tuple[Contribution, float]] = field(default_factory=dict)  # served until
+    kept: dict[int, list[Contribution]] = field(default_factory=dict)  # round -> kept for catching up
     banned: set[str] = field(default_factory=set)  # members it caught equivocating
     alive: bool = True
     delivered: int = 0  # contributions filed in this member's book
@@ -231,6 +232,21 @@ class LocalTransport:
             del kept[s]
         for c in contributions:
             kept[statement_of(c)] = (c, until)
+
+    def keep_round(self, round_id: int, contributions: Iterable[Contribution]) -> None:
+        self.member.kept[round_id] = list(contributions)
+
+    async def fetch_update(self, round_id: int, holders: list[str], *, base_digest: str,
+                           timeout_s: float) -> Contribution | None:
+        for holder in holders:
+            m = self.swarm.members.get(holder)
+            if m is None or not m.alive:
+                continue
+            for c in m.kept.get(round_id, []):
+                if c.phase == Phase.UPDATE and c.sender_id == holder and c.base_digest == base_digest:
+                    self.swarm.fetches += 1
+                    return replace(c, frames=[])
+        return None
 
     def equivocated(self, member: str, proof: tuple[Statement, Statement]) -> None:
         self.member.banned.add(member)

@@ -30,7 +30,7 @@ from neuronode.averaging.agreement import (
 from neuronode.averaging.book import cut_grace, majority_lineage
 from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
-from neuronode.codec import Contribution, ContributionEncoder, Phase
+from neuronode.codec import Contribution, ContributionEncoder, Phase, VectorEncoder
 from neuronode.codec.contribution import Aggregate
 from neuronode.diloco.hosts import by_host
 from neuronode.events import fields
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 # began) or its previous phase's end. Waiting twice that long keeps us from giving up on a
 # receipt that is still coming (unless the receipts' cut comes first: `wait_for_receipts`).
 RECEIPT_WAIT_TIMEOUTS = 2
+UPDATE_BYTES_PER_ELEMENT = 4  # a round's averaged update on the wire: fp32, so it applies bit for bit
+UPDATE_NAMES_AT_MOST = 256  # contributors an update's header names (none beyond: neuronode.swarm.wire)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class Averaging:
         self.executor = executor  # decoding and averaging
         self.clock = clock or Clock()
         self.late_receipts: set[str] = set()  # members whose receipt a deadline passed without
+        self.agreed: dict[int, dict[str, Contribution]] = {}  # round -> the whole contributions it averaged
+        self.fetched: dict[int, int] = {}  # round -> payload bytes we fetched of it (missed contributions, updates)
 
     async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
@@ -177,6 +181,8 @@ class Averaging:
         fetched = await self.fetch_missing(round_id, missing, decision)
         agreed = kept | fetched
         self.retain(round_id, phase, agreed)
+        if phase == Phase.WHOLE:  # what `keep` keeps, if it is fewer bytes than the round's update
+            self.agreed = {r: a for r, a in self.agreed.items() if round_id - 2 <= r < round_id} | {round_id: agreed}
         return agreed
 
     def decided_by_quorum(self, round_id: int, receipts: list[Receipt], members: Iterable[str]) -> bool:
@@ -251,6 +257,7 @@ class Averaging:
             self.transport.fetch(s, [h for h in decision.holders[s.slot] if h != me], timeout_s=self.cfg.sync_timeout_s)
             for s in missing))
         got = {s.sender: c for s, c in zip(missing, results, strict=True) if c is not None}
+        self.count_fetched(round_id, got.values())
         failed = sorted(s.sender for s, c in zip(missing, results, strict=True) if c is None)
         if failed:
             logger.warning("round %d: could not fetch the contributions of %s that other members average; this "
@@ -277,6 +284,42 @@ class Averaging:
         hosts = {sender: voice(sender, c.host) for sender, c in got.items()}
         aggregate, max_weight = self.aggregate, self.cfg.max_weight
         return lambda pieces: aggregate(by_host(pieces, hosts, max_weight=max_weight))
+
+    async def keep(self, round_id: int, average: Average, *, base_digest: str) -> None:
+        """Keep what a member catching up needs of a round we applied `average` in (made from
+        `base_digest`): its agreed contributions when they are fewer bytes than the update (a
+        compact codec, few members), else the averaged update itself, fp32 so that it applies
+        bit for bit (neuronode.swarm.missed keeps a few rounds of either)."""
+        agreed = self.agreed.pop(round_id, {})
+        whole = sum(c.data.size_bytes for c in agreed.values())
+        if agreed and sorted(agreed) == average.contributors and whole < UPDATE_BYTES_PER_ELEMENT * self.cfg.n_elements:
+            self.transport.keep_round(round_id, agreed.values())
+            return
+        encoder = VectorEncoder(codec="fp32", chunk_bytes=self.encoder.cfg.chunk_bytes, zstd_level=0, byte_shuffle=False)
+        update = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: encoder.encode(
+            average.vector, 0.0, weight=1.0, round_id=round_id, sender_id=self.cfg.node_id, phase=Phase.UPDATE,
+            base_digest=base_digest,
+            contributors=tuple(average.contributors) if len(average.contributors) <= UPDATE_NAMES_AT_MOST else ()))
+        update.frames = []  # its payloads are in `data` (what a holder serves); the frames would copy them
+        self.transport.keep_round(round_id, [update])
+
+    async def replay_update(self, round_id: int, holders: list[str], *, base_digest: str) -> Average | None:
+        """The averaged update of a round the swarm closed while we were away, as one of
+        `holders` (members that applied it from `base_digest`, the parameters we hold) applied
+        it: None if none serves one. Checking that it is the swarm's is the caller's (the digests
+        a quorum of hosts published after the round)."""
+        update = await self.transport.fetch_update(round_id, holders, base_digest=base_digest,
+                                                   timeout_s=self.cfg.sync_timeout_s)
+        if update is None:
+            return None
+        self.count_fetched(round_id, [update])
+        vector = await asyncio.get_running_loop().run_in_executor(self.executor, update.data.decode)
+        return Average(vector=vector, contributors=sorted(update.contributors), fewest=len(update.contributors))
+
+    def count_fetched(self, round_id: int, got: Iterable[Contribution]) -> None:
+        """Add what we fetched of `round_id` (payload bytes, before zstd) to `fetched` (a few rounds kept)."""
+        self.fetched = {r: n for r, n in self.fetched.items() if r > round_id - 8}
+        self.fetched[round_id] = self.fetched.get(round_id, 0) + sum(c.data.size_bytes for c in got)
 
     def nothing_heard(self, round_id: int) -> Average:
         logger.warning("round %d: heard no contribution; our outer step uses a zero average", round_id,

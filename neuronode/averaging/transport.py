@@ -91,5 +91,14 @@ class Transport(Protocol):
         """Serve these contributions of `round_id`'s `phase` (instead of any retained before) to
         members that missed them, for `for_s`."""
 
+    def keep_round(self, round_id: int, contributions: Iterable[Contribution]) -> None:
+        """Keep what a member catching up needs of `round_id` for the last few rounds (our
+        averaged update, signed here, or the round's agreed contributions): served to it."""
+
+    async def fetch_update(self, round_id: int, holders: list[str], *, base_digest: str,
+                           timeout_s: float) -> Contribution | None:
+        """The averaged update of `round_id` the first of `holders` that keeps one applied (made
+        from `base_digest`, signed by it), or None by the deadline."""
+
     def equivocated(self, member: str, proof: tuple[Statement, Statement]) -> None:
         """`member` signed both statements of `proof`: ban it."""

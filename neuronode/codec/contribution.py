@@ -61,10 +61,11 @@ class Phase(enum.IntEnum):
     WHOLE = 0  # a whole pseudo-gradient (all-to-all)
     SHARD = 1  # reduce-scatter: one member's slice of the reducer's shard
     AVERAGED = 2  # reduce-scatter: a reducer's averaged shard
+    UPDATE = 3  # a round's averaged pseudo-gradient as a member applied it (catching up by rounds)
 
     @property
     def label(self) -> str:
-        return ("contribution", "shard slices", "averaged shard")[self]
+        return ("contribution", "shard slices", "averaged shard", "averaged update")[self]
 
 
 @dataclass

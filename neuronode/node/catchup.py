@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from neuronode.averaging import NodePhase, RoundState
+from neuronode.averaging import Average, Averaging, NodePhase, RoundState
 from neuronode.codec import ContributionEncoder
 from neuronode.config import NodeConfig
 from neuronode.events import Throttled, fields
@@ -128,3 +128,86 @@ class CatchUp:
                     got.round, time.monotonic() - started, digest[:12], self.trainer.val_loss,
                     extra=fields("adopted", round_id=got.round, param_digest=digest, val_loss=self.trainer.val_loss))
         return got.round
+
+
+@dataclass(kw_only=True)
+class ByRounds:
+    """Catching up by rounds (docs/fault-tolerance.md): a member that holds the state at the
+    start of round r while the swarm is at r + k (it installed a state that the swarm moved on
+    from during the download, it was away, or trained a round too slowly) applies rounds r, ...,
+    r + k - 1 itself, each from what the swarm applied in it: the averaged update a member that
+    applied it keeps, or the round's agreed contributions (neuronode.swarm.missed keeps
+    whichever is fewer bytes, CATCHUP_ROUNDS rounds), and keeps each step only if it reaches the
+    parameter and momentum digests a quorum of the other hosts published for the round's end
+    (never one member's word: a holder that serves anything else costs a try, and we restore the
+    state from before it). False where a round is no longer held: the caller downloads the state."""
+
+    cfg: NodeConfig
+    trainer: Replica
+    state: RoundState
+    swarm: SwarmNode
+    averaging: Averaging
+    pools: Pools
+    save: Callable[[], Awaitable[None]]
+
+    async def run(self, target: int, stopped: asyncio.Event | None = None) -> bool:
+        """Apply our rounds up to `target` (a checkpoint once there); False, with the rounds
+        applied so far kept, when one is not held any more or a stop came."""
+        self.state.phase = NodePhase.SYNCING
+        started, first = time.monotonic(), self.state.round
+        received, payload = self.swarm.counters.bytes_received, 0
+        while self.state.round < target:
+            if stopped is not None and stopped.is_set() or not await self.one(self.state.round, stopped):
+                break
+            payload += self.averaging.fetched.get(self.state.round - 1, 0)
+        if self.state.round > first:
+            await self.save()
+            logger.info("caught up by rounds %d to %d in %.1fs (%d bytes of updates and contributions fetched, no "
+                        "state downloaded)", first, self.state.round, time.monotonic() - started, payload,
+                        extra=fields("caught_up", round_id=first, round=self.state.round, rounds=self.state.round - first,
+                                     payload_bytes=payload, bytes=self.swarm.counters.bytes_received - received,
+                                     seconds=round(time.monotonic() - started, 3)))
+        return self.state.round >= target
+
+    async def one(self, round_id: int, stopped: asyncio.Event | None) -> bool:
+        """Apply `round_id` (we hold its start): from a holder's averaged update, else from the
+        contributions its receipts decided; True once the digests after it are the swarm's."""
+        base = self.state.param_digest
+        self.averaging.fetched.pop(round_id, None)
+        for holder in self.swarm.holders(round_id, base):
+            average = await until_stopped(self.averaging.replay_update(round_id, [holder], base_digest=base), stopped)
+            if average is not None and await self.applied(round_id, average, "update", holder):
+                return True
+        average = await until_stopped(self.averaging.replay(round_id, base_digest=base), stopped)
+        if average is None or not average.contributors:
+            return False
+        return await self.applied(round_id, average, "contributions", "its receipts")
+
+    async def applied(self, round_id: int, average: Average, source: str, holder: str) -> bool:
+        """Take `round_id`'s outer step with `average` (`source`: a `holder`'s averaged update,
+        or the contributions the receipts decided), as a member that trained the round did (its
+        inner steps counted), and keep it if the digests after it are the ones a quorum of the
+        other hosts published; else restore the state from before it."""
+        before = await self.pools.run(self.pools.train, self.trainer.snapshot)
+        digest = await self.pools.run(self.pools.train, self.step, average)
+        if not self.swarm.vouched(round_id + 1, digest, self.trainer.momentum_digest):
+            logger.warning("round %d: replaying it from the %s of %s gave parameters %s, which the swarm did not "
+                           "publish; not keeping them", round_id, source, holder, digest[:12],
+                           extra=fields("replay_mismatch", round_id=round_id, param_digest=digest))
+            await self.pools.run(self.pools.train, self.trainer.adopt, before)
+            return False
+        await self.averaging.keep(round_id, average, base_digest=self.state.param_digest)  # for the next one behind
+        self.state.completed(round_id, digest, self.trainer.momentum_digest)
+        logger.info("round %d replayed from the %s of %s: digest %s (no state downloaded)", round_id, source,
+                    holder, digest[:12],
+                    extra=fields("replayed", round_id=round_id, round=round_id + 1, contributors=average.contributors,
+                                 param_digest=digest, source=source, payload_bytes=self.averaging.fetched.get(round_id, 0)))
+        return True
+
+    def step(self, average: Average) -> str:
+        """On the training thread: the outer step of a round we did not train, counting its inner
+        steps as the members that trained it did (their state's digest counts them)."""
+        engine = self.trainer.engine
+        with self.trainer.global_lock:
+            engine.inner_steps_total += max(0, self.cfg.inner_steps - engine.steps_this_round)
+        return self.trainer.apply_average(average.vector)

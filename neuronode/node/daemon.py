@@ -273,7 +273,11 @@ class Daemon:
                     f" of {self.cfg.rounds}" if self.cfg.rounds else "", extra=fields("joined", n_params=self.trainer.n_params))
 
     def on_step(self) -> None:
-        """Called in the training thread after each inner step: live progress on a TTY."""
+        """Called in the training thread after each inner step: a fault drill's sleep (--fault-file
+        `step_delay_s`: a slower member, read at every step), live progress on a TTY."""
+        plan = self.swarm.fault_plan() if self.swarm is not None else None
+        if plan is not None and plan.step_delay_s > 0:
+            time.sleep(plan.step_delay_s)
         if not self.progress.enabled:
             return
         trainer = self.trainer

@@ -24,9 +24,10 @@ import torch
 from neuronode.averaging import Average, Averaging, Mode, NodePhase, RoundState
 from neuronode.config import NodeConfig
 from neuronode.events import fields
-from neuronode.node.catchup import CatchUp, until_stopped
+from neuronode.node.catchup import ByRounds, CatchUp
 from neuronode.node.pools import Pools
 from neuronode.node.replica import Replica
+from neuronode.swarm.missed import CATCHUP_ROUNDS
 from neuronode.swarm.node import SwarmNode
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class Rounds:
             await self.maybe_catch_up(stopped)
             if stopped.is_set():
                 return False
+            if self.finished():  # catching up took us to --rounds: nothing left to train
+                return True
         round_id = self.state.training_round
         started = time.monotonic()
         self.state.phase = NodePhase.TRAINING
@@ -102,44 +105,44 @@ class Rounds:
         return True
 
     async def maybe_catch_up(self, stopped: asyncio.Event | None = None) -> None:
-        """Adopt the swarm's state if we are behind or apart; under --overlap we then listen
-        to the round we adopted (catchup.py says why). One round behind, we replay that round
-        instead, when we can (`replay`)."""
-        plan = self.catch_up.plan()
-        if plan is not None and plan.reason == "behind" and plan.target_round == self.state.round + 1 \
-                and not self.cfg.overlap and await self.replay(self.state.round, stopped):
-            return
-        adopted = await self.catch_up.maybe(stopped)
+        """Reach the swarm's round if we are behind or apart: by applying the rounds we missed
+        (`by_rounds`, catchup.py) when we hold the start of the first and the swarm still keeps
+        what they need, else by adopting its state (and then by rounds, if the swarm moved on
+        during the download); under --overlap we then listen to the round we adopted
+        (catchup.py says why). Never past --rounds."""
+        await self.until_caught_up(stopped)
+        adopted = await self.catch_up.maybe(stopped)  # nothing, when we are where the swarm is
         if adopted is not None and self.cfg.overlap:
             # The swarm's round-R contributions started before the state we adopted (catchup.py).
             self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=None))
+        elif adopted is not None:
+            await self.until_caught_up(stopped)
 
-    async def replay(self, round_id: int, stopped: asyncio.Event | None = None) -> bool:
-        """Verify instead of adopting (SECURITY.md): one round behind the swarm, we take the
-        round's outer step ourselves from the contributions its receipts decided (fetched, each
-        checked against its maker's signature) and keep it only if we reach the state a quorum
-        of the other hosts published for the next round. False (nothing changed) when we cannot:
-        the caller downloads the state instead. A stop interrupts the fetching, never the step."""
-        self.state.phase = NodePhase.SYNCING
-        started = time.monotonic()
-        average = await until_stopped(self.averaging.replay(round_id, base_digest=self.state.param_digest), stopped)
-        if average is None or not average.contributors or (stopped is not None and stopped.is_set()):
+    async def until_caught_up(self, stopped: asyncio.Event | None) -> None:
+        """Catch up by rounds, again while the swarm moved on as we did (until a stop)."""
+        while not (stopped is not None and stopped.is_set()) and await self.by_rounds(stopped):
+            pass
+
+    async def by_rounds(self, stopped: asyncio.Event | None = None) -> bool:
+        """Verify instead of adopting (SECURITY.md): behind the swarm by at most CATCHUP_ROUNDS
+        rounds (which its members keep), apply them (catchup.ByRounds: each step checked
+        against the digests a quorum of the other hosts published). False when we are not
+        behind that way, or a round is no longer held: the caller downloads the state."""
+        plan = self.catch_up.plan()
+        if plan is None or plan.reason != "behind" or not self.by_rounds_here():
             return False
-        before = await self.pools.run(self.pools.train, self.trainer.snapshot)
-        digest = await self.pools.run(self.pools.train, self.trainer.apply_average, average.vector)
-        if not self.swarm.vouched(round_id + 1, digest, self.trainer.momentum_digest):
-            logger.warning("round %d: replaying it from %d contributions gave parameters %s, which the swarm did "
-                           "not publish; downloading its state instead", round_id, len(average.contributors),
-                           digest[:12], extra=fields("replay_mismatch", round_id=round_id, param_digest=digest))
-            await self.pools.run(self.pools.train, self.trainer.adopt, before)
+        target = min(plan.target_round, self.cfg.rounds) if self.cfg.rounds else plan.target_round
+        if not 0 < target - self.state.round <= CATCHUP_ROUNDS:
             return False
-        self.state.completed(round_id, digest, self.trainer.momentum_digest)
-        await self.save()
-        logger.info("round %d replayed: %d contributions averaged as the swarm did, digest %s in %.1fs (no state "
-                    "downloaded)", round_id, len(average.contributors), digest[:12], time.monotonic() - started,
-                    extra=fields("replayed", round_id=round_id, round=round_id + 1, contributors=average.contributors,
-                                 param_digest=digest))
-        return True
+        return await ByRounds(cfg=self.cfg, trainer=self.trainer, state=self.state, swarm=self.swarm,
+                              averaging=self.averaging, pools=self.pools, save=self.save).run(target, stopped)
+
+    def by_rounds_here(self) -> bool:
+        """Members catch up by rounds under all-to-all without --overlap (a swarm-wide setting).
+        Under --overlap a round's contributions start before the state a member reaches, and
+        under reduce-scatter a member must listen to the round it reaches (catchup.py says why
+        for both): there a member behind downloads the state, and nobody keeps rounds for it."""
+        return not self.cfg.overlap and self.cfg.averaging == "all-to-all"
 
     async def sync(self, round_id: int) -> Awaitable[Average]:
         """What averages `round_id` for us, by how we take part in it."""
@@ -204,6 +207,8 @@ class Rounds:
         self.state.phase = NodePhase.OUTER_STEP
         digest = await self.pools.run(self.pools.train, self.trainer.apply_average, average.vector)
         self.last_contributors = average.contributors
+        if self.by_rounds_here():  # what a member catching up applies, kept before we announce the round's end
+            await self.averaging.keep(round_id, average, base_digest=self.state.param_digest)
         self.state.completed(round_id, digest, self.trainer.momentum_digest)
         await self.save()
         if self.on_round is not None:

@@ -11,7 +11,8 @@
      "cut_to": ["127.0.0.1:7503"],    # ... only those to these addresses (default: all)
      "cut_phase": "averaged",         # ... only this phase: whole, shard or averaged (default: all)
      "byzantine_scale": -100.0,       # this node lies: its pseudo-gradient times this factor
-     "byzantine_noise": 10.0}         # ... plus gaussian noise of this standard deviation
+     "byzantine_noise": 10.0,         # ... plus gaussian noise of this standard deviation
+     "step_delay_s": 0.02}            # the training thread sleeps this long after every inner step
 
 Every node applies the plan to its own outgoing calls and to the callers it serves, so a
 partition holds in both directions. Injected failures look like UNAVAILABLE to the code above,
@@ -53,6 +54,7 @@ class FaultPlan:
     cut_phase: str = ""  # "": every phase; else one of CUT_PHASES
     byzantine_scale: float = 1.0
     byzantine_noise: float = 0.0
+    step_delay_s: float = 0.0
 
 
 class Faults:
@@ -84,6 +86,7 @@ class Faults:
                     cut_to=set(raw.get("cut_to", [])), cut_phase=str(raw.get("cut_phase", "")),
                     byzantine_scale=float(raw.get("byzantine_scale", 1.0)),
                     byzantine_noise=float(raw.get("byzantine_noise", 0.0)),
+                    step_delay_s=float(raw.get("step_delay_s", 0.0)),
                 )
                 if plan.cut_phase not in ("", *CUT_PHASES):
                     raise ValueError(f"cut_phase must be one of {', '.join(CUT_PHASES)}")

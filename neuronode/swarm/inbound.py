@@ -108,13 +108,18 @@ class Inbound:
                                                     response_serializer=pb.PushAck.SerializeToString)
 
     async def receive(self, chunks: AsyncIterator[Any], *, proven_id: str = "", certified_id: str = "",
-                      fetched: Statement | None = None, carrier: str = "") -> Contribution:
+                      fetched: Statement | None = None, carrier: str = "",
+                      update: tuple[int, str, str] | None = None) -> Contribution:
         """The one path every contribution stream takes in: pushed to us (`proven_id`,
         `certified_id`: who the caller proved to be), carried over a session we hold
         (`carrier`: the member whose session delivered it, its own or one it relays), or
-        fetched from a holder (`fetched`: the statement we asked for). Checks the header, then
+        fetched from a holder (`fetched`: the statement we asked for; `update`: (round, holder,
+        base digest) of the averaged update we asked a holder for). Checks the header, then
         each chunk as it is decoded off the loop, then the whole (digest); files a pushed or
         carried one in the round book, hands a fetched one back unfiled. Raises Refusal."""
+        if update is not None:
+            fetched = Statement(round_id=update[0], sender=update[1], phase=Phase.UPDATE, shard_index=0,
+                                lineage=lineage_hash(update[2], ()), body=b"")
         first: Any = None
         first_key: tuple[Any, ...] = ()
         assembler: Assembler | None = None
@@ -151,6 +156,8 @@ class Inbound:
                         else:
                             self.check_sender(header, proven_id, certified_id)
                         assembler = self.open_stream(header, abort, via=carrier if relayed else "")
+                    elif update is not None:
+                        assembler = self.open_update(header, fetched)
                     else:
                         assembler = self.open_fetched(header, fetched)
                     first, first_key = header, stream_key(header)
@@ -182,7 +189,8 @@ class Inbound:
                 base_digest=first.base_digest, phase=Phase(first.phase), shard_index=first.shard_index,
                 members=tuple(first.members), contributors=tuple(first.contributors), signature=first.signature,
                 host=first.sender_host,
-                public_key=fetched.public_key if fetched is not None else peer.public_key if peer else b"")
+                public_key=fetched.public_key if fetched is not None and fetched.public_key
+                else peer.public_key if peer else b"")
             if fetched is None:
                 book.finish(got)
                 if not carrier and got.phase == Phase.WHOLE:
@@ -272,6 +280,27 @@ class Inbound:
                           f"{wanted.sender[:MAX_ID_CHARS]} than the one asked for")
         self.check_signature(got, wanted.public_key)
         return assembler
+
+    def open_update(self, chunk: Any, wanted: Statement) -> Assembler:
+        """Check the header of an averaged update we asked a holder for (`wanted`: its round, the
+        holder, the lineage of the parameters we apply it to): fp32, the whole model, signed by
+        the holder. Whether it is the swarm's is for the caller to check (the digests after it)."""
+        self.check_swarm(chunk)
+        got = header_statement(chunk)
+        if (got.round_id, got.sender, got.phase, got.shard_index, got.lineage) != (
+                wanted.round_id, wanted.sender, Phase.UPDATE, 0, wanted.lineage):
+            raise Refusal("DATA_LOSS", f"round {wanted.round_id}: {wanted.sender[:MAX_ID_CHARS]} served another "
+                          "contribution than its averaged update of the round, from the parameters we hold")
+        contributors = list(chunk.contributors)
+        if PB_TO_CODEC.get(chunk.codec) != "fp32" or chunk.total_elements != self.ctx.cfg.n_elements \
+                or chunk.members or chunk.shard_count or not 0 < chunk.weight \
+                or len(contributors) > MAX_PEERS_LISTED or contributors != sorted(set(contributors)):
+            raise Refusal("INVALID_ARGUMENT", "an averaged update is the whole model in fp32, of positive weight, "
+                          f"naming no shard, and at most {MAX_PEERS_LISTED} sorted unique contributors")
+        peer = self.ctx.table.peers.get(wanted.sender)
+        self.check_signature(got, peer.public_key if peer is not None else b"")
+        return receiving(codec="fp32", n_elems=self.ctx.cfg.n_elements, chunk_elements=chunk.chunk_elements,
+                         chunk_count=chunk.chunk_count, shuffled=chunk.shuffled)
 
     def check_header(self, chunk: Any) -> Assembler:
         """Swarm, codec, size, weight and reduce-scatter role of a stream's header; its Assembler."""

@@ -4,16 +4,30 @@ retained, chunk by chunk, exactly as its maker signed it. The fetcher checks it 
 contribution (payload checks, digest) and against the statement it asked for, whose signature it
 checked when a receipt listed it, so fetching from any holder is as safe as hearing the maker.
 
+Catching up by rounds (docs/protocol.md, "Catching up by rounds"): a member also keeps, for
+each of its CATCHUP_ROUNDS newest rounds, what a member that holds the round's start needs to
+apply it: the averaged update it applied (one fp32 contribution of phase UPDATE, signed by it,
+served to FetchContribution with that phase and an empty body), or the round's agreed
+contributions, whichever is fewer bytes (`keep_round`; the caller decides). The fetcher checks
+an update's header and signature as it reads it (neuronode.swarm.inbound), and what it applies
+against the digests a quorum of hosts published for the round's end (neuronode.node.catchup).
+
 Bounds: a holder keeps a contribution only while some member's receipt lacks it (up to 2x
---sync-timeout), serves each caller host FETCHES_PER_HOST streams at once and MAX_FETCHES in
-all, and ends a stream whose reader does not keep the pace (neuronode.swarm.serving, as
-FetchState does): k ids on one host take one host's share of our uplink, never the rest of it.
+Bounds: a holder keeps a contribution only while some member's receipt lacks it (up to 2x
+--sync-timeout) or while its round is one it keeps for catching up (CATCHUP_ROUNDS rounds, each
+at most the update's 4 bytes per parameter: 12 bytes per parameter in all, 1.5 times the fp32
+state with its momentum), serves each caller host FETCHES_PER_HOST streams at once and
+MAX_FETCHES in all, and ends a stream whose reader does not keep the pace
+(neuronode.swarm.serving, as FetchState does): k ids on one host take one host's share of our
+uplink, never the rest of it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 
@@ -35,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 FETCHES_PER_HOST = 2  # contribution streams served at once to one caller host
 MAX_FETCHES = 4  # ... and to all callers together
+CATCHUP_ROUNDS = 3  # rounds a member keeps for catching up (the receipts of as many ride in every Hello)
 
 
 class Missed:
@@ -46,6 +61,7 @@ class Missed:
         self.inbound = inbound
         self.kept: dict[Statement, tuple[Contribution, float]] = {}  # -> until (the node's clock)
         self.slots = Slots(per_host=FETCHES_PER_HOST, total=MAX_FETCHES, what="contribution fetches")
+        self.rounds: dict[int, list[Statement]] = {}  # round -> what we keep of it for catching up
         self.stall_s = STALL_S  # a stream nothing is read from for this long is ended
 
     @property
@@ -58,10 +74,32 @@ class Missed:
     def retain(self, round_id: int, phase: Phase, contributions: Iterable[Contribution], *, for_s: float) -> None:
         now = self.ctx.clock.now()
         self.expire(now)
-        for s in [s for s in self.kept if (s.round_id, s.phase) == (round_id, phase)]:
+        pinned = set(self.rounds.get(round_id, ()))
+        for s in [s for s in self.kept if (s.round_id, s.phase) == (round_id, phase) and s not in pinned]:
             del self.kept[s]
         for c in contributions:
-            self.kept[statement_of(c)] = (c, now + for_s)
+            s = statement_of(c)
+            if s not in pinned:
+                self.kept[s] = (c, now + for_s)
+
+    def keep_round(self, round_id: int, contributions: Iterable[Contribution]) -> None:
+        """Keep what catching up by `round_id` needs (our averaged update, or the round's agreed
+        contributions) while it is one of our CATCHUP_ROUNDS newest kept rounds; older rounds
+        are let go."""
+        statements = []
+        for c in contributions:
+            s = statement_of(c)
+            self.kept[s] = (c, math.inf)
+            statements.append(s)
+        self.rounds[round_id] = statements
+        for r in sorted(self.rounds)[:-CATCHUP_ROUNDS]:
+            for s in self.rounds.pop(r):
+                self.kept.pop(s, None)
+
+    @property
+    def kept_rounds(self) -> list[int]:
+        """The rounds we keep for catching up (oldest first)."""
+        return sorted(self.rounds)
 
     def expire(self, now: float) -> None:
         for s in [s for s, (_, until) in self.kept.items() if until <= now]:
@@ -72,10 +110,14 @@ class Missed:
         return sum(c.data.size_bytes for c, _ in self.kept.values())
 
     def find(self, request: pb.ContributionRequest) -> Contribution | None:
+        """What `request` asks for: the contribution its statement names, or (phase UPDATE, our
+        own id, body empty) our averaged update of its round."""
         self.expire(self.ctx.clock.now())
+        update = request.phase == Phase.UPDATE and not request.body
         for s, (c, _) in self.kept.items():
-            if (s.round_id, s.sender, int(s.phase), s.shard_index, s.body) == (
-                    request.round_id, request.sender_id, request.phase, request.shard_index, request.body):
+            if (s.round_id, s.sender, int(s.phase), s.shard_index) == (
+                    request.round_id, request.sender_id, request.phase, request.shard_index) \
+                    and (update or s.body == request.body):
                 return c
         return None
 
@@ -83,6 +125,28 @@ class Missed:
 
     async def fetch(self, statement: Statement, holders: list[str], *, timeout_s: float) -> Contribution | None:
         """`statement`'s contribution from the first holder that serves it by the deadline."""
+        return await self.from_holders(
+            statement.round_id, statement.sender, statement.phase, holders, timeout_s=timeout_s,
+            ask=lambda holder: pb.ContributionRequest(
+                round_id=statement.round_id, sender_id=statement.sender, phase=int(statement.phase),  # type: ignore[arg-type]
+                shard_index=statement.shard_index, body=statement.body),
+            receive=lambda holder, call: self.inbound.receive(call, fetched=statement))
+
+    async def fetch_update(self, round_id: int, holders: list[str], *, base_digest: str,
+                           timeout_s: float) -> Contribution | None:
+        """The averaged update of `round_id` the first of `holders` that keeps one applied
+        (made from `base_digest`, signed by that holder), by the deadline."""
+        return await self.from_holders(
+            round_id, "", Phase.UPDATE, holders, timeout_s=timeout_s,
+            ask=lambda holder: pb.ContributionRequest(round_id=round_id, sender_id=holder,
+                                                      phase=int(Phase.UPDATE)),  # type: ignore[arg-type]
+            receive=lambda holder, call: self.inbound.receive(call, update=(round_id, holder, base_digest)))
+
+    async def from_holders(self, round_id: int, sender: str, phase: Phase, holders: list[str], *, timeout_s: float,
+                           ask: Callable[[str], pb.ContributionRequest],
+                           receive: Callable[[str, AsyncIterator[Any]], Awaitable[Contribution]]) -> Contribution | None:
+        """What `ask(holder)` requests, from the first holder that serves it whole (`receive`
+        checks it) by the deadline; None if none does. `sender` "": each holder's own."""
         ctx = self.ctx
         deadline = ctx.clock.now() + timeout_s
         for holder in holders:
@@ -92,25 +156,22 @@ class Missed:
                 break
             if peer is None or not ctx.table.is_alive(peer) or not self.links.dialable(peer):
                 continue  # nobody dials a member that says it cannot be dialed
-            request = ctx.security.sign_request("FetchContribution", pb.ContributionRequest(
-                node_id=ctx.cfg.node_id, swarm_id=ctx.cfg.swarm_id, round_id=statement.round_id,
-                sender_id=statement.sender, phase=int(statement.phase), shard_index=statement.shard_index,  # type: ignore[arg-type]
-                body=statement.body), holder)
+            request = ask(holder)
+            request.node_id, request.swarm_id = ctx.cfg.node_id, ctx.cfg.swarm_id
+            request = ctx.security.sign_request("FetchContribution", request, holder)
+            maker = sender or holder
             try:
                 call = await self.links.fetch(holder, "FetchContribution", request, timeout_s=remaining)
-                got = await self.inbound.receive(call, fetched=statement)
+                got = await receive(holder, call)
             except (grpc.aio.AioRpcError, NoRoute) as exc:
-                logger.debug("round %d: %s could not serve %s's %s: %s", statement.round_id, holder,
-                             statement.sender, statement.phase.label, exc)
+                logger.debug("round %d: %s could not serve %s's %s: %s", round_id, holder, maker, phase.label, exc)
                 continue
             except Refusal as exc:
-                logger.warning("round %d: %s served a bad copy of %s's %s: %s", statement.round_id, holder,
-                               statement.sender, statement.phase.label, exc,
-                               extra=fields("bad_copy", round_id=statement.round_id, peer_id=holder))
+                logger.warning("round %d: %s served a bad copy of %s's %s: %s", round_id, holder, maker,
+                               phase.label, exc, extra=fields("bad_copy", round_id=round_id, peer_id=holder))
                 continue
-            logger.info("round %d: fetched %s's %s from %s", statement.round_id, statement.sender,
-                        statement.phase.label, holder, extra=fields("fetched", round_id=statement.round_id,
-                                                                    peer_id=holder, sender=statement.sender))
+            logger.info("round %d: fetched %s's %s from %s", round_id, maker, phase.label, holder,
+                        extra=fields("fetched", round_id=round_id, peer_id=holder, sender=maker))
             return got
         return None
 

@@ -27,7 +27,7 @@ from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
 from neuronode.swarm.inbound import Inbound
-from neuronode.swarm.lineage import CatchUp, plan_catch_up
+from neuronode.swarm.lineage import CatchUp, believable, plan_catch_up
 from neuronode.swarm.links import Links
 from neuronode.swarm.membership import PeerTable
 from neuronode.swarm.peers import Peers
@@ -187,6 +187,8 @@ class SwarmNode:
         if self.state.epoch != self._epoch:  # adopted the swarm's state: forget our old rounds
             self._epoch = self.state.epoch
             self.ctx.book.reset(self.state.round)
+        else:  # rounds we applied without collecting them (caught up by rounds) are closed
+            self.ctx.book.advance(self.state.round)
         self.peers.update_agreement()
         self.peers.announce()
 
@@ -223,6 +225,14 @@ class SwarmNode:
         """Whether a quorum of the other live hosts published this state for `round_id`
         (neuronode.swarm.trust.witnesses): what a replayed round must reach."""
         return witnesses(round_id, param_digest, self.cfg.node_id, self.table.alive(), momentum_digest).accepted
+
+    def holders(self, round_id: int, param_digest: str) -> list[str]:
+        """Live members we can dial that applied `round_id` from `param_digest` (they published
+        it for the round's start, and a digest for its end): who may serve what catching up by
+        that round needs (neuronode.swarm.missed). Their word is checked after (`vouched`)."""
+        return sorted(p.node_id for p in believable(self.table.alive())
+                      if p.digests.get(round_id) == param_digest and round_id + 1 in p.digests
+                      and self.links.dialable(p))
 
     def alive_count(self) -> int:
         return len(self.table.alive())

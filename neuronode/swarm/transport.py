@@ -147,6 +147,17 @@ class GrpcTransport:
     def retain(self, round_id: int, phase: Phase, contributions: Iterable[Contribution], *, for_s: float) -> None:
         self.missed.retain(round_id, phase, contributions, for_s=for_s)
 
+    def keep_round(self, round_id: int, contributions: Iterable[Contribution]) -> None:
+        kept = list(contributions)
+        for c in kept:
+            if c.sender_id == self.node_id:
+                self.sign(c)  # our averaged update: served as we signed it
+        self.missed.keep_round(round_id, kept)
+
+    async def fetch_update(self, round_id: int, holders: list[str], *, base_digest: str,
+                           timeout_s: float) -> Contribution | None:
+        return await self.missed.fetch_update(round_id, holders, base_digest=base_digest, timeout_s=timeout_s)
+
     def equivocated(self, member: str, proof: tuple[Statement, Statement]) -> None:
         if self.ctx.table.ban(member, EQUIVOCATION_BAN_S):
             self.ctx.book.notify()

@@ -28,6 +28,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_UNSPECIFIED: _ClassVar[Phase]
     PHASE_SHARD: _ClassVar[Phase]
     PHASE_AVERAGED: _ClassVar[Phase]
+    PHASE_UPDATE: _ClassVar[Phase]
 
 class StatePart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +48,7 @@ CODEC_SPARSE: Codec
 PHASE_UNSPECIFIED: Phase
 PHASE_SHARD: Phase
 PHASE_AVERAGED: Phase
+PHASE_UPDATE: Phase
 STATE_PART_UNSPECIFIED: StatePart
 STATE_PART_PARAMS: StatePart
 STATE_PART_MOMENTUM: StatePart

@@ -57,6 +57,8 @@ class Relay:
         # (round, maker) -> a whole contribution pushed to us, and the end of its push window
         self.held: dict[tuple[int, str], tuple[Contribution, float]] = {}
         self.forwarded: set[tuple[int, str, str]] = set()  # (round, maker, receiver) started
+        # (round, maker, receiver) -> the carrier in charge of it when the contribution came (not us)
+        self.deferred: dict[tuple[int, str, str], str] = {}
         self.hellos: dict[str, pb.HelloRequest] = {}  # the last Hello of each member nobody can dial
 
     def receivers(self, maker: str) -> list[str]:
@@ -98,6 +100,13 @@ class Relay:
         if ctx.reachable == "no" or maker is None or ctx.table.dialable(maker):
             return
         self.held[(c.round_id, c.sender_id)] = (c, now + ctx.cfg.sync_timeout_s)
+        me = ctx.cfg.node_id
+        for receiver in sorted(self.sessions.carried):  # receivers another carrier relays to now
+            peer = ctx.table.peers.get(receiver)
+            if receiver != c.sender_id and peer is not None and ctx.table.is_alive(peer):
+                carrier = relay_for(c.sender_id, receiver, live_carriers(peer, ctx.table, me=me) | {me})
+                if carrier not in (None, me):
+                    self.deferred[(c.round_id, c.sender_id, receiver)] = carrier
         self.pending()
 
     def stale(self, c: Contribution, deadline: float, now: float) -> bool:
@@ -109,18 +118,27 @@ class Relay:
         """Start the forwards we owe: cheap to call on every message a peer sends."""
         if not self.held:
             return
-        now, table = self.ctx.clock.now(), self.ctx.table
+        now, table, lag = self.ctx.clock.now(), self.ctx.table, self.ctx.cfg.round_lag
         for key, (c, deadline) in list(self.held.items()):
             if self.stale(c, deadline, now):
                 del self.held[key]
                 self.forwarded = {f for f in self.forwarded if f[:2] != key}
+                self.deferred = {f: v for f, v in self.deferred.items() if f[:2] != key}
                 continue
             maker = table.peers.get(c.sender_id)
             if maker is None or maker.reachable:
                 continue  # the others dial it themselves
             for receiver in self.receivers(c.sender_id):
+                peer = table.peers.get(receiver)
+                if peer is None or not peer.round <= c.round_id <= peer.round + lag:
+                    continue  # it could not take it now (behind: it catches up first; or past the round): later
                 if (*key, receiver) not in self.forwarded:
                     self.forwarded.add((*key, receiver))
+                    if (was := self.deferred.pop((*key, receiver), None)) is not None:
+                        logger.warning("round %d: relaying %s's %s to %s now: its relay %s is gone (it died, left, "
+                                       "or carries %s no more)", c.round_id, c.sender_id, c.phase.label, receiver,
+                                       was, receiver, extra=fields("relay_failover", round_id=c.round_id,
+                                                                   peer_id=receiver, sender=c.sender_id, relay=was))
                     self.ctx.tasks.spawn(self.forward(receiver, c, deadline),
                                          f"push-relay-r{c.round_id}-{c.sender_id}-{receiver}")
 

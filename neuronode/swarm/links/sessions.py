@@ -302,6 +302,7 @@ class Sessions:
                                                                          swarm_id=ctx.cfg.swarm_id), peer_id)
         flows = Inflow()
         call = None
+        ended = False  # the carrier ended the session itself (it leaves, or dropped us), rather than dying
         try:
             await asyncio.sleep(ctx.faults.before_call(address))
             call = ctx.channels.session_call(address)(request, metadata=ctx.security.metadata("Session"))
@@ -310,6 +311,7 @@ class Sessions:
                 try:
                     msg = await asyncio.wait_for(messages.__anext__(), timeout=IDLE_S)
                 except StopAsyncIteration:
+                    ended = True
                     break
                 except TimeoutError:
                     logger.info("session to %s heard nothing for %.0f s; opening another", peer_id, IDLE_S,
@@ -334,7 +336,17 @@ class Sessions:
             if peer_id in self.open:
                 self.open.discard(peer_id)
                 if not self.ctx.leaving:
+                    self.lost(peer_id, ended=ended)
                     self.inbox.carriers_changed()  # another carrier relays to us now
+
+    def lost(self, peer_id: str, *, ended: bool) -> None:
+        """The session `peer_id` carried for us is over: `carrier_left` when it `ended` it or said
+        it leaves, `carrier_lost` when it broke off (the carrier died, or its link did)."""
+        peer, rest = self.ctx.table.peers.get(peer_id), ", ".join(sorted(self.open)) or "no other member yet"
+        left = ended or (peer is not None and peer.left)
+        logger.log(logging.INFO if left else logging.WARNING, "our session to %s %s; taking part through %s", peer_id,
+                   "ended (it left)" if left else "broke off (it died, or its link did)", rest,
+                   extra=fields("carrier_left" if left else "carrier_lost", peer_id=peer_id, carried_by=sorted(self.open)))
 
     async def take(self, peer_id: str, address: str, msg: pb.SessionMessage, flows: Inflow) -> None:
         """One message of a session we hold."""
