@@ -45,6 +45,8 @@ from neuronode.events import fields
 
 logger = logging.getLogger(__name__)
 
+MEMBERS_POLL_S = 0.5  # how often the wait for --min-peers members looks again without news
+
 
 class Gather(AllToAll):
     """The gather protocol (module docstring): all-to-all's agreement and average over the
@@ -67,6 +69,7 @@ class Gather(AllToAll):
 
     async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
+        await self.enough_members(round_id, give_up)
         started = time.perf_counter()
         makers = self.draw(round_id, base_digest).makers
         loop = asyncio.get_running_loop()
@@ -80,6 +83,22 @@ class Gather(AllToAll):
             delta, [(0, delta.numel())], link, weight=weight, round_id=round_id, base_digest=base_digest))
         return Prepared(round_id=round_id, parts=enc.parts, compensated=enc.compensated, members=makers,
                         base_digest=base_digest, encode_s=elapsed(started))
+
+    async def enough_members(self, round_id: int, give_up: Callable[[], bool]) -> None:
+        """The round is drawn from the members we know: wait until we know --min-peers of them
+        (us included), or `give_up()`, so that members starting together draw from one view."""
+        said = False
+        while not give_up():
+            changed = self.transport.book.changed()
+            known = len(self.transport.round_peers(round_id)) + 1
+            if known >= self.cfg.min_contributors:
+                return
+            if not said:
+                said = True
+                logger.warning("round %d: %d of --min-peers %d members; waiting for more before drawing the "
+                               "round's makers", round_id, known, self.cfg.min_contributors,
+                               extra=fields("waiting_for_members", round_id=round_id))
+            await self.clock.wait(changed, MEMBERS_POLL_S)
 
     async def exchange(self, prepared: Prepared) -> Average:
         round_id, makers, me = prepared.round_id, set(prepared.members), self.cfg.node_id
