@@ -47,6 +47,18 @@ def ticket(seed: str, member: str) -> bytes:
     return hashlib.blake2b(f"{seed}\n{member}".encode(), digest_size=8).digest()
 
 
+def ranked(seed: str, members: Iterable[str]) -> list[str]:
+    """`members` by ticket, then id (one hash each: a draw sorts every member it knows)."""
+    prefix = f"{seed}\n".encode()
+    blake2b = hashlib.blake2b
+
+    def key(m: str) -> bytes:
+        name = m.encode()
+        return blake2b(prefix + name, digest_size=8).digest() + name
+
+    return sorted(members, key=key)
+
+
 @dataclass(frozen=True)
 class Draw:
     """One round's order of the members a member knows: by ticket, then id."""
@@ -103,7 +115,7 @@ class Draw:
 def draw(round_id: int, base_digest: str, members: Iterable[str], k: int) -> Draw:
     """The order of `members` for a round (its seed from `round_id` and `base_digest`)."""
     seed = round_seed(round_id, base_digest)
-    return Draw(seed=seed, order=tuple(sorted(set(members), key=lambda m: (ticket(seed, m), m))), k=k)
+    return Draw(seed=seed, order=tuple(ranked(seed, set(members))), k=k)
 
 
 class Draws:
@@ -129,4 +141,4 @@ class Draws:
 
 def lowest(senders: Iterable[str], seed: str, k: int) -> set[str]:
     """Of `senders` (whose contributions a round agreed on), the `k` with the lowest tickets."""
-    return set(sorted(senders, key=lambda m: (ticket(seed, m), m))[:k])
+    return set(ranked(seed, senders)[:k])
