@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronode.bench.common import BenchError, check, entry_points
-from neuronode.config import NodeConfig, check_averaging
+from neuronode.config import AVERAGINGS, NodeConfig, check_averaging
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from neuronode.averaging import Average, Averaging, RoundState
     from neuronode.averaging.local import LocalSwarm
 
-AVERAGING = ("all-to-all", "reduce-scatter", "gather")
+AVERAGING = AVERAGINGS
 DEFAULT_MAKERS = NodeConfig.gather_makers
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "sparse")  # neuronode.codec.CODECS, without importing torch
 SYNC_TIMEOUT_S = 600.0  # never reached: every member delivers, however slow the machine
