@@ -145,6 +145,8 @@ class SwarmSpec:
                 "--seed", str(self.seed), "--rounds", str(self.rounds),
                 "--inner-steps", str(self.inner_steps), "--codec", self.codec,
                 "--min-peers", str(self.nodes), "--keep-checkpoints", str(self.rounds + 1),
+                # every node calls from 127.0.0.1: past 16 (the default) the rest would be turned away
+                "--max-ids-per-host", str(max(self.nodes, NodeConfig.max_ids_per_host)),
                 "--overlap" if self.overlap else "--no-overlap",
                 "--log-format", "json", "--log-level", "info", *self.model.argv(), *self.extra]
         if index:
