@@ -184,7 +184,8 @@ class Inbound:
                 book.finish(got)
                 if not carrier and got.phase == Phase.WHOLE:
                     self.relay.contribution(got)  # if its maker cannot reach the other members nobody dials
-                self.forward.contribution(got)  # gather: down its maker's tree
+                if self.ctx.cfg.settings.averaging == "gather":
+                    self.forward.contribution(got)  # down its maker's tree
             return got
         except RoundRefused as exc:
             raise Refusal(exc.code, str(exc)) from None
