@@ -191,3 +191,29 @@ async def test_a_member_not_drawn_that_sends_anyway_is_not_averaged(pools) -> No
     result = same(await swarm.round(0))
     assert result.contributors == swarm.makers(0) and liar not in result.contributors
     assert torch.equal(result.vector, average({m: (delta(m, 0), 1.0) for m in swarm.makers(0)}))
+
+
+def test_what_a_member_carries_survives_a_checkpoint() -> None:
+    """The feedback and the rounds carried are checkpointed with the encoder (a lossless codec
+    keeps feedback once it carried): restored, the next contribution is the same, bit for bit;
+    a checkpoint of the previous release (no `carried_rounds`) restores carrying nothing."""
+    def encoder() -> ContributionEncoder:
+        return ContributionEncoder(EncoderConfig(codec="fp32", chunk_bytes=4096, zstd_level=0, byte_shuffle=False),
+                                   n_elements=N, sender_id="m")
+
+    def sent(e: ContributionEncoder) -> torch.Tensor:
+        return e.contribution(delta("m", 2), [(0, N)], 0.0, weight=1.0, round_id=2).parts[0].data.decode()
+
+    first = encoder()
+    assert first.state_dict() is None  # fp32, nothing carried: as before
+    first.carry(delta("m", 0))
+    first.carry(delta("m", 1))
+    state = first.state_dict()
+    assert state is not None and float(state["carried_rounds"]) == 2.0
+    restored = encoder()
+    restored.load_state_dict(state)
+    expected = torch.add(delta("m", 2), torch.add(delta("m", 1), delta("m", 0))) / 3.0
+    assert torch.equal(sent(restored), expected) and torch.equal(sent(first), expected)
+    old = encoder()
+    old.load_state_dict({"residual": torch.zeros(N)})  # a lossy codec's feedback of the previous release
+    assert old.carried_rounds == 0.0 and torch.equal(sent(old), delta("m", 2))
