@@ -121,8 +121,8 @@ class Gather(AllToAll):
             on_extend=on_extend, fetchable=self.held_elsewhere(round_id, Phase.WHOLE, lineage),
             reached=self.held_elsewhere(round_id, Phase.WHOLE, lineage, at_least=1), voice=self.transport.voice)
         got = same_lineage(got, (base, ()))
-        got = await self.agree(round_id, Phase.WHOLE, got, lambda: makers | set(got), lineage=lineage,
-                               publish=own is not None)
+        got = await self.agree(round_id, Phase.WHOLE, got, lambda: makers | set(got) | self.receipted(round_id),
+                               lineage=lineage, publish=own is not None)
         waited = elapsed(started)
         sent = [own] if own is not None else []
         if not got:
@@ -177,5 +177,11 @@ class Gather(AllToAll):
         (each checked against its maker's signed statement): a quorum of the makers' hosts must
         have published receipts."""
         makers = set(self.draw(round_id, base_digest, with_us=with_us).makers)
-        return await self.agree(round_id, Phase.WHOLE, {}, lambda: makers, lineage=lineage_hash(base_digest, ()),
-                                publish=False)
+        return await self.agree(round_id, Phase.WHOLE, {}, lambda: makers | self.receipted(round_id),
+                                lineage=lineage_hash(base_digest, ()), publish=False)
+
+    def receipted(self, round_id: int) -> set[str]:
+        """Members that published a receipt of the round: makers in their own view. Counted among
+        the round's members, so that a member whose view of the makers differs (it fell behind,
+        or knows other members) still finds the quorum of hosts whose receipts decided."""
+        return {r.maker for r in self.transport.receipts(round_id, Phase.WHOLE)}

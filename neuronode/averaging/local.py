@@ -163,7 +163,7 @@ class LocalTransport:
 
     def children(self, c: Contribution) -> list[str]:
         """Where we forward a maker's whole contribution under gather (our children in its tree)."""
-        draw = self.draws.get(c.round_id, c.base_digest, lambda: self.round_peers(c.round_id) | {self.node_id})
+        draw = self.draws.current(c.round_id, c.base_digest, self.round_peers(c.round_id) | {self.node_id})
         return draw.children(c.sender_id, self.node_id, self.swarm.gather_makers)
 
     @property

@@ -119,15 +119,18 @@ def draw(round_id: int, base_digest: str, members: Iterable[str], k: int) -> Dra
 
 
 class Draws:
-    """A member's draws of its latest rounds, each made once from its view of the members when
-    first asked for (the round's makers when it prepares, or a maker's contribution that
-    arrives first: its tree)."""
+    """A member's draws of its latest rounds. The round's own draw (its makers, our children as a
+    maker) is made once, when it prepares (`get`); a tree we forward down follows our view of
+    the members as it is when each contribution arrives (`current`), redrawn only when that
+    view changed: a draw made before we knew every member would send to the wrong children for
+    the rest of the round."""
 
     KEEP = 4
 
     def __init__(self, k: int) -> None:
         self.k = k
         self._by_seed: dict[str, Draw] = {}
+        self._current: dict[str, tuple[frozenset[str], Draw]] = {}
 
     def get(self, round_id: int, base_digest: str, members: Callable[[], Iterable[str]]) -> Draw:
         seed = round_seed(round_id, base_digest)
@@ -137,6 +140,15 @@ class Draws:
             while len(self._by_seed) > self.KEEP:
                 del self._by_seed[next(iter(self._by_seed))]
         return got
+
+    def current(self, round_id: int, base_digest: str, members: Iterable[str]) -> Draw:
+        seed, view = round_seed(round_id, base_digest), frozenset(members)
+        held = self._current.get(seed)
+        if held is None or held[0] != view:
+            held = self._current[seed] = (view, draw(round_id, base_digest, view, self.k))
+            while len(self._current) > self.KEEP:
+                del self._current[next(iter(self._current))]
+        return held[1]
 
 
 def lowest(senders: Iterable[str], seed: str, k: int) -> set[str]:

@@ -58,8 +58,8 @@ class Forward:
         if ctx.cfg.settings.averaging != "gather" or c.phase != Phase.WHOLE or not k:
             return []
         me = ctx.cfg.node_id
-        draw = self.draws.get(c.round_id, c.base_digest,
-                              lambda: round_peers(ctx.table, c.round_id, round_lag=ctx.cfg.round_lag) | {me})
+        draw = self.draws.current(c.round_id, c.base_digest,
+                                  round_peers(ctx.table, c.round_id, round_lag=ctx.cfg.round_lag) | {me})
         return [child for child in draw.children(c.sender_id, me, k) if child != c.sender_id]
 
     def contribution(self, c: Contribution) -> None:
