@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from neuronode.config import CODECS, NodeConfig, build_config, flag_name, parse_hostport
+from neuronode.config import AVERAGINGS, CODECS, NodeConfig, build_config, flag_name, parse_hostport
 from neuronode.errors import ConfigError, NeuronodeError
 from neuronode.security.ca_cli import add_ca_parser, run_ca
 
@@ -122,7 +122,7 @@ def add_bench_parser(sub: Any) -> None:
                           help=f"--codec sparse: the daemon's {flag_name(name)} (default: {getattr(NodeConfig, name)})")
     sync.add_argument("--max-upload-mbps", type=float, default=0.0,
                       help="every node's upload cap in Mbit/s, as the daemon's flag (default: 0, none)")
-    sync.add_argument("--averaging", default="all-to-all", choices=("all-to-all", "reduce-scatter"),
+    sync.add_argument("--averaging", default="all-to-all", choices=AVERAGINGS,
                       help="averaging scheme, as the daemon's --averaging (default: all-to-all)")
     sync.add_argument("--rounds", type=int, default=3, help="rounds timed; the median is reported (default: 3)")
     sync.add_argument("--zstd-level", type=int, default=-1,

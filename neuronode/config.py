@@ -21,6 +21,7 @@ from neuronode.errors import ConfigError
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "sparse")
 AGGREGATORS = ("mean", "trimmed-mean", "median", "norm-clip", "centered-clip")
+AVERAGINGS = ("all-to-all", "reduce-scatter", "gather")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -115,8 +116,12 @@ class NodeConfig:
     sparse_decay: float = opt(0.95, "--codec sparse: error feedback keeps this share of what was not sent, "
                               "per round (in (0, 1])")
     averaging: str = opt("all-to-all", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
-                         "member i averages shard i (about 2x one contribution sent, whatever the swarm size)",
-                         choices=("all-to-all", "reduce-scatter"))
+                         "member i averages shard i (about 2x one contribution sent, whatever the swarm size); "
+                         "gather: a round averages --gather-makers members' contributions, spread by "
+                         "forwarding, the others' wait in error feedback (flat per member in the swarm size)",
+                         choices=AVERAGINGS)
+    gather_makers: int = opt(32, "--averaging gather: contributions a round averages at most (its makers, "
+                             "drawn anew each round; a swarm of at most this many averages everyone's)")
     aggregator: str = opt("norm-clip", "how contributions are combined: norm-clip bounds each member's influence "
                           "(any --averaging, any --codec); mean trusts every member", choices=AGGREGATORS)
     aggregator_option: tuple[str, ...] = opt(
@@ -252,6 +257,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "sparse_bits": (lambda v: v in (2, 4, 8), "2, 4 or 8"),
     "sparse_block": (lambda v: 64 <= v <= 65536, "between 64 and 65536"),
     "sparse_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "gather_makers": (lambda v: 2 <= v <= 256, "between 2 and 256"),
 }
 
 
@@ -276,9 +282,9 @@ def fold_task_flags(cfg: NodeConfig) -> tuple[str, ...]:
 
 
 def check_averaging(codec: str, averaging: str) -> None:
-    """--codec sparse averages all-to-all only (a ConfigError saying why otherwise)."""
+    """--codec sparse averages all-to-all or gather only (a ConfigError saying why otherwise)."""
     if codec == "sparse" and averaging == "reduce-scatter":
-        raise ConfigError("--codec sparse needs --averaging all-to-all: under reduce-scatter a reducer's "
+        raise ConfigError("--codec sparse needs --averaging all-to-all or gather: under reduce-scatter a reducer's "
                           "averaged shard is the union of the members' kept entries, up to N times denser, "
                           "and re-encoding it sparse would drop most of it")
 

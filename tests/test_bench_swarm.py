@@ -91,3 +91,18 @@ def test_cli_refuses_one_member() -> None:
     out = run_neuronode("bench", "swarm", "--members", "1", "--json")
     assert out.returncode == 2 and out.stdout == ""
     assert "--members 1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_under_gather_what_a_member_receives_stays_flat_as_the_swarm_grows() -> None:
+    """--averaging gather --codec sparse, K = 8: at 16 and at 48 members every member ends on
+    the average of the round's 8 makers, and the median member receives about as many bytes
+    (8 contributions, 8 receipts) at 48 as at 16, where all-to-all's grows with N."""
+    flags = ("--averaging", "gather", "--codec", "sparse", "--gather-makers", "8", "--rounds", "2", "--params", "4096")
+    small, large = bench("--members", "16", *flags), bench("--members", "48", *flags)
+    assert KEYS | {"bytes_up_per_member_per_round", "bytes_down_per_member_per_round", "makers"} <= set(large)
+    assert small["identical"] and large["identical"] and small["makers"] == large["makers"] == 8
+    assert large["contributions_per_member_per_round"] <= 8
+    assert large["bytes_down_per_member_per_round"] <= 1.2 * small["bytes_down_per_member_per_round"]
+    assert large["bytes_up_per_member_per_round"] <= 1.2 * small["bytes_up_per_member_per_round"]
+    every = bench("--members", "48", "--averaging", "all-to-all", "--codec", "sparse", "--rounds", "2", "--params", "4096")
+    assert every["bytes_down_per_member_per_round"] > 4 * large["bytes_down_per_member_per_round"]

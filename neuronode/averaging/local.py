@@ -3,7 +3,14 @@
 Used by tests (the averaging rules under a ManualClock, in milliseconds) and by `neuronode bench
 swarm` (hundreds of members with stand-in training). A `LocalSwarm` knows every member's round
 state; delivery files the sender's record in each target's book exactly as the gRPC transport
-files a verified one (refusals included), and a member that `leave`s stops being alive.
+files a verified one (refusals included), and a member that `leave`s stops being alive. Under
+gather (`gather_makers`), a member forwards every whole contribution it files to its children in
+the maker's tree (neuronode.averaging.sortition), as the gRPC transport does.
+
+Bytes are counted per member as they would cross the wire (`Member.bytes_up`, `bytes_down`): a
+contribution's payload plus CHUNK_HEADER_BYTES per chunk, each time it is delivered, forwarded or
+fetched; a receipt RECEIPT_BYTES plus STATEMENT_BYTES per statement it lists, once per other
+live member that may read it (its list whole: the gRPC transport often sends only its digest).
 """
 
 from __future__ import annotations
@@ -13,11 +20,24 @@ from dataclasses import dataclass, field, replace
 
 from neuronode.averaging.agreement import Receipt, Statement, statement_of
 from neuronode.averaging.book import RoundBook, RoundRefused
+from neuronode.averaging.sortition import Draws
 from neuronode.averaging.state import RoundState
 from neuronode.averaging.transport import MemberView
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
 from neuronode.quorum import reached, voice
+
+CHUNK_HEADER_BYTES = 240  # a chunk's header: ids, digests, the maker's signature, framing
+RECEIPT_BYTES = 200  # a receipt's own fields and signature
+STATEMENT_BYTES = 210  # one statement a receipt lists
+
+
+def wire_bytes(c: Contribution) -> int:
+    return c.data.held_bytes + CHUNK_HEADER_BYTES * c.data.count
+
+
+def receipt_bytes(r: Receipt) -> int:
+    return RECEIPT_BYTES + STATEMENT_BYTES * len(r.statements)
 
 
 @dataclass
@@ -32,16 +52,22 @@ class Member:
     alive: bool = True
     delivered: int = 0  # contributions filed in this member's book
     refused: int = 0  # contributions its book refused (closed round, duplicate, too far ahead)
+    bytes_up: int = 0  # what it sent (module docstring)
+    bytes_down: int = 0  # what it received
+    messages: int = 0  # control messages it received: receipts, fetch requests answered
 
 
 class LocalSwarm:
     """The members of one in-process swarm, and who may reach whom."""
 
-    def __init__(self, *, clock: Clock | None = None, round_lag: int = 1) -> None:
+    def __init__(self, *, clock: Clock | None = None, round_lag: int = 1, gather_makers: int = 0) -> None:
         self.clock = clock or Clock()
         self.round_lag = round_lag
+        self.gather_makers = gather_makers  # gather's K: members forward whole contributions (0: they do not)
         self.members: dict[str, Member] = {}
         self.transports: list[LocalTransport] = []
+        self.by_id: dict[str, LocalTransport] = {}
+        self.published: dict[tuple[int, Phase], set[str]] = {}  # who published a receipt (Member.receipts)
         # (sender, receiver, phase) whose pushes fail; phase None: every phase
         self.cut: set[tuple[str, str, Phase | None]] = set()
         # (maker, receiver) -> the receipt that receiver sees instead of what maker published (a liar)
@@ -60,6 +86,7 @@ class LocalSwarm:
         self.members[node_id] = member
         transport = LocalTransport(self, member)
         self.transports.append(transport)
+        self.by_id[node_id] = transport
         state.on_change.append(self.news)
         self.news()
         return transport
@@ -78,11 +105,17 @@ class LocalSwarm:
         for member in self.members.values():
             member.book.notify()
 
-    def deliver(self, sender: str, to: str, contribution: Contribution) -> None:
+    def reaches(self, sender: str, to: str, phase: Phase) -> bool:
+        """Whether `sender` can reach `to` (alive, and no fault cuts the pair)."""
         target = self.members.get(to)
-        if target is None or not target.alive or {(sender, to, None), (sender, to, contribution.phase)} & self.cut:
+        return target is not None and target.alive and not {(sender, to, None), (sender, to, phase)} & self.cut
+
+    def deliver(self, sender: str, to: str, contribution: Contribution) -> None:
+        """`sender` streams `contribution` to `to` (its own, or one it forwards)."""
+        if not self.reaches(sender, to, contribution.phase):
             return
-        if sender in target.banned:
+        target = self.members[to]
+        if sender in target.banned or contribution.sender_id in target.banned:
             target.refused += 1
             return
         forged = self.forged.get((sender, to))
@@ -90,13 +123,19 @@ class LocalSwarm:
             contribution = forged
         c = replace(contribution, frames=[])  # what a receiver holds: the record, no frames
         try:
-            target.book.begin(c.round_id, c.sender_id, c.phase)
+            target.book.begin(c.round_id, c.sender_id, c.phase, via="" if sender == c.sender_id else sender)
+            size = wire_bytes(c)
+            self.members[sender].bytes_up += size
+            target.bytes_down += size
             target.book.finish(c)
         except RoundRefused:
             target.refused += 1
             target.book.abort(c.round_id, c.sender_id, c.phase)
             return
         target.delivered += 1
+        if self.gather_makers and c.phase == Phase.WHOLE:
+            for child in self.by_id[to].children(c):
+                self.deliver(to, child, c)
 
 
 @dataclass
@@ -121,6 +160,12 @@ class LocalTransport:
         self.swarm = swarm
         self.member = member
         self.open: list[Delivery] = []
+        self.draws = Draws(swarm.gather_makers)  # gather: the trees we forward down
+
+    def children(self, c: Contribution) -> list[str]:
+        """Where we forward a maker's whole contribution under gather (our children in its tree)."""
+        draw = self.draws.current(c.round_id, c.base_digest, self.round_peers(c.round_id) | {self.node_id})
+        return draw.children(c.sender_id, self.node_id, self.swarm.gather_makers)
 
     @property
     def node_id(self) -> str:
@@ -172,16 +217,27 @@ class LocalTransport:
                 outs = dict.fromkeys(targets, d.outs)
             else:
                 outs = dict(d.outs)
-            for to in sorted(set(outs) & self.alive() - d.delivered):
+            for to in sorted(set(outs) - d.delivered - {self.node_id}):
+                m = self.swarm.members.get(to)
+                if m is None or not m.alive or to in self.member.banned:
+                    continue
                 d.delivered.add(to)
                 self.swarm.deliver(self.node_id, to, outs[to])
 
     def publish_receipt(self, receipt: Receipt) -> Receipt:
         standing = self.member.receipts.setdefault((receipt.round_id, receipt.phase), receipt)
         if standing is receipt:
-            self.swarm.receipts_published += 1
-            self.swarm.receipts_delivered += sum(m.alive and m is not self.member for m in self.swarm.members.values())
-            self.swarm.notify_all()
+            swarm = self.swarm
+            swarm.published.setdefault((receipt.round_id, receipt.phase), set()).add(self.node_id)
+            readers = [m for m in swarm.members.values() if m.alive and m is not self.member]
+            size = receipt_bytes(receipt)
+            self.member.bytes_up += size * len(readers)
+            for m in readers:
+                m.bytes_down += size
+                m.messages += 1
+            swarm.receipts_published += 1
+            swarm.receipts_delivered += len(readers)
+            swarm.notify_all()
         return standing
 
     def voice(self, member: str) -> str:
@@ -191,12 +247,15 @@ class LocalTransport:
         return self.swarm.hosts.get(self.node_id, "")
 
     def receipts(self, round_id: int, phase: Phase) -> list[Receipt]:
+        published = self.swarm.published.get((round_id, phase), set())
+        lied = {maker for maker, to in self.swarm.told if to == self.node_id}
         out = []
-        for m in self.swarm.members.values():
-            if m.node_id == self.node_id:
+        for maker in sorted(published | lied):
+            if maker == self.node_id:
                 continue
-            told = self.swarm.told.get((m.node_id, self.node_id))
-            receipt = told if told is not None and told.round_id == round_id else m.receipts.get((round_id, phase))
+            told = self.swarm.told.get((maker, self.node_id))
+            receipt = told if told is not None and told.round_id == round_id else \
+                self.swarm.members[maker].receipts.get((round_id, phase))
             if receipt is not None and receipt.phase == phase:
                 out.append(receipt)
         return out
@@ -222,13 +281,18 @@ class LocalTransport:
             kept = m.retained.get(statement)
             if kept is not None and kept[1] > now:
                 self.swarm.fetches += 1
+                size = wire_bytes(kept[0])
+                m.bytes_up += size
+                self.member.bytes_down += size
+                m.messages += 1  # the request it answered
                 return replace(kept[0], frames=[])
         return None
 
     def retain(self, round_id: int, phase: Phase, contributions: Iterable[Contribution], *, for_s: float) -> None:
+        """As neuronode.swarm.missed keeps them: the phase's latest round only."""
         until = self.swarm.clock.now() + for_s
         kept = self.member.retained
-        for s in [s for s in kept if (s.round_id, s.phase) == (round_id, phase)]:
+        for s in [s for s in kept if s.phase == phase and s.round_id <= round_id]:
             del kept[s]
         for c in contributions:
             kept[statement_of(c)] = (c, until)

@@ -28,6 +28,7 @@ from neuronode.averaging.agreement import (
     statement_of,
 )
 from neuronode.averaging.book import cut_grace, majority_lineage
+from neuronode.averaging.sortition import DEFAULT_MAKERS
 from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
 from neuronode.codec import Contribution, ContributionEncoder, Phase, VectorEncoder
@@ -58,6 +59,7 @@ class AveragingConfig:
     sync_timeout_s: float = 60.0
     min_contributors: int = 1  # --min-peers
     max_weight: float = 0.0  # --max-weight: what one host's ids weigh together at most (0: their sum)
+    makers: int = DEFAULT_MAKERS  # --gather-makers: contributions a gather round averages at most
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Prepared:
     senders: tuple[str, ...] = ()  # reduce-scatter: every member of the round (the reducers and those nobody can dial)
     ranges: list[tuple[int, int]] = field(default_factory=list)
     encode_s: float = 0.0
+    base_digest: str = ""  # the parameters the round starts from (gather: a member that sends nothing)
 
 
 @dataclass
@@ -162,7 +165,7 @@ class Averaging:
         receipts = [*transport.receipts(round_id, phase), *([ours] if ours is not None else [])]
         if ours is None and not self.decided_by_quorum(round_id, receipts, members()):
             return {}
-        decision = decide(receipts, [statement_of(c) for c in held.values()], lineage=lineage)
+        decision = self.counting(round_id, decide(receipts, [statement_of(c) for c in held.values()], lineage=lineage))
         for member, proof in sorted(decision.equivocators.items()):
             logger.warning("round %d: %s signed two different %ss for one slot; leaving all of its out of "
                            "this round and banning it", round_id, member, phase.label,
@@ -184,6 +187,10 @@ class Averaging:
         if phase == Phase.WHOLE:  # what `keep` keeps, if it is fewer bytes than the round's update
             self.agreed = {r: a for r, a in self.agreed.items() if round_id - 2 <= r < round_id} | {round_id: agreed}
         return agreed
+
+    def counting(self, round_id: int, decision: Decision) -> Decision:
+        """What of a decision the round averages: all of it (gather keeps its K lowest tickets)."""
+        return decision
 
     def decided_by_quorum(self, round_id: int, receipts: list[Receipt], members: Iterable[str]) -> bool:
         """A listener (it stood aside, or adopted the swarm's state at the round's start) averages
@@ -266,10 +273,11 @@ class Averaging:
         return got
 
     def retain(self, round_id: int, phase: Phase, agreed: dict[str, Contribution]) -> None:
-        """Keep serving what we average, for 2 x --sync-timeout: to members whose receipt lacks
-        it (they fetch it), and to a member that comes back one round behind and replays the
-        round (`replay`), its own contribution included when it crashed after sending it. The
-        rest of what we held for the round is let go."""
+        """Keep serving what we average, until we retain the phase's next round (2 x
+        --sync-timeout at most): to members whose receipt lacks it (they fetch it), and to a
+        member that comes back one round behind and replays the round (`replay`), its own
+        contribution included when it crashed after sending it. The rest of what we held for
+        the round is let go."""
         self.transport.retain(round_id, phase, agreed.values(), for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)
 
     def aggregator(self, got: Mapping[str, Contribution]) -> Aggregate:

@@ -52,7 +52,7 @@ from neuronode.bench.common import (
     log_tail,
     wait_all,
 )
-from neuronode.config import AGGREGATORS, CODECS, NodeConfig, flag_name
+from neuronode.config import AGGREGATORS, AVERAGINGS, CODECS, NodeConfig, flag_name
 from neuronode.errors import ConfigError
 
 # Swarm settings a bench may give its nodes (`neuronode start` flags of these names); the
@@ -145,6 +145,8 @@ class SwarmSpec:
                 "--seed", str(self.seed), "--rounds", str(self.rounds),
                 "--inner-steps", str(self.inner_steps), "--codec", self.codec,
                 "--min-peers", str(self.nodes), "--keep-checkpoints", str(self.rounds + 1),
+                # every node calls from 127.0.0.1: past 16 (the default) the rest would be turned away
+                "--max-ids-per-host", str(max(self.nodes, NodeConfig.max_ids_per_host)),
                 "--overlap" if self.overlap else "--no-overlap",
                 "--log-format", "json", "--log-level", "info", *self.model.argv(), *self.extra]
         if index:
@@ -283,7 +285,8 @@ def check_finished(spec: SwarmSpec, runs: list[NodeRun], statuses: list[dict[str
 def spec_from_args(args: argparse.Namespace) -> SwarmSpec:
     if args.nodes < 2:
         raise ConfigError(f"--nodes {args.nodes}: a swarm needs at least 2 nodes")
-    extra = [*device_flags(args), *settings_flags(args), "--aggregator", args.aggregator]
+    extra = [*device_flags(args), *settings_flags(args), "--aggregator", args.aggregator,
+             "--averaging", args.averaging, *(["--gather-makers", str(args.gather_makers)] if args.gather_makers else [])]
     for option in args.aggregator_option or ():
         extra += ["--aggregator-option", option]
     return SwarmSpec(nodes=args.nodes, rounds=args.rounds, inner_steps=args.inner_steps,
@@ -323,7 +326,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="neuronode-bench-quality-") as tmp:
         runs, seconds = run_swarm(spec, Path(tmp))
         result = summarize(spec, runs)
-    result.update(seconds=round(seconds, 3), aggregator=args.aggregator, **settings_report(args))
+    result.update(seconds=round(seconds, 3), aggregator=args.aggregator, averaging=args.averaging,
+                  **settings_report(args))
+    if args.averaging == "gather":
+        result["gather_makers"] = args.gather_makers or NodeConfig.gather_makers
     return result
 
 
@@ -384,6 +390,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregator", default="mean", choices=AGGREGATORS, help="aggregation rule (default: mean)")
     parser.add_argument("--aggregator-option", action="append", metavar="K=V",
                         help="--aggregator-option of the nodes (repeatable)")
+    parser.add_argument("--averaging", default="all-to-all", choices=AVERAGINGS,
+                        help="--averaging of the nodes (default: all-to-all)")
+    parser.add_argument("--gather-makers", type=int, default=None,
+                        help="--gather-makers of the nodes under gather (default: the daemon's)")
 
 
 add_parser, main = entry_points(

@@ -5,18 +5,21 @@ Why one process: a swarm of hundreds of `neuronode start` processes does not fit
 machine, yet what grows with N (receipts, deliveries, the agreement rule) is all in the averaging
 objects. So each member here is what a node runs, minus the network and the model: a RoundState,
 a RoundBook and a LocalTransport of one `neuronode.averaging.local.LocalSwarm` (members hand each
-other their records), and the protocol object (AllToAll or ReduceScatter) with its own
-ContributionEncoder, averaging with the real `neuronode.diloco.average`. All members share one
-encoder thread and one codec/aggregate executor (a node has one of each; hundreds of threads
-would measure the scheduler). zstd is off: no frame leaves the process.
+other their records; under gather they forward them down each maker's tree), and the protocol
+object (AllToAll, ReduceScatter or Gather) with its own ContributionEncoder (with --codec sparse
+the daemon's default --sparse-* settings and error feedback), averaging with the real
+`neuronode.diloco.average`. All members share one encoder thread and one codec/aggregate
+executor (a node has one of each; hundreds of threads would measure the scheduler). zstd is off:
+no frame leaves the process.
 
 Stand-in training: member i's pseudo-gradient of round r is a seeded random vector of P float32
 (seed r x N + i), so two runs with the same flags average the same numbers. Every member's inner
 steps end together: all prepare, then all exchange (arrivals come in batches, so members wake
 less often than in a real swarm, where they trickle in). The real Clock with a 600 s
 --sync-timeout: every member delivers, so no deadline is ever reached. After every round each
-member must hold the same averaged vector (bit for bit) averaging all N contributions, or the
-bench fails naming the round.
+member must hold the same averaged vector (bit for bit) averaging all N contributions (under
+gather: the same min(N, --gather-makers) makers, the lowest tickets of the round), or the bench
+fails naming the round.
 
 JSON keys: `members`, `rounds`, `params`, `averaging`, `codec`; `seconds` (wall, building the
 members included), `round_seconds` (median wall time of a round), `cpu_seconds_per_member_per_round`
@@ -24,7 +27,12 @@ members included), `round_seconds` (median wall time of a round), `cpu_seconds_p
 `rss_bytes_per_member` (peak RSS minus RSS before the members were built, / members),
 `control_messages_per_member_per_round` (receipts: each published one counted once per other
 member that may read it, plus fetches), `contributions_per_member_per_round` (records the
-LocalSwarm delivered), `identical` (the check passed).
+LocalSwarm delivered), `identical` (the check passed); `bytes_up_per_member_per_round` and
+`bytes_down_per_member_per_round` (medians over members of what each sent and received, as
+neuronode.averaging.local counts wire bytes: contributions delivered, forwarded or fetched with
+their chunk headers, receipts with their lists whole), `bytes_up_max_per_member_per_round` and
+`bytes_down_max_per_member_per_round` (the busiest member's), `control_messages_median_per_member_per_round`
+(receipts received and fetches answered, median over members), `makers` (gather's K, else N).
 
 In-process members share what a real node would copy (a delivered record shares its payload with
 its sender's, a receipt is one object every member reads), so `rss_bytes_per_member` is what one
@@ -45,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronode.bench.common import BenchError, check, entry_points
-from neuronode.config import check_averaging
+from neuronode.config import AVERAGINGS, NodeConfig, check_averaging
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +61,8 @@ if TYPE_CHECKING:
     from neuronode.averaging import Average, Averaging, RoundState
     from neuronode.averaging.local import LocalSwarm
 
-AVERAGING = ("all-to-all", "reduce-scatter")
+AVERAGING = AVERAGINGS
+DEFAULT_MAKERS = NodeConfig.gather_makers
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "sparse")  # neuronode.codec.CODECS, without importing torch
 SYNC_TIMEOUT_S = 600.0  # never reached: every member delivers, however slow the machine
 CHUNK_BYTES = 1 << 20  # the daemon's default --chunk-bytes
@@ -76,22 +85,28 @@ class SimSwarm:
         from neuronode.averaging.local import LocalSwarm
 
         self.args = args
-        self.local: LocalSwarm = LocalSwarm()  # the real Clock
+        gather = args.averaging == "gather"
+        self.local: LocalSwarm = LocalSwarm(gather_makers=args.gather_makers if gather else 0)  # the real Clock
         width = len(str(args.members - 1))
         self.members = [self.join(i, f"m{i:0{width}d}", encode_pool, codec_pool) for i in range(args.members)]
 
     def join(self, index: int, node_id: str, encode_pool: Executor, codec_pool: Executor) -> SimMember:
         from neuronode.averaging import PROTOCOLS, AveragingConfig, RoundState
         from neuronode.codec import ContributionEncoder, EncoderConfig
+        from neuronode.codec.registry import codec_spec
         from neuronode.diloco import average
 
         args = self.args
         state = RoundState()
         transport = self.local.join(node_id, state=state)
-        encoder = ContributionEncoder(EncoderConfig(codec=args.codec, chunk_bytes=CHUNK_BYTES, zstd_level=0,
-                                                    byte_shuffle=False), n_elements=args.params, sender_id=node_id)
+        sparse = args.codec == "sparse"  # the daemon's default --sparse-* settings
+        spec = codec_spec(args.codec, k=NodeConfig.sparse_k, bits=NodeConfig.sparse_bits, block=NodeConfig.sparse_block)
+        encoder = ContributionEncoder(EncoderConfig(codec=spec, chunk_bytes=CHUNK_BYTES, zstd_level=0, byte_shuffle=False,
+                                                    feedback_decay=NodeConfig.sparse_decay if sparse else 1.0),
+                                      n_elements=args.params, sender_id=node_id)
         protocol = PROTOCOLS[args.averaging](
-            AveragingConfig(node_id=node_id, codec=args.codec, n_elements=args.params, sync_timeout_s=SYNC_TIMEOUT_S),
+            AveragingConfig(node_id=node_id, codec=spec, n_elements=args.params, sync_timeout_s=SYNC_TIMEOUT_S,
+                            makers=args.gather_makers),
             transport=transport, encoder=encoder, encoder_pool=encode_pool, aggregate=average, executor=codec_pool)
         return SimMember(index=index, node_id=node_id, state=state, protocol=protocol)
 
@@ -121,17 +136,31 @@ class SimSwarm:
         for member in self.local.members.values():
             for key in [k for k in member.receipts if k[0] < round_id]:
                 del member.receipts[key]
+        for key in [k for k in self.local.published if k[0] < round_id]:
+            del self.local.published[key]
+
+    def expected(self, round_id: int) -> list[str]:
+        """Who a round averages: every member, or under gather the makers of the round's draw."""
+        if self.args.averaging != "gather":
+            return [m.node_id for m in self.members]
+        from neuronode.averaging.sortition import draw
+
+        return sorted(draw(round_id, f"stand-in-{round_id}", [m.node_id for m in self.members],
+                           self.args.gather_makers).makers)
 
 
-def check_identical(round_id: int, averages: list[Average], node_ids: list[str]) -> None:
-    """Raise a BenchError unless every member averaged the same vector of all N contributions."""
+def check_identical(round_id: int, averages: list[Average], node_ids: list[str],
+                    expected: list[str] | None = None) -> None:
+    """Raise a BenchError unless every member averaged the same vector of the `expected`
+    contributions (all N, or gather's makers)."""
     import torch
 
+    expected = node_ids if expected is None else expected
     first = averages[0]
     for node_id, avg in zip(node_ids, averages, strict=True):
-        if avg.contributors != node_ids:
+        if avg.contributors != expected:
             raise BenchError(f"round {round_id}: {node_id} averaged {len(avg.contributors)} of "
-                             f"{len(node_ids)} contributions")
+                             f"{len(expected)} contributions (not the round's: {', '.join(expected[:8])}...)")
         if not torch.equal(avg.vector, first.vector):
             raise BenchError(f"round {round_id}: {node_id}'s averaged vector differs from {node_ids[0]}'s")
 
@@ -181,7 +210,7 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
             averages = await swarm.round(round_id)
             wall.append(time.perf_counter() - started)
             cpu += time.process_time() - cpu_started
-            check_identical(round_id, averages, node_ids)
+            check_identical(round_id, averages, node_ids, swarm.expected(round_id))
             del averages
             swarm.advance(round_id)
         peak = rss_bytes("VmHWM")
@@ -189,13 +218,21 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
         encode_pool.shutdown()
         codec_pool.shutdown()
     local, n, r = swarm.local, args.members, args.rounds
-    delivered = sum(m.delivered for m in local.members.values())
+    members = list(local.members.values())
+    delivered = sum(m.delivered for m in members)
+    up, down = [m.bytes_up / r for m in members], [m.bytes_down / r for m in members]
     return {
         "members": n, "rounds": r, "params": args.params, "averaging": args.averaging, "codec": args.codec,
+        "makers": min(n, args.gather_makers) if args.averaging == "gather" else n,
         "round_seconds": round(statistics.median(wall), 4),
         "cpu_seconds_per_member_per_round": round(cpu / n / r, 6),
+        "bytes_up_per_member_per_round": round(statistics.median(up)),
+        "bytes_down_per_member_per_round": round(statistics.median(down)),
+        "bytes_up_max_per_member_per_round": round(max(up)),
+        "bytes_down_max_per_member_per_round": round(max(down)),
         "peak_rss_bytes": peak, "rss_bytes_per_member": max(0, peak - rss_before) // n,
         "control_messages_per_member_per_round": round((local.receipts_delivered + local.fetches) / n / r, 3),
+        "control_messages_median_per_member_per_round": statistics.median(m.messages / r for m in members),
         "contributions_per_member_per_round": round(delivered / n / r, 3),
         "identical": True,
     }
@@ -207,7 +244,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           (args.rounds >= 1, f"--rounds {args.rounds}: run at least 1 round"),
           (args.params >= 1, f"--params {args.params}: at least 1"),
           (args.averaging in AVERAGING, f"--averaging {args.averaging}: choose one of {', '.join(AVERAGING)}"),
-          (args.codec in CODECS, f"--codec {args.codec}: choose one of {', '.join(CODECS)}"))
+          (args.codec in CODECS, f"--codec {args.codec}: choose one of {', '.join(CODECS)}"),
+          (2 <= args.gather_makers <= 256, f"--gather-makers {args.gather_makers}: between 2 and 256"))
     check_averaging(args.codec, args.averaging)
     started = time.perf_counter()
     result = asyncio.run(simulate(args))
@@ -221,7 +259,10 @@ def format_table(result: dict[str, Any]) -> str:
         ("members", result["members"]), ("averaging", result["averaging"]), ("codec", result["codec"]),
         ("params", result["params"]), ("rounds", result["rounds"]), ("seconds", result["seconds"]),
         ("round seconds (median)", result["round_seconds"]),
+        ("makers a round", result["makers"]),
         ("CPU ms per member per round", round(1000 * result["cpu_seconds_per_member_per_round"], 3)),
+        ("KiB up / member / round (median)", round(result["bytes_up_per_member_per_round"] / 1024, 1)),
+        ("KiB down / member / round (median)", round(result["bytes_down_per_member_per_round"] / 1024, 1)),
         ("peak RSS MiB", round(result["peak_rss_bytes"] / 2**20, 1)),
         ("RSS KiB per member", round(result["rss_bytes_per_member"] / 1024, 1)),
         ("control messages per member per round", result["control_messages_per_member_per_round"]),
@@ -239,7 +280,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="elements of the stand-in pseudo-gradient (default: 10000)")
     parser.add_argument("--averaging", default="all-to-all", choices=AVERAGING,
                         help="averaging scheme, as the daemon's --averaging (default: all-to-all)")
-    parser.add_argument("--codec", default="fp32", choices=CODECS, help="wire codec (default: fp32)")
+    parser.add_argument("--codec", default="fp32", choices=CODECS,
+                        help="wire codec (default: fp32; sparse with the daemon's default --sparse-* settings)")
+    parser.add_argument("--gather-makers", type=int, default=DEFAULT_MAKERS,
+                        help=f"--averaging gather: contributions a round averages at most (default: {DEFAULT_MAKERS})")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 

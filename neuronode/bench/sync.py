@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronode.bench.common import BenchError, check, free_port, wait_all
-from neuronode.config import RANGES, NodeConfig
+from neuronode.config import AVERAGINGS, RANGES, NodeConfig
 from neuronode.errors import ConfigError
 
 # Untimed full-size rounds before the timed ones. 0 keeps N=4, P=25M within a minute on 2 cores:
@@ -84,7 +84,7 @@ from neuronode.errors import ConfigError
 # absorbs and `round_seconds` shows. --zstd-level -1 adds one (see the module docstring).
 WARMUP_ROUNDS = 0
 START_TIMEOUT_S = 120.0  # process start (torch import) and peer discovery, on a loaded machine
-AVERAGING = ("all-to-all", "reduce-scatter")
+AVERAGING = AVERAGINGS
 AUTO_ZSTD = -1
 SPARSE_SETTINGS = ("sparse_k", "sparse_bits", "sparse_block", "sparse_decay")
 

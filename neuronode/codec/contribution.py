@@ -186,8 +186,12 @@ class ContributionEncoder:
         self.sender_id = sender_id
         self.vector = VectorEncoder(codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, zstd_level=cfg.zstd_level,
                                     byte_shuffle=cfg.byte_shuffle, capped=cfg.capped)
+        self.n_elements = n_elements
         self.feedback = ErrorFeedback(n_elements, decay=cfg.feedback_decay) if get_codec(cfg.codec).lossy else None
         self.residual_norm = 0.0  # L2 norm of the feedback's residual after the last encode (a float: read anywhere)
+        # Rounds of pseudo-gradient the feedback carries (`carry`, each faded by the decay since):
+        # 0 when what it holds is only what the wire lost.
+        self.carried_rounds = 0.0
         self._thread: int | None = None
 
     def _on_one_thread(self) -> None:
@@ -203,15 +207,31 @@ class ContributionEncoder:
         one shard per member: part j gets shard_index j), each part encoded on its own; the
         feedback then learns from the wire form."""
         self._on_one_thread()
+        rounds = self.cfg.feedback_decay * self.carried_rounds + 1.0
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
-        parts = [self.vector.encode(delta[a:b], link_bytes_per_s, weight=weight, round_id=round_id,
+        # Rounds carried (`carry`) are sent as their mean: the weight stays one round's samples.
+        sent = delta if rounds == 1.0 else delta / rounds
+        parts = [self.vector.encode(sent[a:b], link_bytes_per_s, weight=weight, round_id=round_id,
                                     sender_id=self.sender_id, shard_index=j, n_elements=delta.numel(), **identity)
                  for j, (a, b) in enumerate(ranges)]
         if self.feedback is not None:
-            self.feedback.update_parts(delta, [(a, p.data) for (a, _), p in zip(ranges, parts, strict=True)])
+            self.feedback.update_parts(delta, [(a, p.data) for (a, _), p in zip(ranges, parts, strict=True)],
+                                       scale=rounds)
             self.residual_norm = float(self.feedback.residual.norm())
+        self.carried_rounds = 0.0
         return Encoded(parts=parts, compensated=delta)
+
+    def carry(self, delta: torch.Tensor) -> None:
+        """A round we do not send (`--averaging gather`, not one of its makers): `delta` joins
+        the feedback (residual ← decay × residual + delta), to go with our next contribution,
+        which sends the rounds it carries as their mean (`contribution`)."""
+        self._on_one_thread()
+        if self.feedback is None:  # a lossless codec keeps none until it first carries
+            self.feedback = ErrorFeedback(self.n_elements, decay=self.cfg.feedback_decay)
+        self.feedback.residual = self.feedback.compensate(delta)
+        self.carried_rounds = self.cfg.feedback_decay * self.carried_rounds + 1.0
+        self.residual_norm = float(self.feedback.residual.norm())
 
     def reduce(self, aggregate: Aggregate, pieces: Mapping[str, Contribution], link_bytes_per_s: float, *,
                round_id: int, **identity: Any) -> Contribution:
@@ -232,13 +252,24 @@ class ContributionEncoder:
         if self.feedback is not None:
             self.feedback.reset()
             self.residual_norm = 0.0
+        self.carried_rounds = 0.0
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         self._on_one_thread()
-        return self.feedback.state_dict() if self.feedback is not None else None
+        if self.feedback is None:
+            return None
+        state = self.feedback.state_dict()
+        if self.carried_rounds:
+            state["carried_rounds"] = torch.tensor(self.carried_rounds, dtype=torch.float64)
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state_dict()`'s (a checkpoint's; one without `carried_rounds` carries none)."""
         self._on_one_thread()
+        carried = state.get("carried_rounds")
+        if self.feedback is None and carried is not None:  # a lossless codec that was carrying
+            self.feedback = ErrorFeedback(self.n_elements, decay=self.cfg.feedback_decay)
         if self.feedback is not None:
             self.feedback.load_state_dict(state)
             self.residual_norm = float(self.feedback.residual.norm())
+            self.carried_rounds = float(carried) if isinstance(carried, torch.Tensor) else 0.0

@@ -56,10 +56,12 @@ class ErrorFeedback:
         self._check(decoded, "decoded")
         torch.sub(compensated.detach().cpu(), decoded.detach().cpu(), out=self.residual)
 
-    def update_parts(self, compensated: torch.Tensor, parts: Iterable[tuple[int, Assembler]]) -> None:
-        """``update(compensated, decoded)`` where ``decoded`` is the concatenation of the parts'
-        decoded forms (each Assembler starting at its offset): decoded straight into the
-        residual, no contribution-sized temporaries. Same bits as ``update``."""
+    def update_parts(self, compensated: torch.Tensor, parts: Iterable[tuple[int, Assembler]], *,
+                     scale: float = 1.0) -> None:
+        """``update(compensated, scale × decoded)`` where ``decoded`` is the concatenation of the
+        parts' decoded forms (each Assembler starting at its offset): decoded straight into the
+        residual, no contribution-sized temporaries. Same bits as ``update`` at scale 1 (the
+        parts encode ``compensated / scale``: a mean over the rounds it carries)."""
         self._check(compensated, "compensated")
         parts = list(parts)
         covered = sum(own.n_elems for _, own in parts)
@@ -67,6 +69,8 @@ class ErrorFeedback:
             raise CodecError(f"parts cover {covered} of {self.residual.numel()} elements")
         for start, own in parts:
             own.decode_into(self.residual[start:start + own.n_elems])
+        if scale != 1.0:
+            self.residual.mul_(scale)
         torch.sub(compensated.detach().cpu(), self.residual, out=self.residual)
 
     def reset(self) -> None:

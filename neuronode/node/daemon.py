@@ -168,7 +168,8 @@ class Daemon:
         averaging: Averaging = PROTOCOLS[cfg.averaging](
             AveragingConfig(node_id=self.node_id, codec=self.settings.codec_spec, n_elements=self.trainer.n_params,
                             sync_timeout_s=cfg.sync_timeout, min_contributors=cfg.min_peers,
-                            max_weight=self.trainer.max_weight),
+                            max_weight=self.trainer.max_weight,
+                            makers=cfg.gather_makers),
             transport=swarm.transport, encoder=self.encoder, encoder_pool=self.pools.encode,
             aggregate=make_aggregator(cfg), executor=self.pools.codec)
         catch_up = CatchUp(cfg=cfg, trainer=self.trainer, encoder=self.encoder, state=self.state, swarm=swarm,

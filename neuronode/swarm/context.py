@@ -51,12 +51,14 @@ class Settings:
     sparse_bits: int = 0
     sparse_block: int = 0
     sparse_decay: float = 0.0
+    # --gather-makers under --averaging gather (0 under the others): contributions a round averages.
+    gather_makers: int = 0
 
     FLAGS: ClassVar[dict[str, str]] = {"codec": "--codec", "averaging": "--averaging", "aggregator": "--aggregator/--aggregator-option",
              "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum", "overlap": "--overlap",
              "max_local_workers": "--max-local-workers",
              "sparse_k": "--sparse-k", "sparse_bits": "--sparse-bits", "sparse_block": "--sparse-block",
-             "sparse_decay": "--sparse-decay"}
+             "sparse_decay": "--sparse-decay", "gather_makers": "--gather-makers"}
     # Compared after the task's settings: its default follows sizes the task names first.
     DERIVED: ClassVar[dict[str, str]] = {"max_weight": "--max-weight"}
     # What a person needs to fix a mismatch of a setting whose default is derived.
@@ -71,6 +73,8 @@ class Settings:
         for name in ("sparse_k", "sparse_bits", "sparse_block", "sparse_decay"):
             default = getattr(NodeConfig, name)
             object.__setattr__(self, name, (getattr(self, name) or default) if sparse else type(default)(0))
+        gather = self.averaging == "gather"
+        object.__setattr__(self, "gather_makers", (self.gather_makers or NodeConfig.gather_makers) if gather else 0)
 
     @classmethod
     def from_config(cls, cfg: NodeConfig, *, task: tuple[tuple[str, str], ...] = (),
@@ -84,7 +88,7 @@ class Settings:
                    max_local_workers=cfg.max_local_workers, task=task,
                    max_weight=cfg.weight_bound(cfg.batch_size if samples_per_batch is None else samples_per_batch),
                    sparse_k=cfg.sparse_k, sparse_bits=cfg.sparse_bits, sparse_block=cfg.sparse_block,
-                   sparse_decay=cfg.sparse_decay)
+                   sparse_decay=cfg.sparse_decay, gather_makers=cfg.gather_makers)
 
     @property
     def codec_spec(self) -> str:

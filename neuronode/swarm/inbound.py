@@ -30,6 +30,7 @@ from neuronode.swarm.admission import Admission
 from neuronode.swarm.bans import node_key
 from neuronode.swarm.chunks import ChunkView, parse_chunk
 from neuronode.swarm.context import Context
+from neuronode.swarm.forward import Forward
 from neuronode.swarm.hosts import host_claim_refusal, is_canonical_ip
 from neuronode.swarm.links.relay import Relay
 from neuronode.swarm.security import caller_id
@@ -84,11 +85,13 @@ def take(assembler: Assembler, chunk: Any, digest: ContributionDigest) -> None:
 
 class Inbound:
     """The inbound path (see the module docstring); a whole contribution pushed to us goes on
-    to `relay`, which forwards it to the members nobody can dial that it relays to."""
+    to `relay`, which forwards it to the members nobody can dial that it relays to, and under
+    gather to `forward`, which sends it down its maker's tree."""
 
-    def __init__(self, ctx: Context, *, relay: Relay) -> None:
+    def __init__(self, ctx: Context, *, relay: Relay, forward: Forward) -> None:
         self.ctx = ctx
         self.relay = relay
+        self.forward = forward
 
     def method(self, admission: Admission) -> grpc.RpcMethodHandler:
         """PushContribution, reading raw chunk bytes (parsed here, without payload copies)."""
@@ -150,12 +153,15 @@ class Inbound:
                 header = chunk.header if isinstance(chunk, ChunkView) else chunk
                 if first is None:
                     if fetched is None:
-                        relayed = bool(carrier) and header.sender_id != carrier
-                        if relayed:
+                        via = self.forwarder(header, proven_id, carrier)
+                        if via:
+                            self.check_forwarded(header, via)
+                        elif carrier and header.sender_id != carrier:
                             self.check_relayed(header, carrier)
+                            via = carrier
                         else:
                             self.check_sender(header, proven_id, certified_id)
-                        assembler = self.open_stream(header, abort, via=carrier if relayed else "")
+                        assembler = self.open_stream(header, abort, via=via)
                     elif update is not None:
                         assembler = self.open_update(header, fetched)
                     else:
@@ -195,6 +201,8 @@ class Inbound:
                 book.finish(got)
                 if not carrier and got.phase == Phase.WHOLE:
                     self.relay.contribution(got)  # if its maker cannot reach the other members nobody dials
+                if self.ctx.cfg.settings.averaging == "gather":
+                    self.forward.contribution(got)  # down its maker's tree
             return got
         except RoundRefused as exc:
             raise Refusal(exc.code, str(exc)) from None
@@ -234,6 +242,23 @@ class Inbound:
                 codec=PB_TO_CODEC.get(chunk.codec, "?"), weight=chunk.weight, total_elements=chunk.total_elements)
         except AuthError as exc:
             raise Refusal("PERMISSION_DENIED", f"{exc}: forged or replayed contribution") from None
+
+    def forwarder(self, chunk: Any, proven_id: str, carrier: str) -> str:
+        """Under gather, the member forwarding a whole contribution that is not its own (the
+        session carrier or the caller), else "". A caller's id proves itself in a closed swarm;
+        in an open one it only says whom a stall is charged to."""
+        if self.ctx.cfg.settings.averaging != "gather" or chunk.phase != Phase.WHOLE:
+            return ""
+        deliverer = carrier or proven_id
+        return deliverer if deliverer and chunk.sender_id != deliverer else ""
+
+    def check_forwarded(self, chunk: Any, forwarder: str) -> None:
+        """A whole contribution `forwarder` passes on down its maker's tree (--averaging gather,
+        neuronode.swarm.forward): its maker's signature (open_stream) proves what it says, and
+        neither may be banned."""
+        for who in (forwarder, chunk.sender_id):
+            if banned := self.ctx.bans.refusal(node_key(who)):
+                raise Refusal("PERMISSION_DENIED", banned[:1024])
 
     def check_relayed(self, chunk: Any, carrier: str) -> None:
         """A contribution `carrier` relays over its session (neuronode.swarm.links.relay): its maker
@@ -365,9 +390,10 @@ class Inbound:
     def payload_elements(self, chunk: Any, codec: str) -> int:
         """Elements this stream carries: the model, or one reduce-scatter shard of it."""
         averaging = self.ctx.cfg.settings.averaging  # a phase it does not use would stay buffered
-        if chunk.phase in (Phase.WHOLE, Phase.SHARD, Phase.AVERAGED) and (chunk.phase == Phase.WHOLE) != (averaging == "all-to-all"):
+        whole = averaging in ("all-to-all", "gather")
+        if chunk.phase in (Phase.WHOLE, Phase.SHARD, Phase.AVERAGED) and (chunk.phase == Phase.WHOLE) != whole:
             raise Refusal("INVALID_ARGUMENT", f"this swarm averages {averaging} (--averaging): " + (
-                "whole contributions only" if averaging == "all-to-all" else "slices and averaged shards only"))
+                "whole contributions only" if whole else "slices and averaged shards only"))
         if chunk.phase == Phase.WHOLE:
             if chunk.members or chunk.shard_count or chunk.contributors:
                 raise Refusal("INVALID_ARGUMENT", "a whole contribution names no shard and no contributors")

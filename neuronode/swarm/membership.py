@@ -31,7 +31,7 @@ from neuronode.swarm.bans import Bans, node_key
 logger = logging.getLogger(__name__)
 
 
-MAX_MEMBERS = 1024  # node ids the table holds at most (peers long dead are pruned first)
+MAX_MEMBERS = 4096  # node ids the table holds at most (peers long dead are pruned first): a gather swarm of thousands
 MAX_IDS_PER_HOST = 16  # live node ids one host (neuronode.quorum.host: an IPv4 address, an IPv6 /64) may hold
 PRUNE_AFTER_DEAD_S = 600.0  # a peer dead (or gone) this long is forgotten
 MIN_FANOUT = 16  # peers a heartbeat (and peer exchange) reaches at least: all of a swarm this small

@@ -26,6 +26,7 @@ from neuronode.state import GlobalState
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
+from neuronode.swarm.forward import Forward
 from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.lineage import CatchUp, believable, plan_catch_up
 from neuronode.swarm.links import Links
@@ -67,7 +68,8 @@ class SwarmNode:
         self.sessions, self.relay = self.links.sessions, self.links.relay
         self.reach = Reach(ctx, links=self.links, on_change=self._reach_changed)
         self.peers = Peers(ctx, links=self.links, receipts=self.receipts, on_news=self._news, observe=self.reach.observe)
-        self.inbound = Inbound(ctx, relay=self.relay)
+        self.forward = Forward(ctx, links=self.links)
+        self.inbound = Inbound(ctx, relay=self.relay, forward=self.forward)
         self.transport = GrpcTransport(ctx, links=self.links, inbound=self.inbound, receipts=self.receipts,
                                        publish_receipt=self.peers.publish_receipt,
                                        own_host=lambda: self.reach.observed_host)

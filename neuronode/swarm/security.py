@@ -508,7 +508,7 @@ def hello_body(info: pb.NodeInfo, known: Sequence[pb.PeerRecord]) -> str:
                info.settings.outer_momentum, info.settings.overlap,
                [[t.name, t.value] for t in info.settings.task], info.settings.sparse_k,
                info.settings.sparse_bits, info.settings.sparse_block, info.settings.sparse_decay,
-               info.settings.max_weight, info.settings.max_local_workers],
+               info.settings.max_weight, info.settings.max_local_workers, info.settings.gather_makers],
               info.public_key.hex(), int(info.reachable), list(info.carried_by),
               [[p.node_id, p.address] for p in known[:MAX_PEERS_LISTED]]]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()

@@ -57,7 +57,10 @@ class Outbox:
     targets: set[str] | None  # None: every live peer of the round
     deadline: float
     pushed: set[str] = field(default_factory=set)
-    wire: dict[int, WireCache] = field(default_factory=dict)  # by id() of the contribution
+    # By id() of the contribution, while pushes of it are in flight (`in_flight`): the last one to
+    # end lets the bytes go (a peer that appears later gets them serialized again).
+    wire: dict[int, WireCache] = field(default_factory=dict)
+    in_flight: int = 0
     # Peers that refused it as out of their round (FAILED_PRECONDITION), with the round each
     # announced then: it is pushed again once that peer moves to another round not past it (a
     # joiner refuses a round too far ahead until it adopted the swarm's state, then listens to it).
@@ -204,6 +207,7 @@ class GrpcTransport:
                 if out is None:
                     continue
                 box.pushed.add(peer.node_id)
+                box.in_flight += 1
                 self.ctx.tasks.spawn(self.push(peer.node_id, out, box),
                                      f"push-r{round_id}-p{int(phase)}-{peer.node_id}")
 
@@ -230,7 +234,12 @@ class GrpcTransport:
                          extra=fields("pushed", round_id=out.round_id, peer_id=peer_id, phase=out.phase.name.lower()))
             return True
 
-        await retry_until(box.deadline, self.ctx.clock, attempt)
+        try:
+            await retry_until(box.deadline, self.ctx.clock, attempt)
+        finally:
+            box.in_flight -= 1
+            if not box.in_flight:
+                box.wire.clear()
 
     def refused(self, peer_id: str, out: Contribution, box: Outbox, exc: grpc.aio.AioRpcError, hidden: list[int]) -> bool:
         """A failed push: True when retrying cannot help (a refusal), False to retry."""

@@ -84,7 +84,7 @@ def settings_to_pb(s: Any) -> pb.SwarmSettings:
                             max_local_workers=s.max_local_workers,
                             task=[pb.TaskSetting(name=k, value=v) for k, v in s.task],
                             sparse_k=s.sparse_k, sparse_bits=s.sparse_bits, sparse_block=s.sparse_block,
-                            sparse_decay=s.sparse_decay, max_weight=s.max_weight)
+                            sparse_decay=s.sparse_decay, max_weight=s.max_weight, gather_makers=s.gather_makers)
 
 
 def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
@@ -94,7 +94,7 @@ def settings_fields(m: pb.SwarmSettings) -> dict[str, Any]:
             "overlap": m.overlap, "max_local_workers": m.max_local_workers,
             "task": tuple((t.name, t.value) for t in m.task), "sparse_k": m.sparse_k,
             "sparse_bits": m.sparse_bits, "sparse_block": m.sparse_block, "sparse_decay": m.sparse_decay,
-            "max_weight": m.max_weight}
+            "max_weight": m.max_weight, "gather_makers": m.gather_makers}
 
 
 class Refusal(Exception):

@@ -146,7 +146,7 @@ class ReceiptEcho(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., maker_id: _Optional[str] = ..., receipt_hash: _Optional[bytes] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class SwarmSettings(_message.Message):
-    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap", "max_local_workers", "task", "sparse_k", "sparse_bits", "sparse_block", "sparse_decay", "max_weight")
+    __slots__ = ("codec", "averaging", "aggregator", "outer_lr", "outer_momentum", "overlap", "max_local_workers", "task", "sparse_k", "sparse_bits", "sparse_block", "sparse_decay", "max_weight", "gather_makers")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class SwarmSettings(_message.Message):
     SPARSE_BLOCK_FIELD_NUMBER: _ClassVar[int]
     SPARSE_DECAY_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GATHER_MAKERS_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     averaging: str
     aggregator: str
@@ -173,7 +174,8 @@ class SwarmSettings(_message.Message):
     sparse_block: int
     sparse_decay: float
     max_weight: float
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ..., max_local_workers: _Optional[int] = ..., task: _Optional[_Iterable[_Union[TaskSetting, _Mapping]]] = ..., sparse_k: _Optional[int] = ..., sparse_bits: _Optional[int] = ..., sparse_block: _Optional[int] = ..., sparse_decay: _Optional[float] = ..., max_weight: _Optional[float] = ...) -> None: ...
+    gather_makers: int
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., averaging: _Optional[str] = ..., aggregator: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., overlap: _Optional[bool] = ..., max_local_workers: _Optional[int] = ..., task: _Optional[_Iterable[_Union[TaskSetting, _Mapping]]] = ..., sparse_k: _Optional[int] = ..., sparse_bits: _Optional[int] = ..., sparse_block: _Optional[int] = ..., sparse_decay: _Optional[float] = ..., max_weight: _Optional[float] = ..., gather_makers: _Optional[int] = ...) -> None: ...
 
 class TaskSetting(_message.Message):
     __slots__ = ("name", "value")
