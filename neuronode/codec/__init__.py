@@ -1,4 +1,5 @@
-"""Pure encoding of pseudo-gradients for the wire: quantization, framing, digests, feedback.
+"""Pure encoding of pseudo-gradients for the wire: quantization, chunk geometry, framing, digests,
+feedback.
 
 No network and no asyncio here; callers run these (CPU-bound) functions in a thread.
 """
@@ -15,19 +16,21 @@ from neuronode.codec.contribution import (
 )
 from neuronode.codec.feedback import ErrorFeedback
 from neuronode.codec.framing import (
-    MAX_CHUNK_PAYLOAD,
     Assembler,
     ContributionDigest,
     Frame,
-    chunk_elements,
-    chunk_ranges,
     contribution_digest,
     decode_frame,
     encode_frames,
-    expected_raw_lens,
     receiving,
     repack,
     roundtrip,
+)
+from neuronode.codec.geometry import (
+    MAX_CHUNK_PAYLOAD,
+    chunk_elements,
+    chunk_ranges,
+    expected_raw_lens,
     shard_ranges,
     shuffle_width,
 )
