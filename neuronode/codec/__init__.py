@@ -4,6 +4,7 @@ feedback.
 No network and no asyncio here; callers run these (CPU-bound) functions in a thread.
 """
 
+from neuronode.codec.blockint import BLOCK_ELEMS
 from neuronode.codec.contribution import (
     AUTO_ZSTD,
     Contribution,
@@ -34,7 +35,7 @@ from neuronode.codec.geometry import (
     shard_ranges,
     shuffle_width,
 )
-from neuronode.codec.quant import BLOCK_ELEMS, Codec, CodecError, check_finite
+from neuronode.codec.quant import Codec, CodecError, check_finite
 from neuronode.codec.registry import CODECS, SPARSE, codec_spec, get_codec
 
 Digest = ContributionDigest
