@@ -28,7 +28,8 @@ from neuronode.averaging.protocol import RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig, Phase, VectorEncoder, shard_ranges
 from neuronode.diloco import average
-from neuronode.diloco.aggregate import Aggregator, NormClip
+from neuronode.diloco.aggregate import Aggregator
+from neuronode.diloco.normclip import NormClip
 
 pytestmark = pytest.mark.timeout(30)
 
