@@ -25,10 +25,9 @@ from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatte
 from neuronode.averaging.local import LocalSwarm
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig
-from neuronode.diloco.aggregate import Aggregator, Weighted
+from neuronode.diloco.aggregate import Aggregator, NormClip, Weighted
 from neuronode.diloco.aggregators import get_aggregator
 from neuronode.diloco.hosts import HostMean, by_host
-from neuronode.diloco.normclip import NormClip
 from neuronode.events import record_fields
 from neuronode.quorum import voice
 from neuronode.swarm.context import Settings
@@ -122,7 +121,7 @@ def test_norm_clips_opposed_rule_counts_hosts(caplog: pytest.LogCaptureFixture) 
     five: it is left out (event `opposed_left_out` names the host's ids), and the result is
     norm-clip over the honest members as if the six had never sent."""
     contributions, hosts, _ = swarm(5, 6)
-    with caplog.at_level(logging.WARNING, logger="neuronode.diloco.normclip"):
+    with caplog.at_level(logging.WARNING, logger="neuronode.diloco.aggregate"):
         NormClip()(contributions)
         by_ids = left_out(caplog.records)
         caplog.clear()

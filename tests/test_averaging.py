@@ -28,8 +28,7 @@ from neuronode.averaging.protocol import RECEIPT_WAIT_TIMEOUTS
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig, Phase, VectorEncoder, shard_ranges
 from neuronode.diloco import average
-from neuronode.diloco.aggregate import Aggregator
-from neuronode.diloco.normclip import NormClip
+from neuronode.diloco.aggregate import Aggregator, NormClip
 
 pytestmark = pytest.mark.timeout(30)
 

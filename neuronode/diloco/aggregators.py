@@ -1,8 +1,9 @@
 """Every aggregator by its name (``--aggregator``'s values): :func:`get_aggregator`, and what each
 rule tolerates and costs (the contract they all keep: :mod:`neuronode.diloco.aggregate`).
-Each rule is a class of its own module: ``NormClip`` (``normclip``), ``TrimmedMean`` and
-``CoordinateMedian`` (``coordinatewise``), ``CenteredClip`` (``centeredclip``), the pre-filter
-``CosineFilter`` (``cosine``); a new rule is a module like those and one line below.
+The mean and ``NormClip`` (the default) are in ``aggregate`` (every contribution passes there);
+each other rule is a class of its own module: ``TrimmedMean`` and ``CoordinateMedian``
+(``coordinatewise``), ``CenteredClip`` (``centeredclip``), the pre-filter ``CosineFilter``
+(``cosine``). A new rule is a module like those, and one line below.
 
 =================  =====================================  ======================  ===============
 name               options (defaults)                     bad members tolerated   time (× mean)§
@@ -42,11 +43,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from neuronode.diloco.aggregate import Aggregator, average
+from neuronode.diloco.aggregate import Aggregator, NormClip, average
 from neuronode.diloco.centeredclip import CenteredClip
 from neuronode.diloco.coordinatewise import CoordinateMedian, TrimmedMean
 from neuronode.diloco.cosine import CosineFilter
-from neuronode.diloco.normclip import NormClip
 
 __all__ = ["available_aggregators", "get_aggregator"]
 
