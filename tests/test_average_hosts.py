@@ -25,7 +25,8 @@ from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatte
 from neuronode.averaging.local import LocalSwarm
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig
-from neuronode.diloco.aggregate import Aggregator, NormClip, Weighted, get_aggregator
+from neuronode.diloco.aggregate import Aggregator, NormClip, Weighted
+from neuronode.diloco.aggregators import get_aggregator
 from neuronode.diloco.hosts import HostMean, by_host
 from neuronode.events import record_fields
 from neuronode.quorum import voice

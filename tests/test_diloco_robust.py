@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from neuronode.diloco import Weighted, available_aggregators, average, get_aggregator, robust
-from neuronode.diloco.aggregate import CosineFilter
+from neuronode.diloco.cosine import CosineFilter
 
 torch.set_num_threads(1)
 

@@ -1,10 +1,13 @@
-"""Imports flow one way (docs/architecture.md has the table this enforces): pure parts know no
+"""Imports flow one way (docs/architecture.md has the tables this enforces): pure parts know no
 network, the averaging protocols know no gRPC, the network layer builds no model, and the
-benchmarks drive the averaging objects themselves instead of the daemon."""
+benchmarks drive the averaging objects themselves instead of the daemon. Within the package,
+each sub-package imports only what its rule says (`MAY_IMPORT`)."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,22 @@ FORBIDDEN_IN_SWARM = ("torch.nn", "neuronode.training", "neuronode.diloco", "neu
 FORBIDDEN_IN_BENCH = ("neuronode.node.daemon", "neuronode.node.rounds")
 FORBIDDEN_IN_LIBRARY = ("grpc", "neuronode.swarm", "neuronode.averaging", "neuronode.codec", "neuronode.v1")
 ARCHITECTURE = PKG.parent / "docs" / "architecture.md"
+
+# What the modules of each sub-package may import from neuronode, besides their own folder (and the
+# folders below it): folders or modules, named relative to neuronode. A module keeps the rule of
+# the deepest folder that has one; a folder without one is not checked here. Imports from
+# outside neuronode are the forbidden lists' business above.
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "codec": ("memory",),
+    "diloco": ("errors", "events", "memory"),
+    "training": ("events",),
+    "security": ("errors",),
+    "averaging": ("clock", "codec", "config", "diloco", "events", "memory", "quorum"),
+    "swarm": ("averaging", "clock", "codec", "config", "errors", "events", "quorum", "security", "state", "v1"),
+    "swarm.links": ("clock", "codec", "config", "errors", "events", "v1", "swarm.admission", "swarm.chunks",
+                    "swarm.context", "swarm.membership", "swarm.ratelimit", "swarm.security", "swarm.server",
+                    "swarm.wire"),
+}
 
 
 def imports_of(path: Path) -> set[str]:
@@ -76,6 +95,13 @@ def test_architecture_page_states_this_table() -> None:
     for package, forbidden in rows.items():
         line = next(ln for ln in text.splitlines() if ln.startswith(f"| {package} |"))
         assert line == f"| {package} | {', '.join(f'`{name}`' for name in forbidden)} |"
+
+
+def test_architecture_page_states_the_sub_package_rules() -> None:
+    table = ARCHITECTURE.read_text().partition("| sub-package | may import from neuronode |")[2]
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), table.splitlines()[2:]))
+    assert rows == [f"| `{package}` | {', '.join(f'`{name}`' for name in allowed)} |"
+                    for package, allowed in MAY_IMPORT.items()]
 
 
 def module_graph(root: Path) -> dict[str, set[str]]:
@@ -154,6 +180,67 @@ def test_the_cycle_check_sees_function_level_and_type_checking_imports(tmp_path:
     (pkg / "sub" / "c.py").write_text("from .a import f\n")
     (pkg / "d.py").write_text("import pkg.sub.a\n")
     assert cycles(module_graph(pkg)) == [["pkg.sub.a", "pkg.sub.b", "pkg.sub.c"]]
+
+
+def rule_breaks(root: Path, rules: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """Every import within the package under `root` that its module's rule in `rules` does not
+    allow (`MAY_IMPORT` says how rules read), seen as `module_graph` sees imports: function-level
+    and TYPE_CHECKING ones included."""
+    top = root.name
+
+    def within(name: str, folder: str) -> bool:
+        return name == f"{top}.{folder}" or name.startswith(f"{top}.{folder}.")
+
+    bad = []
+    for module, deps in sorted(module_graph(root).items()):
+        ruled = [folder for folder in rules if within(module, folder)]
+        if not ruled:
+            continue
+        folder = max(ruled, key=lambda f: f.count("."))  # the deepest
+        for dep in sorted(deps):
+            if not any(within(dep, allowed) for allowed in (folder, *rules[folder])):
+                bad.append(f"{module} imports {dep}, which {folder}'s rule does not allow")
+    return bad
+
+
+def test_each_sub_package_imports_what_its_rule_allows() -> None:
+    assert rule_breaks(PKG, MAY_IMPORT) == []
+
+
+def test_every_rule_names_what_exists() -> None:
+    """A rule naming a folder or module that is gone (moved, renamed) would allow nothing or
+    check nothing: every name in the table is a folder or module of neuronode."""
+    def exists(name: str) -> bool:
+        path = PKG.joinpath(*name.split("."))
+        return path.is_dir() or path.with_suffix(".py").is_file()
+
+    assert [name for name in MAY_IMPORT if not PKG.joinpath(*name.split(".")).is_dir()] == []
+    assert [name for names in MAY_IMPORT.values() for name in names if not exists(name)] == []
+
+
+def test_the_rule_check_fails_on_an_import_that_breaks_a_rule(tmp_path: Path) -> None:
+    """A synthetic package: `core` may import `base`; `core.links` (a folder of core with a rule
+    of its own) may import `core.wire` only; `guard` nothing. Each import below that breaks its
+    module's rule is reported, function-level and relative ones included; each allowed one is not."""
+    pkg = tmp_path / "pkg"
+    for folder in ("core/links", "guard"):
+        (pkg / folder).mkdir(parents=True)
+    for init in ("", "core/", "core/links/", "guard/"):
+        (pkg / f"{init}__init__.py").write_text("")
+    (pkg / "base.py").write_text("")
+    (pkg / "core" / "wire.py").write_text("from pkg import base\n")  # core may import base
+    (pkg / "core" / "node.py").write_text("from pkg.core.links import relay\nfrom pkg.core import wire\n")  # its own folder
+    (pkg / "core" / "links" / "relay.py").write_text("from ..wire import x\nfrom pkg.base import y\n")  # base: not links'
+    (pkg / "core" / "links" / "route.py").write_text("def f():\n    import pkg.core.node\n")  # up the tree: no
+    (pkg / "guard" / "bans.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.core import wire\n")
+    rules = {"core": ("base",), "core.links": ("core.wire",), "guard": ()}
+    assert rule_breaks(pkg, rules) == [
+        "pkg.core.links.relay imports pkg.base, which core.links's rule does not allow",
+        "pkg.core.links.route imports pkg.core.node, which core.links's rule does not allow",
+        "pkg.guard.bans imports pkg.core, which guard's rule does not allow",  # its __init__, then the module
+        "pkg.guard.bans imports pkg.core.wire, which guard's rule does not allow",
+    ]
+    assert rule_breaks(pkg, {**rules, "guard": ("core",), "core.links": ("core.wire", "core.node", "base")}) == []
 
 
 def parts_and_methods(trees: list[ast.AST]) -> set[str]:

@@ -1,8 +1,10 @@
-"""Pure encoding of pseudo-gradients for the wire: quantization, framing, digests, feedback.
+"""Pure encoding of pseudo-gradients for the wire: quantization, chunk geometry, framing, digests,
+feedback.
 
 No network and no asyncio here; callers run these (CPU-bound) functions in a thread.
 """
 
+from neuronode.codec.blockint import BLOCK_ELEMS
 from neuronode.codec.contribution import (
     AUTO_ZSTD,
     Contribution,
@@ -15,23 +17,25 @@ from neuronode.codec.contribution import (
 )
 from neuronode.codec.feedback import ErrorFeedback
 from neuronode.codec.framing import (
-    MAX_CHUNK_PAYLOAD,
     Assembler,
     ContributionDigest,
     Frame,
-    chunk_elements,
-    chunk_ranges,
     contribution_digest,
     decode_frame,
     encode_frames,
-    expected_raw_lens,
     receiving,
     repack,
     roundtrip,
+)
+from neuronode.codec.geometry import (
+    MAX_CHUNK_PAYLOAD,
+    chunk_elements,
+    chunk_ranges,
+    expected_raw_lens,
     shard_ranges,
     shuffle_width,
 )
-from neuronode.codec.quant import BLOCK_ELEMS, Codec, CodecError, check_finite
+from neuronode.codec.quant import Codec, CodecError, check_finite
 from neuronode.codec.registry import CODECS, SPARSE, codec_spec, get_codec
 
 Digest = ContributionDigest

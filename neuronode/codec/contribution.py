@@ -25,13 +25,8 @@ from typing import Any
 import torch
 
 from neuronode.codec.feedback import ErrorFeedback
-from neuronode.codec.framing import (
-    Assembler,
-    ContributionDigest,
-    Frame,
-    chunk_elements,
-    encode_frames,
-)
+from neuronode.codec.framing import Assembler, ContributionDigest, Frame, encode_frames
+from neuronode.codec.geometry import chunk_elements
 from neuronode.codec.registry import get_codec
 
 logger = logging.getLogger(__name__)

@@ -1,15 +1,19 @@
-"""Codecs by name: the dense ones (``neuronode.codec.quant``) and the sparse one with its
-parameters (``neuronode.codec.sparse``: "sparse", or "sparse:k=32,bits=4,block=4096")."""
+"""Codecs by name: the dense ones (the float codecs of ``neuronode.codec.quant``, the block
+integer ones of ``neuronode.codec.blockint``) and the sparse one with its parameters
+(``neuronode.codec.sparse``: "sparse", or "sparse:k=32,bits=4,block=4096")."""
 
 from __future__ import annotations
 
 import functools
 
-from neuronode.codec.quant import DENSE_CODECS, Codec, CodecError
+from neuronode.codec.blockint import BLOCK_CODECS
+from neuronode.codec.quant import FLOAT_CODECS, Codec, CodecError
 from neuronode.codec.sparse import NAME as SPARSE
 from neuronode.codec.sparse import SparseCodec, parse_spec, sparse_spec
 
-__all__ = ["CODECS", "SPARSE", "codec_spec", "get_codec"]
+__all__ = ["CODECS", "DENSE_CODECS", "SPARSE", "codec_spec", "get_codec"]
+
+DENSE_CODECS: dict[str, Codec] = {c.name: c for c in (*FLOAT_CODECS, *BLOCK_CODECS)}
 
 CODECS: tuple[str, ...] = (*DENSE_CODECS, SPARSE)
 

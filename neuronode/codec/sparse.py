@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from neuronode.codec.quant import NOT_FINITE, Codec, CodecError, _check_input, all_finite
+from neuronode.codec.quant import NOT_FINITE, Codec, CodecError, all_finite, check_input
 from neuronode.memory import empty_floats
 
 __all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_BLOCK", "DEFAULT_DECAY", "DEFAULT_K", "SparseCodec",
@@ -251,7 +251,7 @@ class SparseCodec(Codec):
         return at
 
     def encode(self, x: torch.Tensor) -> bytes:
-        x = _check_input(x, finite=False)  # _select_slab refuses NaN and Inf in the pass it makes
+        x = check_input(x, finite=False)  # _select_slab refuses NaN and Inf in the pass it makes
         n = x.numel()
         if not n:
             return b""

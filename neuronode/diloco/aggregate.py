@@ -1,4 +1,7 @@
-"""Combining peers' pseudo-gradients into the one vector every node applies.
+"""Combining peers' pseudo-gradients into the one vector every node applies: the contract every
+aggregator keeps, the checks the rules share, and the two rules that weigh members and stream
+(hold one decoded vector at a time): the weighted mean (``average``, the ``mean`` rule) and
+``norm-clip`` (``NormClip``, the default). Every contribution of a round passes through here.
 
 Every node must compute a bit-identical result from the same contributions, or the
 replicas' global parameters drift apart. So aggregation iterates in sorted peer-id order
@@ -9,39 +12,10 @@ Contributions map ``peer_id -> (vector_or_loader, weight)``. A loader is a zero-
 callable returning the vector, so a caller can decode one contribution at a time and hold
 only the accumulator plus one vector in memory.
 
-Aggregators are looked up by name with :func:`get_aggregator` (the names are the CLI values):
-
-=================  =====================================  ======================  ===============
-name               options (defaults)                     bad members tolerated   time (× mean)§
-=================  =====================================  ======================  ===============
-``mean``           none                                   none                    O(nP)     (1)
-``trimmed-mean``   ``trim_fraction=0.2``, in [0, 0.5)     ⌊f·n⌋ (a fraction < f)  O(nP)†    (~5)
-``median``         none                                   fewer than n/2          O(nP)†    (~5)
-``norm-clip``¶     ``clip_factor=1.0``, ≥ 1               bounded influence‡      O(nP)     (~7)
-``centered-clip``  ``clip_factor=1.0`` > 0,               fewer than n/2,         O(k·nP)   (~20)
-                   ``iterations=3`` (k) ≥ 1               bounded influence
-=================  =====================================  ======================  ===============
-
-Any of them also takes ``cosine_threshold`` (in [-1, 1]; ``None``, the default, is off),
-which puts a :class:`CosineFilter` in front: members pointing away from the coordinate-wise
-median are dropped first, as long as they are a minority. ``get_aggregator("median",
-cosine_threshold=0.0)`` is the median of the members the filter kept. It adds a median and
-a dot-product pass (~10–15× mean). Each class's docstring says exactly what it tolerates.
-
-§ measured with n = 5, P = 10M on one thread of a busy machine (±30 %). † per coordinate a
-sort of n values: a min/max network, O(n²) cheap element-wise ops, up to 16 members;
-``torch.sort``, O(nP log n), beyond. ‡ a member moves the result by at most ``clip_factor ×
-median norm × w/W``; the median norm is honest while fewer than n/2 are bad; a minority
-pointing against the others (flipped updates) is left out. ¶ the default of ``neuronode start
---aggregator``: it works under all-to-all and reduce-scatter (per shard) and with any codec,
-sparse ones included.
-
-Memory: ``mean`` and ``norm-clip`` stream (``norm-clip`` decodes each contribution twice, one
-at a time: for its norm, then as it is added). The other robust rules need every vector at
-once: each contribution is decoded exactly once, in sorted peer-id order, and all are held, so with
-loaders that return whole vectors they cost ``n × P × 4`` bytes, plus the output, plus one
-more P-vector for ``centered-clip`` and for the cosine filter's median, plus about
-``(n + 2) × 4 MiB`` of column-block scratch (see :mod:`neuronode.diloco.robust`).
+The rules by name, with what each tolerates, costs and holds in memory, are listed in
+:mod:`neuronode.diloco.aggregators` (``get_aggregator``). The rules that count members and hold
+every vector at once live in modules of their own (``coordinatewise``, ``centeredclip``, the
+``cosine`` pre-filter); the kernels of all robust rules in :mod:`neuronode.diloco.robust`.
 
 Weights: the robust rules other than ``norm-clip`` count members, not weights. A weight is
 the sender's own claim (its sample or step count), and a rule that let one member claim a
@@ -49,12 +23,12 @@ huge weight would not be robust: a node refuses a claim above the swarm's ``--ma
 before it reaches an aggregator. Weights are still validated exactly as for ``mean``.
 
 Members are hosts: a node runs every rule over one contribution per host, the ids of one host
-combined first (:mod:`neuronode.diloco.hosts`), so "members" and ``n`` below count hosts.
+combined first (:mod:`neuronode.diloco.hosts`), so "members" and ``n`` in every rule count hosts.
 
 Non-finite contributions: a vector holding NaN or ±inf is certainly not honest and would
 poison norms and means, so every robust aggregator (and the cosine filter) drops it with a
-warning before doing anything else; fractions above refer to the remaining members. Plain
-``mean`` keeps its historic behaviour and does not look.
+warning before doing anything else; the fractions a rule tolerates refer to the remaining
+members. Plain ``mean`` keeps its historic behaviour and does not look.
 """
 
 from __future__ import annotations
@@ -63,7 +37,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -74,15 +48,15 @@ from neuronode.memory import empty_floats
 
 __all__ = [
     "Aggregator",
-    "CenteredClip",
-    "Weighted",
-    "CoordinateMedian",
-    "CosineFilter",
     "NormClip",
-    "TrimmedMean",
+    "Streamed",
+    "Weighted",
+    "all_finite",
     "average",
-    "available_aggregators",
-    "get_aggregator",
+    "decode_finite",
+    "finite_number",
+    "resolve",
+    "sorted_ids_and_total",
 ]
 
 logger = logging.getLogger(__name__)
@@ -104,6 +78,7 @@ class Streamed(Protocol):
     def add_into(self, acc: Tensor, alpha: float) -> None: ...
 
 Aggregator: TypeAlias = Callable[[Mapping[str, Weighted]], Tensor]
+"""A rule: contributions in, the vector every replica applies out (bit-identical everywhere)."""
 
 
 def average(contributions: Mapping[str, Weighted], *, alphas: Mapping[str, float] | None = None) -> Tensor:
@@ -116,7 +91,7 @@ def average(contributions: Mapping[str, Weighted], *, alphas: Mapping[str, float
     empty mapping, a non-positive or non-finite weight, or vectors that are not 1-D float32 of
     equal length.
     """
-    peer_ids, total_weight = _sorted_ids_and_total(contributions)
+    peer_ids, total_weight = sorted_ids_and_total(contributions)
     acc: Tensor | None = None
     for peer_id in peer_ids:
         source, weight = contributions[peer_id]
@@ -127,14 +102,14 @@ def average(contributions: Mapping[str, Weighted], *, alphas: Mapping[str, float
             _check_size(peer_id, source.n_elems, acc)
             source.add_into(acc, alpha)
             continue
-        vector = _resolve(peer_id, source)
+        vector = resolve(peer_id, source)
         if acc is None:
             acc = (empty_floats(vector.numel()).zero_() if vector.device.type == "cpu"
                    else torch.zeros_like(vector))
         _check_size(peer_id, vector.numel(), acc)
         acc.add_(vector, alpha=alpha)
         del vector  # let a lazily decoded vector be freed before the next one is built
-    assert acc is not None  # _sorted_ids_and_total rejects an empty mapping
+    assert acc is not None  # sorted_ids_and_total rejects an empty mapping
     return acc
 
 
@@ -143,7 +118,7 @@ def _check_size(peer_id: str, n: int, acc: Tensor) -> None:
         raise ValueError(f"contribution from {peer_id!r} has {n} elements, expected {acc.numel()}")
 
 
-def _sorted_ids_and_total(contributions: Mapping[str, Weighted]) -> tuple[list[str], float]:
+def sorted_ids_and_total(contributions: Mapping[str, Weighted]) -> tuple[list[str], float]:
     """Validate weights up front (before decoding anything) and sum them in sorted order."""
     if not contributions:
         raise ValueError("cannot aggregate zero contributions")
@@ -157,7 +132,8 @@ def _sorted_ids_and_total(contributions: Mapping[str, Weighted]) -> tuple[list[s
     return peer_ids, total_weight
 
 
-def _resolve(peer_id: str, source: Tensor | Callable[[], Tensor]) -> Tensor:
+def resolve(peer_id: str, source: Tensor | Callable[[], Tensor]) -> Tensor:
+    """`source` as a vector (a loader called), checked to be 1-D float32."""
     vector = source if isinstance(source, Tensor) else source()
     if not isinstance(vector, Tensor) or vector.dim() != 1 or vector.dtype != torch.float32:
         detail = (
@@ -169,7 +145,7 @@ def _resolve(peer_id: str, source: Tensor | Callable[[], Tensor]) -> Tensor:
     return vector
 
 
-def _decode_finite(
+def decode_finite(
     contributions: Mapping[str, Weighted],
 ) -> tuple[list[str], list[Tensor], list[float]]:
     """Decode every contribution once, in sorted peer-id order, and drop non-finite ones.
@@ -177,7 +153,7 @@ def _decode_finite(
     Returns ``(peer_ids, vectors, weights)`` of the kept members, all three in that order.
     Weights are validated before anything is decoded, lengths after.
     """
-    peer_ids, _ = _sorted_ids_and_total(contributions)
+    peer_ids, _ = sorted_ids_and_total(contributions)
     kept_ids: list[str] = []
     vectors: list[Tensor] = []
     weights: list[float] = []
@@ -185,14 +161,14 @@ def _decode_finite(
     size: int | None = None
     for peer_id in peer_ids:
         source, weight = contributions[peer_id]
-        vector = _resolve(peer_id, source)
+        vector = resolve(peer_id, source)
         if size is None:
             size = vector.numel()
         elif vector.numel() != size:
             raise ValueError(
                 f"contribution from {peer_id!r} has {vector.numel()} elements, expected {size}"
             )
-        if not _all_finite(vector):
+        if not all_finite(vector):
             dropped.append(peer_id)
             continue
         kept_ids.append(peer_id)
@@ -207,7 +183,8 @@ def _decode_finite(
     return kept_ids, vectors, weights
 
 
-def _all_finite(vector: Tensor) -> bool:
+def all_finite(vector: Tensor) -> bool:
+    """No NaN or ±inf in `vector`."""
     # aminmax propagates NaN and is one allocation-free pass; isfinite().all() is ~10x slower.
     if vector.numel() == 0:
         return True
@@ -215,51 +192,11 @@ def _all_finite(vector: Tensor) -> bool:
     return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
-def _finite_number(option: str, value: object) -> float:
+def finite_number(option: str, value: object) -> float:
+    """`value` of a rule's `option` as a float; ValueError unless a finite number."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{option} must be a finite number, got {value!r}")
     return float(value)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrimmedMean:
-    """``trimmed-mean``: per coordinate drop the ``⌊f·n⌋`` largest and smallest, then average.
-
-    Tolerates up to ``⌊f·n⌋`` bad members, i.e. a fraction below ``f`` (``trim_fraction``,
-    in [0, 0.5)); note that ``n < 1/f`` trims nothing (the default 0.2 needs 5 members).
-    Unweighted: every kept value counts once. O(n²P) cheap element-wise min/max for up to
-    16 members, an O(nP log n) sort beyond.
-    """
-
-    trim_fraction: float = 0.2
-
-    def __post_init__(self) -> None:
-        fraction = _finite_number("trim_fraction", self.trim_fraction)
-        if not 0.0 <= fraction < 0.5:
-            raise ValueError(f"trim_fraction must be in [0, 0.5), got {fraction}")
-
-    def __call__(self, contributions: Mapping[str, Weighted]) -> Tensor:
-        _, vectors, _ = _decode_finite(contributions)
-        if len(vectors) == 1:
-            return vectors[0].clone()
-        trim_count = math.floor(self.trim_fraction * len(vectors))
-        return robust.trimmed_mean(vectors, trim_count=trim_count)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CoordinateMedian:
-    """``median``: coordinate-wise median, the mean of the two middle values for even ``n``.
-
-    Tolerates fewer than ``n/2`` bad members (per coordinate the result lies between honest
-    values). Unweighted. Equals the mean for ``n = 2``. O(n²P) cheap element-wise min/max
-    for up to 16 members, an O(nP log n) sort beyond.
-    """
-
-    def __call__(self, contributions: Mapping[str, Weighted]) -> Tensor:
-        _, vectors, _ = _decode_finite(contributions)
-        if len(vectors) == 1:
-            return vectors[0].clone()
-        return robust.coordinate_median(vectors)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,24 +233,24 @@ class NormClip:
     clip_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        factor = _finite_number("clip_factor", self.clip_factor)
+        factor = finite_number("clip_factor", self.clip_factor)
         if factor < 1.0:
             raise ValueError(f"clip_factor of norm-clip must be >= 1, got {factor}")
 
     def __call__(self, contributions: Mapping[str, Weighted]) -> Tensor:
-        peer_ids, _ = _sorted_ids_and_total(contributions)
+        peer_ids, _ = sorted_ids_and_total(contributions)
         kept: list[str] = []
         norms: list[float] = []
         dropped: list[str] = []
         size: int | None = None
-        decoded = _OneAtATime(contributions)
+        decoded = OneAtATime(contributions)
         for peer_id in peer_ids:  # pass 1: every norm, one decoded vector at a time
             vector = decoded(peer_id)
             if size is None:
                 size = vector.numel()
             elif vector.numel() != size:
                 raise ValueError(f"contribution from {peer_id!r} has {vector.numel()} elements, expected {size}")
-            if not _all_finite(vector):
+            if not all_finite(vector):
                 dropped.append(peer_id)
                 continue
             kept.append(peer_id)
@@ -353,7 +290,7 @@ class NormClip:
                 for peer_id, norm in norm_of.items()}
 
 
-class _OneAtATime:
+class OneAtATime:
     """Each contribution decoded on demand into one reused buffer (a streamed source), so a rule
     that passes over the members several times holds one decoded vector, never all of them."""
 
@@ -368,138 +305,4 @@ class _OneAtATime:
                 self.scratch = empty_floats(source.n_elems)
             source.decode_into(self.scratch)
             return self.scratch
-        return _resolve(peer_id, source)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CenteredClip:
-    """``centered-clip`` (Karimireddy et al. 2021): repeat ``v ← v + mean_i clip(x_i - v, τ)``.
-
-    Starts from the coordinate-wise median, or from ``center`` passed per call (e.g. last
-    round's applied update; it must be the same tensor on every replica). The radius is
-    ``τ = clip_factor × median_i ‖x_i - start‖``, fixed for ``iterations`` rounds.
-    Tolerates fewer than ``n/2`` bad members, and each member moves the result by at most
-    ``τ / n`` per iteration. Unweighted. O(nP) median plus ``iterations`` × two O(nP) passes.
-    """
-
-    clip_factor: float = 1.0
-    iterations: int = 3
-
-    def __post_init__(self) -> None:
-        factor = _finite_number("clip_factor", self.clip_factor)
-        if factor <= 0.0:
-            raise ValueError(f"clip_factor of centered-clip must be > 0, got {factor}")
-        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int):
-            raise ValueError(f"iterations must be an integer, got {self.iterations!r}")
-        if self.iterations < 1:
-            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
-
-    def __call__(
-        self, contributions: Mapping[str, Weighted], *, center: Tensor | None = None
-    ) -> Tensor:
-        _, vectors, _ = _decode_finite(contributions)
-        if center is not None:
-            _check_center(center, vectors[0].numel())
-        if len(vectors) == 1:
-            return vectors[0].clone()
-        return robust.centered_clip(
-            vectors, iterations=self.iterations, clip_factor=self.clip_factor, center=center
-        )
-
-
-def _check_center(center: Tensor, size: int) -> None:
-    if not isinstance(center, Tensor) or center.dim() != 1 or center.dtype != torch.float32:
-        raise ValueError("center must be a 1-D float32 tensor")
-    if center.numel() != size:
-        raise ValueError(f"center has {center.numel()} elements, contributions have {size}")
-    if not _all_finite(center):
-        raise ValueError("center holds NaN or inf values")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CosineFilter:
-    """Pre-filter: drop members whose cosine with the coordinate-wise median is < ``threshold``.
-
-    The survivors go to ``base`` with their weights (extra call keywords are passed on).
-    Never keeps fewer than ``⌈n/2⌉``: if more would go, the ``⌈n/2⌉`` most similar stay
-    (ties by peer id). Removes direction-flipping members while they are a minority (the
-    median they are compared with is then honest); it does nothing against members that
-    point the right way with a huge norm, so pair it with a robust ``base``. Costs an
-    O(nP) median (as ``median``) and one float64 dot-product pass.
-    """
-
-    base: Aggregator
-    threshold: float
-
-    def __post_init__(self) -> None:
-        threshold = _finite_number("cosine_threshold", self.threshold)
-        if not -1.0 <= threshold <= 1.0:
-            raise ValueError(f"cosine_threshold must be in [-1, 1], got {threshold}")
-
-    def __call__(self, contributions: Mapping[str, Weighted], **call_options: Any) -> Tensor:
-        peer_ids, vectors, weights = _decode_finite(contributions)
-        reference = robust.coordinate_median(vectors) if len(vectors) > 1 else vectors[0]
-        cosines = robust.cosine_similarities(vectors, reference)
-        kept = _most_similar(cosines, peer_ids, self.threshold)
-        if len(kept) < len(peer_ids):
-            dropped = sorted(set(range(len(peer_ids))) - set(kept))
-            logger.info(
-                "cosine filter dropped %s (cosines %s, threshold %s)",
-                [peer_ids[i] for i in dropped],
-                [round(cosines[i], 4) for i in dropped],
-                self.threshold,
-            )
-        survivors: dict[str, Weighted] = {
-            peer_ids[i]: (vectors[i], weights[i]) for i in sorted(kept)
-        }
-        return self.base(survivors, **call_options)
-
-
-def _most_similar(cosines: list[float], peer_ids: list[str], threshold: float) -> list[int]:
-    """Indices reaching ``threshold``, or else the ``⌈n/2⌉`` most similar (ties by peer id)."""
-    ranked = sorted(range(len(peer_ids)), key=lambda i: (-cosines[i], peer_ids[i]))
-    kept = [i for i in ranked if cosines[i] >= threshold]
-    minimum = (len(peer_ids) + 1) // 2
-    return kept if len(kept) >= minimum else ranked[:minimum]
-
-
-def _mean_factory() -> Aggregator:
-    return average
-
-
-# name -> factory taking the aggregator's options as keywords (validated on construction).
-_REGISTRY: dict[str, Callable[..., Aggregator]] = {
-    "mean": _mean_factory,
-    "trimmed-mean": TrimmedMean,
-    "median": CoordinateMedian,
-    "norm-clip": NormClip,
-    "centered-clip": CenteredClip,
-}
-
-
-def available_aggregators() -> list[str]:
-    """Names accepted by :func:`get_aggregator`, sorted."""
-    return sorted(_REGISTRY)
-
-
-def get_aggregator(name: str, **options: Any) -> Aggregator:
-    """Return the aggregator registered as ``name``, configured with ``options``.
-
-    ``cosine_threshold`` (any aggregator; ``None`` means off) wraps the result in a
-    :class:`CosineFilter`. Raises ``ValueError`` for an unknown name, options the
-    aggregator does not take, or option values out of range.
-    """
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown aggregator {name!r}; choose one of {available_aggregators()}"
-        ) from None
-    cosine_threshold = options.pop("cosine_threshold", None)
-    try:
-        aggregator = factory(**options)
-    except TypeError as exc:
-        raise ValueError(f"bad options for aggregator {name!r}: {exc}") from None
-    if cosine_threshold is None:
-        return aggregator
-    return CosineFilter(base=aggregator, threshold=cosine_threshold)
+        return resolve(peer_id, source)

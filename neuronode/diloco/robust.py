@@ -1,10 +1,10 @@
 """Byzantine-robust reductions of equal-length flat float32 vectors (pure torch, no I/O).
 
 These are the kernels behind the ``trimmed-mean``, ``median``, ``norm-clip`` (its norms and
-clip factor) and ``centered-clip`` aggregators and the cosine pre-filter in :mod:`neuronode.diloco.aggregate`,
-which decodes contributions, sorts them by peer id and validates options before calling in
-here. Every function takes the vectors in the caller's (sorted) order, never modifies them,
-and returns a fresh float32 vector.
+clip factor) and ``centered-clip`` aggregators and the cosine pre-filter
+(:mod:`neuronode.diloco.aggregators` names them), which decode contributions, sort them by peer
+id and validate options before calling in here. Every function takes the vectors in the
+caller's (sorted) order, never modifies them, and returns a fresh float32 vector.
 
 Determinism: every replica that reduces the same vectors in the same order must get the same
 bits. Coordinate-wise order statistics use only ``minimum``/``maximum`` (or ``torch.sort``),

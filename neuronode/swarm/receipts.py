@@ -15,7 +15,8 @@ O(N²) bytes per member. So a receipt to a live peer travels as its list's diges
 the signature covers; members mostly hold the same list), or with 8 bytes per statement
 (`short_id`) to a peer whose own receipt shows its list differs. The receiver rebuilds the list
 (neuronode.swarm.receipt_lists: what it cannot rebuild waits there, its signature checked, and
-is asked for). Lists are worked on once per distinct list, not per receipt.
+is asked for). Lists are worked on once per distinct list, not per receipt. Whose signatures and
+keys count: neuronode.swarm.receipt_checks.
 """
 
 from __future__ import annotations
@@ -29,20 +30,17 @@ from dataclasses import replace
 from neuronode.averaging.agreement import Receipt, Statement, statements_digest
 from neuronode.codec.contribution import Phase
 from neuronode.events import fields
-from neuronode.quorum import quorum
-from neuronode.security.auth import AuthError
-from neuronode.security.identity import derived_id, is_derived
 from neuronode.swarm.context import Context
 from neuronode.swarm.membership import fanout
+from neuronode.swarm.receipt_checks import ReceiptChecks
 from neuronode.swarm.receipt_lists import ReceiptLists, Slot
 from neuronode.swarm.receipt_wire import (
     MAX_DISPUTED,
     MAX_ECHOES,
     RECEIPT_ROUNDS,
-    receipt_from_pb,
     receipt_to_pb,
 )
-from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
+from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -66,11 +64,10 @@ class Receipts:
         self.held: dict[Slot, dict[bytes, Receipt]] = {}
         self.relayed: dict[Slot, dict[bytes, Receipt]] = {}
         self.disputes: dict[bytes, Receipt] = {}  # versions we hold that an echo contradicted
-        self._verified: dict[tuple[str, bytes], int] = {}  # (sender, signature) of statements checked -> round
+        self.checks = ReceiptChecks(ctx)  # whose signatures and keys count
         # Lists we know (our own receipts', every one we rebuilt or got whole), and compact
         # receipts waiting for theirs.
         self.lists = ReceiptLists(want=lambda maker: self.on_want(maker))
-        self._checked: dict[bytes, int] = {}  # digests of lists whose statements passed `check` -> round
         self._wants: dict[str, dict[tuple[int, Phase], bool]] = {}  # peer -> our receipts it asked for (whole?)
         # What each peer already has from us (`fill(to=...)`): our receipts it echoed back in
         # its latest Hello, and how far into `_log` (every version we came to hold, in order)
@@ -184,49 +181,16 @@ class Receipts:
         self.lists.ready(round_id, phase)  # a member still collecting reads them too (what others hold counts)
         versions = [r for (rd, ph, _), held in self.held.items() if rd == round_id and ph == phase
                     for r in held.values()]
-        vouched = self.vouched(versions)
+        vouched = self.checks.vouched(versions)
         views: dict[bytes, tuple[tuple[Statement, ...], bytes]] = {}
         out = []
         for r in versions:
             if r.digest not in views:
-                kept = self.checked(r.statements, vouched)
+                kept = self.checks.checked(r.statements, vouched)
                 views[r.digest] = (kept, r.digest if len(kept) == len(r.statements) else statements_digest(kept))
             kept, digest = views[r.digest]
             out.append(replace(r, statements=kept, listed_digest=digest))
         return out
-
-    def vouched(self, versions: list[Receipt]) -> dict[str, bytes]:
-        """For each named id we never met (it stopped greeting before we joined, or we share no
-        relay with it), the one key statements of it carry in the receipts of a quorum of the
-        voices that published one (neuronode.quorum: hosts, not ids). Members list only what they
-        received from a maker they met, so a quorum's key is as good as the listing rule itself;
-        one host's word (a liar naming its own key for an absent member, to fake its equivocation,
-        under as many ids as it likes) is not enough. The binding itself still comes only from
-        the member's own Hello."""
-        voice_of = self.ctx.table.voice
-        lists: dict[bytes, tuple[tuple[Statement, ...], set[str]]] = {}
-        for r in versions:
-            lists.setdefault(r.digest, (r.statements, set()))[1].add(voice_of(r.maker))
-        spoke = set().union(*(who for _, who in lists.values()))
-        keys: dict[str, dict[bytes, set[str]]] = {}
-        for statements, who in lists.values():
-            for s in statements:
-                if len(s.public_key) == 32 and self.unbound(s.sender):
-                    keys.setdefault(s.sender, {}).setdefault(s.public_key, set()).update(who - {voice_of(s.sender)})
-        vouched = {}
-        for sender, by_key in keys.items():
-            need = max(2, quorum(len(spoke - {voice_of(sender)})))  # one host's word never vouches
-            strong = [key for key, who in by_key.items() if len(who) >= need]
-            if len(strong) == 1:
-                vouched[sender] = strong[0]
-        return vouched
-
-    def unbound(self, node_id: str) -> bool:
-        """A named id whose key we do not know (never met; not one a key proves)."""
-        if node_id == self.ctx.cfg.node_id or is_derived(node_id):
-            return False
-        peer = self.ctx.table.peers.get(node_id)
-        return peer is None or not peer.public_key
 
     def makers(self, round_id: int, phase: Phase) -> set[str]:
         return {maker for (rd, ph, maker) in self.held if rd == round_id and ph == phase}
@@ -246,9 +210,9 @@ class Receipts:
             if self.recent(m.round):
                 self.take_own(m, info.public_key)
         for m in info.disputed:
-            key = self.key_of(m.maker_id, m.public_key)
+            key = self.checks.key_of(m.maker_id, m.public_key)
             if key is not None and m.maker_id != self.ctx.cfg.node_id and self.recent(m.round):
-                self.keep(self.proof(m, key), self.relayed)
+                self.keep(self.checks.proof(m, key), self.relayed)
         me = self.ctx.cfg.node_id
         self._acked[info.node_id] = {e.receipt_hash for e in info.echoes if e.maker_id == me}
         self._wants[info.node_id] = {(w.round, Phase(w.phase)): w.whole for w in info.wanted
@@ -271,12 +235,12 @@ class Receipts:
         slot = (m.round, Phase(m.phase), m.maker_id)
         rebuilt = self.lists.rebuild(m)
         if rebuilt is None:
-            self.proof(m, key)  # its maker's signature over the digest: a forgery is refused now
+            self.checks.proof(m, key)  # its maker's signature over the digest: a forgery is refused now
             self.lists.pend(slot, m, key)
             return
         receipt = Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id, statements=rebuilt[1],
                           signature=m.signature, public_key=m.public_key, listed_digest=rebuilt[0])
-        self.check(receipt, key)
+        self.checks.check(receipt, key)
         self.lists.rebuilt(slot, rebuilt[0])
         self.keep(receipt, self.held)
         self.retry()
@@ -292,61 +256,6 @@ class Receipts:
                     self.lists.rebuilt(slot, m.listed_digest)
                     logger.warning("round %d: not taking the receipt of %s: %s", slot[0], slot[2], exc,
                                    extra=fields("refused", what="receipt", peer_id=slot[2], detail=str(exc)))
-
-    def proof(self, m: pb.Receipt, key: bytes) -> Receipt:
-        """A relayed version (a dispute): its maker's signature over its digest is all it proves."""
-        digest = m.listed_digest or receipt_from_pb(m).digest
-        receipt = Receipt(round_id=m.round, phase=Phase(m.phase), maker=m.maker_id, statements=(),
-                          signature=m.signature, public_key=m.public_key, listed_digest=digest)
-        try:
-            self.ctx.security.check_receipt(receipt, key)
-        except AuthError as exc:
-            raise Refusal("PERMISSION_DENIED", f"receipt of round {m.round} from {m.maker_id[:MAX_ID_CHARS]}: {exc}") from None
-        return receipt
-
-    def check(self, r: Receipt, key: bytes) -> None:
-        """Raise Refusal unless `r` carries `key`'s signature and every statement in it whose
-        sender's key we know carries that sender's (once per distinct list)."""
-        try:
-            self.ctx.security.check_receipt(r, key)
-        except AuthError as exc:
-            raise Refusal("PERMISSION_DENIED", f"receipt of round {r.round_id} from {r.maker[:MAX_ID_CHARS]}: {exc}") from None
-        if r.digest in self._checked:
-            return
-        if len(self.checked(r.statements)) < sum(self.key_of(s.sender, s.public_key) is not None for s in r.statements):
-            raise Refusal("PERMISSION_DENIED", f"receipt of round {r.round_id} from {r.maker[:MAX_ID_CHARS]} lists a "
-                          "statement its sender did not sign")
-        self._checked[r.digest] = r.round_id
-
-    def checked(self, statements: tuple[Statement, ...], vouched: dict[str, bytes] | None = None) -> tuple[Statement, ...]:
-        """`statements` less those we cannot check, or whose signature does not verify."""
-        kept = []
-        for s in statements:
-            key = self.key_of(s.sender, s.public_key)
-            if key is None and vouched and vouched.get(s.sender) == s.public_key and self.unbound(s.sender):
-                key = s.public_key
-            if key is None:
-                continue
-            if (s.sender, s.signature) not in self._verified:
-                try:
-                    self.ctx.security.check_statement(s, key)
-                except AuthError:
-                    continue
-                self._verified[(s.sender, s.signature)] = s.round_id
-            kept.append(s)
-        return statements if len(kept) == len(statements) else tuple(kept)
-
-    def key_of(self, node_id: str, public_key: bytes) -> bytes | None:
-        """The key `node_id` speaks with: the one it is bound to here, or the one its derived id
-        proves; None when neither (a named id we never met, or a key that is not its own)."""
-        if node_id == self.ctx.cfg.node_id:
-            return self.ctx.security.key.public if public_key == self.ctx.security.key.public else None
-        peer = self.ctx.table.peers.get(node_id)
-        if peer is not None and peer.public_key:
-            return peer.public_key if public_key == peer.public_key else None
-        if is_derived(node_id) and len(public_key) == 32 and derived_id(public_key) == node_id:
-            return public_key
-        return None
 
     def keep(self, r: Receipt, store: dict[Slot, dict[bytes, Receipt]]) -> None:
         slot = (r.round_id, r.phase, r.maker)
@@ -398,7 +307,4 @@ class Receipts:
             self._acked = {p: hashes for p, hashes in self._acked.items() if p in known}
             self._echoed_to = {p: mark for p, mark in self._echoed_to.items() if p in known}
             self._wants = {p: keys for p, keys in self._wants.items() if p in known}
-        for checked in [k for k, round_id in self._verified.items() if not self.recent(round_id)]:
-            del self._verified[checked]
-        for digest in [d for d, round_id in self._checked.items() if not self.recent(round_id)]:
-            del self._checked[digest]
+        self.checks.prune(self.recent)
