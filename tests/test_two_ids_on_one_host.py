@@ -198,13 +198,23 @@ def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dic
 
 
 @cache
+@cache
 def reference(base: Path, inner_steps: int) -> Figures:
-    """The four honest members alone, on a network of their own."""
+    """The four honest members alone, on a network of their own (once per session and size)."""
     with open_net("ref") as net:
         nodes = run(net, base / f"reference-{inner_steps}", inner_steps, None)
     figures = check_honest(nodes)
     print(f"reference ({inner_steps} inner steps): {figures}")
     return figures
+
+
+def side_by_side(base: Path, attacker: Attacker, inner_steps: int) -> tuple[dict[str, HostNode], Figures, Figures]:
+    """`attacked` and its `reference` at the same time, each on a network of its own: the
+    machine's load falls on both alike, and the test takes one run's time, not two."""
+    with ThreadPoolExecutor(2) as runs:  # nodes fork from the forkserver, not from these threads
+        ref_run = runs.submit(reference, base, inner_steps)
+        nodes, got = runs.submit(attacked, base, attacker, inner_steps).result()
+        return nodes, got, ref_run.result()
 
 
 @cache
@@ -234,7 +244,6 @@ def test_two_ids_claiming_our_round_closed_make_no_honest_host_stand_aside(
     only (val_loss 4.73 -> 5.60), and the swarm never reached round 6 (the honest members at
     rounds 2 and 1, waiting for peers)."""
     base = base_dir(tmp_path_factory)
-    reference(base, QUICK)
     nodes, _ = attacked(base, STAND_ASIDE_LIE, QUICK)
     honest = [nodes[name] for name in HONEST]
     # Two ids on one host are one voice: never a quorum that closed our round without us.
@@ -276,10 +285,7 @@ def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_fac
     without it. The two swarms run at the same time, each on a network of its own, so the
     load on the two cores (other tests' nodes included) falls on both alike."""
     base = base_dir(tmp_path_factory)
-    with ThreadPoolExecutor(2) as runs:  # nodes fork from the forkserver, not from these threads
-        ref_run = runs.submit(reference, base, LONG_ROUNDS)
-        nodes, got = runs.submit(attacked, base, JUST_IN_TIME, LONG_ROUNDS).result()
-        ref = ref_run.result()
+    nodes, got, ref = side_by_side(base, JUST_IN_TIME, LONG_ROUNDS)
     assert all(any(e["peer_id"] == "a-jit" for e in nodes[n].events("peer_joined")) for n in HONEST)
     assert got.round_s <= 1.5 * ref.round_s, (got, ref)
 
@@ -304,8 +310,7 @@ def test_a_joiner_takes_no_doctored_momentum_from_two_ids_on_one_host(tmp_path_f
     everyone honest finishes round 6 with one digest, val_loss within 5% of the swarm without
     the attacker."""
     base = base_dir(tmp_path_factory)
-    ref = reference(base, JOINER_ROUNDS)
-    nodes, got = attacked(base, DOCTORED_MOMENTUM, JOINER_ROUNDS)
+    nodes, got, ref = side_by_side(base, DOCTORED_MOMENTUM, JOINER_ROUNDS)
     joiner = nodes[JOINER]
     rejected = {e["peer_id"] for e in joiner.events("donor_rejected")}
     assert rejected & set(DOCTORED_MOMENTUM.ids), joiner.log()[-3000:]  # the doctored states were offered
@@ -326,8 +331,7 @@ def test_two_ids_a_round_ahead_with_a_doctored_state_move_nobody(tmp_path_factor
     member adopted hashes to a digest the honest members reached themselves), and the honest
     members finish round 6 with one digest, val_loss within 5% of the swarm without them."""
     base = base_dir(tmp_path_factory)
-    ref = reference(base, TRAINING)
-    nodes, got = attacked(base, AHEAD_DOCTORED, TRAINING)
+    nodes, got, ref = side_by_side(base, AHEAD_DOCTORED, TRAINING)
     honest = [nodes[name] for name in HONEST]
     assert all({e["peer_id"] for e in n.events("peer_joined")} >= set(AHEAD_DOCTORED.ids) for n in honest)
     reached = {e["param_digest"] for n in honest for e in n.events("round_done")}
