@@ -442,7 +442,7 @@ def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
     from neuronode.swarm import statedonor
-    from neuronode.swarm.peers import Peers
+    from neuronode.swarm.membership.peers import Peers
 
     honest_info = Peers.node_info
 

@@ -14,7 +14,7 @@ from helpers import key_of, non_loopback_ipv4, swarm_config
 from neuronode.clock import ManualClock
 from neuronode.swarm.bans import Bans, host_key, node_key
 from neuronode.swarm.context import Settings
-from neuronode.swarm.membership import PeerTable
+from neuronode.swarm.membership.table import PeerTable
 from neuronode.swarm.node import SwarmNode
 from neuronode.swarm.security import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb

@@ -20,7 +20,7 @@ from neuronode.clock import ManualClock
 from neuronode.codec import Phase
 from neuronode.security import identity
 from neuronode.swarm.context import Settings
-from neuronode.swarm.membership import MAX_GOSSIPED, PeerTable, gossiped_address_ok
+from neuronode.swarm.membership.table import MAX_GOSSIPED, PeerTable, gossiped_address_ok
 from neuronode.swarm.receipt_wire import receipt_to_pb
 from neuronode.swarm.security import Security, hello_body
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb

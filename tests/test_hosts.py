@@ -22,10 +22,10 @@ from neuronode.clock import ManualClock
 from neuronode.quorum import caller, host, voice
 from neuronode.swarm.admission import Admission
 from neuronode.swarm.bans import host_key
-from neuronode.swarm.lineage import lineages, plan_catch_up
 from neuronode.swarm.links.resolve import Resolver, literal
 from neuronode.swarm.links.sessions import Inflow
-from neuronode.swarm.membership import Peer, PeerTable, TableFull
+from neuronode.swarm.membership.lineage import lineages, plan_catch_up
+from neuronode.swarm.membership.table import Peer, PeerTable, TableFull
 from neuronode.swarm.node import SwarmNode
 from neuronode.swarm.security import Security
 from neuronode.swarm.trust import askers, witnesses

@@ -36,7 +36,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "averaging": ("clock", "codec", "config", "diloco", "events", "memory", "quorum"),
     "swarm": ("averaging", "clock", "codec", "config", "errors", "events", "quorum", "security", "state", "v1"),
     "swarm.links": ("clock", "codec", "config", "errors", "events", "v1", "swarm.admission", "swarm.chunks",
-                    "swarm.context", "swarm.membership", "swarm.ratelimit", "swarm.security", "swarm.server",
+                    "swarm.context", "swarm.membership.table", "swarm.ratelimit", "swarm.security", "swarm.server",
                     "swarm.wire"),
 }
 

@@ -13,7 +13,8 @@ from neuronode.averaging import RoundState
 from neuronode.clock import ManualClock
 from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links
-from neuronode.swarm.membership import (
+from neuronode.swarm.membership.peers import Peers
+from neuronode.swarm.membership.table import (
     MIN_FANOUT,
     PeerTable,
     fanout,
@@ -21,7 +22,6 @@ from neuronode.swarm.membership import (
     rotation,
     round_peers,
 )
-from neuronode.swarm.peers import Peers
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.security import Security
 

@@ -20,8 +20,8 @@ from neuronode.events import record_fields
 from neuronode.node.catchup import implausible
 from neuronode.swarm import statedonor, statesync
 from neuronode.swarm.context import Tasks
-from neuronode.swarm.lineage import plan_catch_up
-from neuronode.swarm.membership import Peer
+from neuronode.swarm.membership.lineage import plan_catch_up
+from neuronode.swarm.membership.table import Peer
 from neuronode.swarm.node import SwarmNode
 from neuronode.swarm.trust import closed_without_us
 

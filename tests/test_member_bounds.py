@@ -25,8 +25,8 @@ from neuronode.codec import Phase
 from neuronode.events import record_fields
 from neuronode.quorum import voice
 from neuronode.swarm.context import buffered_bytes_bound, sender_bytes_bound
-from neuronode.swarm.lineage import Lineages, believable, lineages, same_lineage
-from neuronode.swarm.membership import Peer, PeerTable, TableFull
+from neuronode.swarm.membership.lineage import Lineages, believable, lineages, same_lineage
+from neuronode.swarm.membership.table import Peer, PeerTable, TableFull
 from neuronode.swarm.node import SwarmNode
 from neuronode.swarm.serving import Pace, Slots
 from neuronode.swarm.wire import Refusal

@@ -18,8 +18,8 @@ from neuronode.averaging import AllToAll
 from neuronode.averaging.agreement import Receipt, Statement, decide, listed
 from neuronode.codec.contribution import Phase
 from neuronode.quorum import by_id, majority, quorum, voice
-from neuronode.swarm.lineage import believable, lineages, plan_catch_up
-from neuronode.swarm.membership import Peer, PeerTable
+from neuronode.swarm.membership.lineage import believable, lineages, plan_catch_up
+from neuronode.swarm.membership.table import Peer, PeerTable
 from neuronode.swarm.trust import agreed_host, closed_without_us, reachability, witnesses
 
 PKG = Path(__file__).resolve().parent.parent / "neuronode"
@@ -193,7 +193,7 @@ def test_one_home_per_rule() -> None:
 
 
 def test_quorum_function_is_the_one_the_votes_import() -> None:
-    for module in ("swarm/trust.py", "swarm/lineage.py", "averaging/agreement.py", "swarm/receipt_checks.py",
+    for module in ("swarm/trust.py", "swarm/membership/lineage.py", "averaging/agreement.py", "swarm/receipt_checks.py",
                    "averaging/protocol.py", "averaging/book.py"):
         assert "from neuronode.quorum import" in (PKG / module).read_text(), module
 

@@ -287,7 +287,7 @@ class Averaging:
         replica averaging these contributions reads alike, whatever host it sees a maker at
         (a member behind NAT is seen at its router by its carriers, under a carrier's host by
         the members it reaches through a relay). Every receiver that sees a maker itself checked
-        that name when the contribution came in (neuronode.swarm.hosts): several ids it sees at
+        that name when the contribution came in (neuronode.swarm.membership.hosts): several ids it sees at
         one host cannot name several."""
         hosts = {sender: voice(sender, c.host) for sender, c in got.items()}
         aggregate, max_weight = self.aggregate, self.cfg.max_weight

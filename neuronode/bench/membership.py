@@ -91,7 +91,7 @@ def sent(members: list[Any]) -> tuple[int, int]:
 
 
 async def measure(args: argparse.Namespace, *, sampled: bool) -> dict[str, float]:
-    from neuronode.swarm.membership import MAX_MEMBERS, MIN_FANOUT, fanout, rotation
+    from neuronode.swarm.membership.table import MAX_MEMBERS, MIN_FANOUT, fanout, rotation
 
     n = args.members
     executor = ThreadPoolExecutor(2, thread_name_prefix="bench")

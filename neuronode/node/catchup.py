@@ -17,7 +17,7 @@ from neuronode.events import Throttled, fields
 from neuronode.node.pools import Pools
 from neuronode.node.replica import Replica
 from neuronode.state import GlobalState
-from neuronode.swarm.lineage import CatchUp as Plan
+from neuronode.swarm.membership.lineage import CatchUp as Plan
 from neuronode.swarm.node import SwarmNode
 
 logger = logging.getLogger(__name__)

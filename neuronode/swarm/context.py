@@ -17,7 +17,7 @@ from neuronode.config import NodeConfig
 from neuronode.events import Throttled
 from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import Faults
-from neuronode.swarm.membership import MAX_IDS_PER_HOST, MAX_MEMBERS, MIN_FANOUT, PeerTable
+from neuronode.swarm.membership.table import MAX_IDS_PER_HOST, MAX_MEMBERS, MIN_FANOUT, PeerTable
 from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
 from neuronode.swarm.security import Security, SpentRequests
 from neuronode.swarm.server import Channels, Counters
@@ -235,7 +235,7 @@ class Context:
         self.upload = UploadLimiter(cfg.max_upload_mbps)
         self.upload_meter = UploadMeter()
         self.say = Throttled(logging.getLogger("neuronode.swarm"), self.clock)
-        self.advertise = cfg.advertise  # "" while a wildcard --listen learns it (neuronode.swarm.reach)
+        self.advertise = cfg.advertise  # "" while a wildcard --listen learns it (neuronode.swarm.membership.reach)
         self.bound_port = 0  # the port the server listens on
         self.reachable = "unknown"  # can peers dial us at `advertise`: "yes", "no" or "unknown"
         self.started = False  # the server is up: announcements may go out

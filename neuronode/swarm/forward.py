@@ -27,7 +27,7 @@ from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links, NoRoute, SessionClosed, retry_until
 from neuronode.swarm.links.links import FINAL_CODES
-from neuronode.swarm.membership import round_peers
+from neuronode.swarm.membership.table import round_peers
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from neuronode.swarm.bans import node_key
 from neuronode.swarm.chunks import ChunkView, parse_chunk
 from neuronode.swarm.context import Context
 from neuronode.swarm.forward import Forward
-from neuronode.swarm.hosts import host_claim_refusal, is_canonical_ip
 from neuronode.swarm.links.relay import Relay
+from neuronode.swarm.membership.hosts import host_claim_refusal, is_canonical_ip
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,

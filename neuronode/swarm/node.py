@@ -28,11 +28,11 @@ from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
 from neuronode.swarm.forward import Forward
 from neuronode.swarm.inbound import Inbound
-from neuronode.swarm.lineage import CatchUp, believable, plan_catch_up
 from neuronode.swarm.links import Links
-from neuronode.swarm.membership import PeerTable
-from neuronode.swarm.peers import Peers
-from neuronode.swarm.reach import Reach, host_of, join_host_port
+from neuronode.swarm.membership.lineage import CatchUp, believable, plan_catch_up
+from neuronode.swarm.membership.peers import Peers
+from neuronode.swarm.membership.reach import Reach, host_of, join_host_port
+from neuronode.swarm.membership.table import PeerTable
 from neuronode.swarm.receipts import Receipts
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server

@@ -8,7 +8,7 @@ import hashlib
 
 from neuronode.averaging.agreement import Receipt, Statement
 from neuronode.codec.contribution import Phase
-from neuronode.swarm.membership import MAX_MEMBERS
+from neuronode.swarm.membership.table import MAX_MEMBERS
 from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, Refusal
 from neuronode.v1 import node_pb2 as pb
 

@@ -31,7 +31,7 @@ from neuronode.averaging.agreement import Receipt, Statement, statements_digest
 from neuronode.codec.contribution import Phase
 from neuronode.events import fields
 from neuronode.swarm.context import Context
-from neuronode.swarm.membership import fanout
+from neuronode.swarm.membership.table import fanout
 from neuronode.swarm.receipt_checks import ReceiptChecks
 from neuronode.swarm.receipt_lists import ReceiptLists, Slot
 from neuronode.swarm.receipt_wire import (

@@ -25,11 +25,11 @@ from neuronode.events import fields
 from neuronode.swarm.chunks import header_of, serialize_chunk
 from neuronode.swarm.context import Context
 from neuronode.swarm.faults import FaultInjected
-from neuronode.swarm.hosts import canonical_ip
 from neuronode.swarm.inbound import Inbound, bound_digest
 from neuronode.swarm.links import Links, NoRoute, SessionClosed, retry_until
 from neuronode.swarm.links.links import EARLY_STATUS_BUG, FINAL_CODES
-from neuronode.swarm.membership import member_views, moved_past, reducers, round_peers
+from neuronode.swarm.membership.hosts import canonical_ip
+from neuronode.swarm.membership.table import member_views, moved_past, reducers, round_peers
 from neuronode.swarm.missed import Missed
 from neuronode.swarm.receipts import EQUIVOCATION_BAN_S, Receipts
 from neuronode.v1 import node_pb2 as pb
@@ -96,7 +96,7 @@ class GrpcTransport:
         self.links = links
         self.ledger = receipts
         self._publish = publish_receipt
-        self._own_host = own_host  # the host our peers agree they see us at (neuronode.swarm.reach)
+        self._own_host = own_host  # the host our peers agree they see us at (neuronode.swarm.membership.reach)
         self._outbox: dict[tuple[Phase, int], Outbox] = {}
         self.missed = Missed(ctx, links=links, inbound=inbound)
 

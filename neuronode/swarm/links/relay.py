@@ -37,7 +37,7 @@ from neuronode.swarm.context import Context
 from neuronode.swarm.links.backoff import retry_until
 from neuronode.swarm.links.route import live_carriers, relay_for
 from neuronode.swarm.links.sessions import SessionClosed, Sessions
-from neuronode.swarm.membership import MAX_MEMBERS
+from neuronode.swarm.membership.table import MAX_MEMBERS
 from neuronode.swarm.ratelimit import UploadLimiter
 from neuronode.v1 import node_pb2 as pb
 

@@ -1,6 +1,6 @@
 """Sessions: how a node that peers cannot dial (behind NAT, nothing forwarded) takes part.
 
-Such a node (NodeInfo.reachable = NO, neuronode.swarm.reach) is never dialed. It opens one
+Such a node (NodeInfo.reachable = NO, neuronode.swarm.membership.reach) is never dialed. It opens one
 long-lived `Session` call to every reachable member it knows; the member streams over it what
 it would otherwise send by dialing: its signed Hello answer whenever it announces news (round,
 receipts), and its contributions, chunk by chunk, several at once as numbered streams; and what
@@ -40,7 +40,7 @@ from neuronode.events import fields
 from neuronode.swarm.admission import Admission, member_request
 from neuronode.swarm.context import Context
 from neuronode.swarm.links.route import Dial, route
-from neuronode.swarm.membership import MAX_MEMBERS
+from neuronode.swarm.membership.table import MAX_MEMBERS
 from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb

@@ -27,7 +27,7 @@ from neuronode.quorum import voice
 from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.links.resolve import Resolver, canonical_ip, join, literal, split
-from neuronode.swarm.membership import Peer
+from neuronode.swarm.membership.table import Peer
 from neuronode.swarm.trust import ASKED, agreed_host, askers, reachability
 from neuronode.swarm.wire import MAX_ADDRESS_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb

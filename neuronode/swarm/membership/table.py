@@ -1,4 +1,4 @@
-"""Who is in the swarm: the peer table and liveness (replica agreement: neuronode.swarm.lineage).
+"""Who is in the swarm: the peer table and liveness (replica agreement: neuronode.swarm.membership.lineage).
 
 Pure bookkeeping (no sockets): the node feeds it what Hello calls and heartbeats learn.
 A peer is alive while we heard from it within `dead_after_s` and it has not said it is leaving.
