@@ -421,7 +421,7 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
                 del out.shards_received[-1].shards[-1]
             return out
         from neuronode.codec.contribution import Phase
-        from neuronode.swarm.receipt_wire import receipt_to_pb
+        from neuronode.swarm.receipts.wire import receipt_to_pb
 
         for i, m in enumerate(out.receipts):
             own = self.receipts.own.get((m.round, Phase(m.phase)))

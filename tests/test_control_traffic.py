@@ -16,7 +16,7 @@ from neuronode.bench import membership
 from neuronode.codec import Contribution, Phase
 from neuronode.errors import ConfigError
 from neuronode.swarm.membership.peers import PEX_SAMPLE
-from neuronode.swarm.receipt_wire import receipt_to_pb
+from neuronode.swarm.receipts.wire import receipt_to_pb
 from neuronode.swarm.security import Security
 from neuronode.v1 import node_pb2 as pb
 

@@ -22,7 +22,7 @@ from neuronode.swarm.membership.table import (
     rotation,
     round_peers,
 )
-from neuronode.swarm.receipts import Receipts
+from neuronode.swarm.receipts.receipts import Receipts
 from neuronode.swarm.security import Security
 
 BOOTSTRAP = "127.0.0.1:7000"

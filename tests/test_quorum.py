@@ -193,7 +193,7 @@ def test_one_home_per_rule() -> None:
 
 
 def test_quorum_function_is_the_one_the_votes_import() -> None:
-    for module in ("swarm/trust.py", "swarm/membership/lineage.py", "averaging/agreement.py", "swarm/receipt_checks.py",
+    for module in ("swarm/trust.py", "swarm/membership/lineage.py", "averaging/agreement.py", "swarm/receipts/checks.py",
                    "averaging/protocol.py", "averaging/book.py"):
         assert "from neuronode.quorum import" in (PKG / module).read_text(), module
 

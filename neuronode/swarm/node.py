@@ -33,7 +33,7 @@ from neuronode.swarm.membership.lineage import CatchUp, believable, plan_catch_u
 from neuronode.swarm.membership.peers import Peers
 from neuronode.swarm.membership.reach import Reach, host_of, join_host_port
 from neuronode.swarm.membership.table import PeerTable
-from neuronode.swarm.receipts import Receipts
+from neuronode.swarm.receipts.receipts import Receipts
 from neuronode.swarm.security import Security
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService

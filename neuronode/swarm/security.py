@@ -345,7 +345,7 @@ def hello_signatures(swarm_id: str, msg: pb.HelloRequest | pb.HelloResponse) -> 
     """Every signature a Hello carries, with what it signs: the Hello's, its receipts' (over
     their lists' digests) and their statements' (each under the key it names)."""
     from neuronode.averaging.agreement import statements_digest
-    from neuronode.swarm.receipt_wire import check_sizes, statement_from_pb
+    from neuronode.swarm.receipts.wire import check_sizes, statement_from_pb
 
     info = msg.info
     check_sizes(info)  # no more than an honest Hello carries (a Refusal otherwise: nothing checked ahead)

@@ -31,7 +31,7 @@ from neuronode.swarm.links.links import EARLY_STATUS_BUG, FINAL_CODES
 from neuronode.swarm.membership.hosts import canonical_ip
 from neuronode.swarm.membership.table import member_views, moved_past, reducers, round_peers
 from neuronode.swarm.missed import Missed
-from neuronode.swarm.receipts import EQUIVOCATION_BAN_S, Receipts
+from neuronode.swarm.receipts.receipts import EQUIVOCATION_BAN_S, Receipts
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from neuronode.swarm.membership.table import (
     TableFull,
     heartbeat_targets,
 )
-from neuronode.swarm.receipt_wire import check_sizes as check_receipt_sizes
-from neuronode.swarm.receipts import Receipts
+from neuronode.swarm.receipts.receipts import Receipts
+from neuronode.swarm.receipts.wire import check_sizes as check_receipt_sizes
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
     MAX_ID_CHARS,

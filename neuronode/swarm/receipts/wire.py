@@ -1,5 +1,5 @@
 """Receipts on the wire: the three forms a receipt travels in (its statements whole, their
-8-byte ids, or its list's digest alone; neuronode.swarm.receipts says when each), and the bounds
+8-byte ids, or its list's digest alone; neuronode.swarm.receipts.receipts says when each), and the bounds
 a Hello's receipts, echoes, wants and disputes keep."""
 
 from __future__ import annotations
