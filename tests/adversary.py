@@ -286,7 +286,7 @@ async def ghost(node_id: str) -> tuple[str, str, Any]:
     """A gRPC server that answers Hello as `node_id` (signed with a key of its own) and refuses
     everything else (UNIMPLEMENTED)."""
     from neuronode.security.identity import NodeKey
-    from neuronode.swarm.security import Security
+    from neuronode.swarm.guard.proofs import Security
     from neuronode.swarm.wire import PROTOCOL_VERSION
     from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -337,7 +337,7 @@ async def echo(node: Any, node_id: str, listed: str) -> Any:
     """A gRPC server on this host's port of `listed` answering Hello as `node_id`, saying what
     `node` says of itself (its receipts aside: they are its own), signed with a key of its own."""
     from neuronode.security.identity import NodeKey
-    from neuronode.swarm.security import Security
+    from neuronode.swarm.guard.proofs import Security
     from neuronode.v1 import node_pb2_grpc as pb_grpc
 
     key, server = NodeKey.generate(), grpc.aio.server()

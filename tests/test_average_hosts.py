@@ -31,8 +31,8 @@ from neuronode.diloco.hosts import HostMean, by_host
 from neuronode.events import record_fields
 from neuronode.quorum import voice
 from neuronode.swarm.context import Settings
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.membership.hosts import canonical_ip, host_claim_refusal, is_canonical_ip
-from neuronode.swarm.security import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

@@ -12,6 +12,7 @@ from helpers import swarm_config
 from neuronode.averaging import RoundState
 from neuronode.clock import ManualClock
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.links import Links
 from neuronode.swarm.membership.peers import Peers
 from neuronode.swarm.membership.table import (
@@ -23,7 +24,6 @@ from neuronode.swarm.membership.table import (
     round_peers,
 )
 from neuronode.swarm.receipts.receipts import Receipts
-from neuronode.swarm.security import Security
 
 BOOTSTRAP = "127.0.0.1:7000"
 

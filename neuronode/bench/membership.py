@@ -38,8 +38,8 @@ FORM_TIMEOUT_S = 120.0
 async def start_members(n: int, *, sampled: bool, heartbeat_s: float, executor: ThreadPoolExecutor) -> list[Any]:
     from neuronode.averaging import RoundState
     from neuronode.security.identity import NodeKey
+    from neuronode.swarm.guard.proofs import Security
     from neuronode.swarm.node import SwarmConfig, SwarmNode
-    from neuronode.swarm.security import Security
 
     members: list[Any] = []
     for i in range(n):

@@ -15,11 +15,11 @@ from neuronode.clock import Clock
 from neuronode.codec import SPARSE, codec_spec, get_codec, shard_ranges
 from neuronode.config import NodeConfig
 from neuronode.events import Throttled
-from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import Faults
+from neuronode.swarm.guard.bans import Bans
+from neuronode.swarm.guard.proofs import Security, SpentRequests
+from neuronode.swarm.guard.ratelimit import UploadLimiter, UploadMeter
 from neuronode.swarm.membership.table import MAX_IDS_PER_HOST, MAX_MEMBERS, MIN_FANOUT, PeerTable
-from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
-from neuronode.swarm.security import Security, SpentRequests
 from neuronode.swarm.server import Channels, Counters
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class Context:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        self.bans = Bans(clock=self.clock)  # the node's one ban list (neuronode.swarm.bans)
+        self.bans = Bans(clock=self.clock)  # the node's one ban list (neuronode.swarm.guard.bans)
         self.spent = SpentRequests(self.clock)  # signed requests used here (each is good once)
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock,
                                max_ids_per_host=cfg.max_ids_per_host,

@@ -26,14 +26,14 @@ from neuronode.codec import (
 )
 from neuronode.quorum import host, is_loopback, voice
 from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission
-from neuronode.swarm.bans import node_key
 from neuronode.swarm.chunks import ChunkView, parse_chunk
 from neuronode.swarm.context import Context
 from neuronode.swarm.forward import Forward
+from neuronode.swarm.guard.admission import Admission
+from neuronode.swarm.guard.bans import node_key
+from neuronode.swarm.guard.proofs import caller_id
 from neuronode.swarm.links.relay import Relay
 from neuronode.swarm.membership.hosts import host_claim_refusal, is_canonical_ip
-from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
     MAX_ID_CHARS,

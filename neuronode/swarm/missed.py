@@ -34,12 +34,12 @@ from neuronode.averaging.agreement import Statement, statement_of
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
 from neuronode.quorum import voice
-from neuronode.swarm.admission import Admission, caller_host, end_call, member_request
 from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.admission import Admission, caller_host, end_call, member_request
+from neuronode.swarm.guard.proofs import caller_id
 from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.links import Links, NoRoute
-from neuronode.swarm.security import caller_id
 from neuronode.swarm.serving import Pace, Slots
 from neuronode.swarm.wire import MAX_ID_CHARS, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb

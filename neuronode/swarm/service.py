@@ -12,12 +12,18 @@ import grpc
 
 from neuronode.quorum import voice
 from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission, caller_host, end_call, member_request, signed_by
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.admission import (
+    Admission,
+    caller_host,
+    end_call,
+    member_request,
+    signed_by,
+)
+from neuronode.swarm.guard.proofs import NODE_SERVICE_PREFIX, caller_id
 from neuronode.swarm.membership.peers import PEX_SAMPLE, Peers
 from neuronode.swarm.membership.reach import Reach
 from neuronode.swarm.membership.table import KeyMismatch, TableFull
-from neuronode.swarm.security import NODE_SERVICE_PREFIX, caller_id
 from neuronode.swarm.statedonor import Donor
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal, dict_to_status
 from neuronode.v1 import node_pb2 as pb

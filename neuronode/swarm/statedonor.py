@@ -39,7 +39,7 @@ from neuronode.state import (
     chunks_root,
     state_root,
 )
-from neuronode.swarm.security import Security
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.serving import Pace, Slots
 from neuronode.swarm.wire import STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb

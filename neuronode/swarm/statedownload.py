@@ -30,8 +30,8 @@ import grpc
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.links import NoRoute
-from neuronode.swarm.security import Security
 from neuronode.swarm.statechunks import StateReceiver, header_chunks_root
 from neuronode.swarm.statedonor import TRANSFER_CHUNK_BYTES
 from neuronode.swarm.wire import MIN_RATE_BYTES_PER_S, STALL_S, Refusal

@@ -37,11 +37,11 @@ from typing import Protocol
 import grpc
 
 from neuronode.events import fields
-from neuronode.swarm.admission import Admission, member_request
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.admission import Admission, member_request
+from neuronode.swarm.guard.proofs import caller_id
 from neuronode.swarm.links.route import Dial, route
 from neuronode.swarm.membership.table import MAX_MEMBERS
-from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 

@@ -134,7 +134,7 @@ class CatchUp:
 
 def plan_catch_up(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> CatchUp | None:
     """Behind the winning lineage, or outside it: download from its most advanced members
-    (whose state is only adopted if other members vouch for it: neuronode.swarm.trust)."""
+    (whose state is only adopted if other members vouch for it: neuronode.swarm.guard.trust)."""
     peers = believable(peers)
     lin = lineages(self_id, own_round, own, peers)
     winner = lin.winner

@@ -26,7 +26,7 @@ from neuronode.errors import ConfigError
 from neuronode.events import fields
 from neuronode.quorum import host as host_of
 from neuronode.quorum import is_loopback, reached, voice
-from neuronode.swarm.bans import Bans, node_key
+from neuronode.swarm.guard.bans import Bans, node_key
 
 logger = logging.getLogger(__name__)
 
