@@ -441,8 +441,8 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
 def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
-    from neuronode.swarm import statedonor
     from neuronode.swarm.membership.peers import Peers
+    from neuronode.swarm.statesync import donor as statedonor
 
     honest_info = Peers.node_info
 

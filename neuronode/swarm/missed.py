@@ -17,7 +17,7 @@ Bounds: a holder keeps what a phase averaged in its latest round only (RETAIN_RO
 at most the update's 4 bytes per parameter: 12 bytes per parameter in all, 1.5 times the fp32
 state with its momentum), serves each caller host FETCHES_PER_HOST streams at once and
 MAX_FETCHES in all, and ends a stream whose reader does not keep the pace
-(neuronode.swarm.serving, as FetchState does): k ids on one host take one host's share of our
+(neuronode.swarm.statesync.serving, as FetchState does): k ids on one host take one host's share of our
 uplink, never the rest of it.
 """
 
@@ -40,7 +40,7 @@ from neuronode.swarm.guard.admission import Admission, caller_host, end_call, me
 from neuronode.swarm.guard.proofs import caller_id
 from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.links import Links, NoRoute
-from neuronode.swarm.serving import Pace, Slots
+from neuronode.swarm.statesync.serving import Pace, Slots
 from neuronode.swarm.wire import MAX_ID_CHARS, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 

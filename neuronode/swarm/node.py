@@ -38,7 +38,13 @@ from neuronode.swarm.membership.table import PeerTable
 from neuronode.swarm.receipts.receipts import Receipts
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
-from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, TransferProgress, Verify
+from neuronode.swarm.statesync.statesync import (
+    Donor,
+    StateFetch,
+    StateProvider,
+    TransferProgress,
+    Verify,
+)
 from neuronode.swarm.transport import GrpcTransport
 from neuronode.swarm.wire import PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
@@ -214,7 +220,7 @@ class SwarmNode:
         return plan_catch_up(self.cfg.node_id, self.state.round, self.state.digests, self.table.alive())
 
     async def fetch_state(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
-        """The swarm's state from `donors` (those we can dial, in this order; neuronode.swarm.statesync)."""
+        """The swarm's state from `donors` (those we can dial, in this order; neuronode.swarm.statesync.statesync)."""
         return await self.fetcher.fetch(donors, verify=verify)
 
     def closed_without_us(self, round_id: int) -> list[str]:

@@ -24,7 +24,7 @@ from neuronode.swarm.guard.proofs import NODE_SERVICE_PREFIX, caller_id
 from neuronode.swarm.membership.peers import PEX_SAMPLE, Peers
 from neuronode.swarm.membership.reach import Reach
 from neuronode.swarm.membership.table import KeyMismatch, TableFull
-from neuronode.swarm.statedonor import Donor
+from neuronode.swarm.statesync.donor import Donor
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal, dict_to_status
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

@@ -1,7 +1,7 @@
 """State transfer: the joiner's choice of what to download, and from whom (the parts: the
-donor `neuronode.swarm.statedonor`, the state assembled and its checks
-`neuronode.swarm.statechunks`, fetching from many donors at once
-`neuronode.swarm.statedownload`; docs/protocol.md, "State transfer").
+donor `neuronode.swarm.statesync.donor`, the state assembled and its checks
+`neuronode.swarm.statesync.assembly`, fetching from many donors at once
+`neuronode.swarm.statesync.download`; docs/protocol.md, "State transfer").
 
 A download first reads a donor's header, in the donors' order, until one's state is what the
 swarm vouches for: its round, param_digest and chunk list (the chunks_root the members publish
@@ -30,9 +30,9 @@ from neuronode.state import GlobalState
 from neuronode.swarm.context import Context
 from neuronode.swarm.guard.trust import witnesses
 from neuronode.swarm.links import Links, NoRoute
-from neuronode.swarm.statechunks import StateReceiver, header_chunks_root
-from neuronode.swarm.statedonor import Donor, StateProvider, encode_chunk
-from neuronode.swarm.statedownload import PROGRESS_S, Download, Late, TransferProgress
+from neuronode.swarm.statesync.assembly import StateReceiver, header_chunks_root
+from neuronode.swarm.statesync.donor import Donor, StateProvider, encode_chunk
+from neuronode.swarm.statesync.download import PROGRESS_S, Download, Late, TransferProgress
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 

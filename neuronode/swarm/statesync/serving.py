@@ -1,5 +1,5 @@
 """What a node serves others, and how long a reader may hold it: the transfers it runs for
-other members (state transfers, `neuronode.swarm.statedonor`; missed contributions,
+other members (state transfers, `neuronode.swarm.statesync.donor`; missed contributions,
 `neuronode.swarm.missed`) take a slot each, at most a few per caller host and a bounded number
 in all, and each keeps its slot only while its reader keeps a pace.
 
