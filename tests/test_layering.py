@@ -35,7 +35,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "security": ("errors",),
     "averaging": ("clock", "codec", "config", "diloco", "events", "memory", "quorum"),
     "swarm": ("averaging", "clock", "codec", "config", "errors", "events", "quorum", "security", "state", "v1"),
-    "swarm.links": ("clock", "codec", "config", "errors", "events", "v1", "swarm.guard.admission", "swarm.chunks",
+    "swarm.links": ("clock", "codec", "config", "errors", "events", "v1", "swarm.guard.admission", "swarm.streams.chunks",
                     "swarm.context", "swarm.membership.table", "swarm.guard.ratelimit", "swarm.guard.proofs", "swarm.server",
                     "swarm.wire"),
 }

@@ -297,7 +297,7 @@ class Averaging:
         """Keep what a member catching up needs of a round we applied `average` in (made from
         `base_digest`): its agreed contributions when they are fewer bytes than the update (a
         compact codec, few members), else the averaged update itself, fp32 so that it applies
-        bit for bit (neuronode.swarm.missed keeps a few rounds of either)."""
+        bit for bit (neuronode.swarm.streams.missed keeps a few rounds of either)."""
         agreed = self.agreed.pop(round_id, {})
         whole = sum(c.data.size_bytes for c in agreed.values())
         if agreed and sorted(agreed) == average.contributors and whole < UPDATE_BYTES_PER_ELEMENT * self.cfg.n_elements:

@@ -25,11 +25,9 @@ from neuronode.config import is_wildcard_host
 from neuronode.state import GlobalState
 from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
-from neuronode.swarm.forward import Forward
 from neuronode.swarm.guard.admission import Admission
 from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.guard.trust import closed_without_us, witnesses
-from neuronode.swarm.inbound import Inbound
 from neuronode.swarm.links import Links
 from neuronode.swarm.membership.lineage import CatchUp, believable, plan_catch_up
 from neuronode.swarm.membership.peers import Peers
@@ -45,6 +43,8 @@ from neuronode.swarm.statesync.statesync import (
     TransferProgress,
     Verify,
 )
+from neuronode.swarm.streams.forward import Forward
+from neuronode.swarm.streams.inbound import Inbound
 from neuronode.swarm.transport import GrpcTransport
 from neuronode.swarm.wire import PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
@@ -237,7 +237,7 @@ class SwarmNode:
     def holders(self, round_id: int, param_digest: str) -> list[str]:
         """Live members we can dial that applied `round_id` from `param_digest` (they published
         it for the round's start, and a digest for its end): who may serve what catching up by
-        that round needs (neuronode.swarm.missed). Their word is checked after (`vouched`)."""
+        that round needs (neuronode.swarm.streams.missed). Their word is checked after (`vouched`)."""
         return sorted(p.node_id for p in believable(self.table.alive())
                       if p.digests.get(round_id) == param_digest and round_id + 1 in p.digests
                       and self.links.dialable(p))

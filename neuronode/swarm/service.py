@@ -1,6 +1,6 @@
 """The gRPC face of a node (service neuronode.v1.Node). Every refusal maps to a status code and
 a message a person can act on. PushContribution is served by the inbound path
-(neuronode.swarm.inbound), which reads the raw chunk bytes."""
+(neuronode.swarm.streams.inbound), which reads the raw chunk bytes."""
 
 from __future__ import annotations
 
