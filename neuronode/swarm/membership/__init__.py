@@ -5,5 +5,6 @@ reachability (`reach`), and the host a contribution names (`hosts`, pure).
 
 May import (tests/test_layering.py): clock, config, errors, events, quorum, averaging, security,
 v1; of swarm/ the node's core (`context`, `wire`), `links` (how a member is reached), `receipts`
-(the receipts a Hello carries) and `guard` (bans, the rules that never rest on one word).
+(the receipts a Hello carries), and of `guard` the bans and the rules that never rest on one
+word (`guard.bans`, `guard.trust`).
 """
