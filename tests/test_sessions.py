@@ -18,7 +18,7 @@ from neuronode.codec import ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
 from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.guard.trust import agreed_host
-from neuronode.swarm.links.sessions import Carried, SessionClosed
+from neuronode.swarm.links.lanes import Carried, SessionClosed
 from neuronode.swarm.streams.chunks import maker_chunks
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb

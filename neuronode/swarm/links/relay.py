@@ -35,8 +35,9 @@ from neuronode.events import fields
 from neuronode.swarm.context import Context
 from neuronode.swarm.guard.ratelimit import UploadLimiter
 from neuronode.swarm.links.backoff import retry_until
+from neuronode.swarm.links.lanes import SessionClosed
 from neuronode.swarm.links.route import live_carriers, relay_for
-from neuronode.swarm.links.sessions import SessionClosed, Sessions
+from neuronode.swarm.links.sessions import Sessions
 from neuronode.swarm.membership.table import MAX_MEMBERS
 from neuronode.swarm.streams.chunks import maker_chunks
 from neuronode.v1 import node_pb2 as pb
