@@ -38,7 +38,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "swarm.guard": ("averaging", "clock", "events", "quorum", "security", "v1", "swarm.context", "swarm.membership.lineage",
                     "swarm.membership.table", "swarm.receipts.wire", "swarm.wire"),
     "swarm.links": ("clock", "codec", "config", "errors", "events", "v1", "swarm.context", "swarm.guard.admission",
-                    "swarm.guard.proofs", "swarm.guard.ratelimit", "swarm.membership.table", "swarm.server",
+                    "swarm.guard.interceptors", "swarm.guard.proofs", "swarm.guard.ratelimit", "swarm.membership.table", "swarm.server",
                     "swarm.streams.chunks", "swarm.wire"),
     "swarm.membership": ("averaging", "clock", "config", "errors", "events", "quorum", "security", "v1", "swarm.context",
                          "swarm.guard.bans", "swarm.guard.trust", "swarm.links", "swarm.receipts", "swarm.wire"),

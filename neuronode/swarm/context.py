@@ -17,8 +17,9 @@ from neuronode.config import NodeConfig
 from neuronode.events import Throttled
 from neuronode.swarm.faults import Faults
 from neuronode.swarm.guard.bans import Bans
-from neuronode.swarm.guard.proofs import Security, SpentRequests
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.guard.ratelimit import UploadLimiter, UploadMeter
+from neuronode.swarm.guard.replay import SpentRequests
 from neuronode.swarm.membership.table import MAX_IDS_PER_HOST, MAX_MEMBERS, MIN_FANOUT, PeerTable
 from neuronode.swarm.server import Channels, Counters
 

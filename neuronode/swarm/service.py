@@ -20,7 +20,7 @@ from neuronode.swarm.guard.admission import (
     member_request,
     signed_by,
 )
-from neuronode.swarm.guard.proofs import NODE_SERVICE_PREFIX, caller_id
+from neuronode.swarm.guard.interceptors import NODE_SERVICE_PREFIX, caller_id
 from neuronode.swarm.membership.peers import PEX_SAMPLE, Peers
 from neuronode.swarm.membership.reach import Reach
 from neuronode.swarm.membership.table import KeyMismatch, TableFull

@@ -1,6 +1,7 @@
 """Who may call, and who is believed: membership proofs on every request and signatures on
 Hellos and contributions (`proofs`; keys, certificates and TLS themselves are
-neuronode.security's), the one admission path (`admission`), the one ban list (`bans`), the
+neuronode.security's), the checks before any handler runs (`interceptors`), each signed
+request good once (`replay`), the one admission path (`admission`), the one ban list (`bans`), the
 upload cap (`ratelimit`), and the decisions that never rest on one member's word (`trust`, pure).
 
 May import (tests/test_layering.py): averaging, clock, events, quorum, security,

@@ -15,7 +15,7 @@ from neuronode.security.auth import AuthError
 from neuronode.security.tls import peer_common_name
 from neuronode.swarm.context import Context
 from neuronode.swarm.guard.bans import host_key, node_key
-from neuronode.swarm.guard.proofs import caller_id
+from neuronode.swarm.guard.interceptors import caller_id
 from neuronode.swarm.membership.table import Peer
 from neuronode.swarm.wire import MAX_ID_CHARS, STATUS_CODES, Refusal
 

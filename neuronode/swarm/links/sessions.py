@@ -38,7 +38,7 @@ import grpc
 from neuronode.events import fields
 from neuronode.swarm.context import Context
 from neuronode.swarm.guard.admission import Admission, member_request
-from neuronode.swarm.guard.proofs import caller_id
+from neuronode.swarm.guard.interceptors import caller_id
 from neuronode.swarm.links.lanes import DATA_MESSAGES, Carried, SessionClosed, fail
 from neuronode.swarm.links.route import Dial, route
 from neuronode.swarm.wire import STALL_S, Refusal

@@ -29,7 +29,7 @@ from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Context
 from neuronode.swarm.guard.admission import Admission
 from neuronode.swarm.guard.bans import node_key
-from neuronode.swarm.guard.proofs import caller_id
+from neuronode.swarm.guard.interceptors import caller_id
 from neuronode.swarm.links.relay import Relay
 from neuronode.swarm.membership.hosts import host_claim_refusal, is_canonical_ip
 from neuronode.swarm.streams.chunks import ChunkView, parse_chunk

@@ -36,7 +36,7 @@ from neuronode.events import fields
 from neuronode.quorum import voice
 from neuronode.swarm.context import Context
 from neuronode.swarm.guard.admission import Admission, caller_host, end_call, member_request
-from neuronode.swarm.guard.proofs import caller_id
+from neuronode.swarm.guard.interceptors import caller_id
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.statesync.serving import Pace, Slots
 from neuronode.swarm.streams.chunks import maker_chunks
