@@ -59,7 +59,7 @@ def voice(node_id: str, seen: str) -> str:
     """The voice of `node_id` seen at IP `seen` (module docstring): "host:<host>" for a remote
     host, "id:<node_id>" on our loopback or where no address is known. A placeholder that is
     not an IP (a member known only through a relay whose carrier we have not seen yet:
-    neuronode.swarm.membership) is one voice of its own."""
+    neuronode.swarm.membership.table) is one voice of its own."""
     if not seen or is_loopback(seen):
         return f"id:{node_id}"
     return f"host:{host(seen) or seen}"

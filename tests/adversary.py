@@ -286,7 +286,7 @@ async def ghost(node_id: str) -> tuple[str, str, Any]:
     """A gRPC server that answers Hello as `node_id` (signed with a key of its own) and refuses
     everything else (UNIMPLEMENTED)."""
     from neuronode.security.identity import NodeKey
-    from neuronode.swarm.security import Security
+    from neuronode.swarm.guard.proofs import Security
     from neuronode.swarm.wire import PROTOCOL_VERSION
     from neuronode.v1 import node_pb2_grpc as pb_grpc
 
@@ -337,7 +337,7 @@ async def echo(node: Any, node_id: str, listed: str) -> Any:
     """A gRPC server on this host's port of `listed` answering Hello as `node_id`, saying what
     `node` says of itself (its receipts aside: they are its own), signed with a key of its own."""
     from neuronode.security.identity import NodeKey
-    from neuronode.swarm.security import Security
+    from neuronode.swarm.guard.proofs import Security
     from neuronode.v1 import node_pb2_grpc as pb_grpc
 
     key, server = NodeKey.generate(), grpc.aio.server()
@@ -421,7 +421,7 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
                 del out.shards_received[-1].shards[-1]
             return out
         from neuronode.codec.contribution import Phase
-        from neuronode.swarm.receipt_wire import receipt_to_pb
+        from neuronode.swarm.receipts.wire import receipt_to_pb
 
         for i, m in enumerate(out.receipts):
             own = self.receipts.own.get((m.round, Phase(m.phase)))
@@ -441,8 +441,8 @@ def receipt_lying(hello: Callable[..., Awaitable[bool]], honest_info: Callable[[
 def apply(behaviour: str) -> None:
     """Patch this (forked) process so its node lies as `behaviour` says."""
     from neuronode.node.trainer import Trainer
-    from neuronode.swarm import statedonor
-    from neuronode.swarm.peers import Peers
+    from neuronode.swarm.membership.peers import Peers
+    from neuronode.swarm.statesync import donor as statedonor
 
     honest_info = Peers.node_info
 

@@ -247,8 +247,8 @@ class Nodes:
         self.running: list[Any] = []
 
     async def start(self, node_id: str, *, peers: Iterable[str] = (), **overrides: Any) -> Any:
+        from neuronode.swarm.guard.proofs import Security
         from neuronode.swarm.node import SwarmNode
-        from neuronode.swarm.security import Security
 
         cfg = swarm_config(node_id, peers=tuple(peers), **overrides)
         node = SwarmNode(cfg, executor=self.executor,
@@ -286,8 +286,8 @@ def key_of(node_id: str) -> Any:
 def sign_header(chunk: Any, *, key: Any = None, default: bytes = b"") -> bytes:
     """The signature of `chunk.sender_id` (its test key, or `key`) over the statement a chunk
     header makes; `default` for a header that makes none (an unknown phase)."""
-    from neuronode.swarm.inbound import header_statement
-    from neuronode.swarm.security import Security
+    from neuronode.swarm.guard.proofs import Security
+    from neuronode.swarm.streams.inbound import header_statement
 
     try:
         statement = header_statement(chunk)
@@ -301,8 +301,8 @@ def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b""
     """The ContributionChunk stream that carries contribution `c` (as `sender_id`), tagged with
     `secret` when given and signed with `key` (default: key_of(sender_id)), as the wire
     protocol defines it."""
-    from neuronode.swarm.inbound import bound_digest, header_statement
-    from neuronode.swarm.security import Security
+    from neuronode.swarm.guard.proofs import Security
+    from neuronode.swarm.streams.inbound import bound_digest, header_statement
     from neuronode.swarm.wire import CODEC_TO_PB
     from neuronode.v1 import node_pb2 as pb
 

@@ -31,8 +31,8 @@ from neuronode.diloco.hosts import HostMean, by_host
 from neuronode.events import record_fields
 from neuronode.quorum import voice
 from neuronode.swarm.context import Settings
-from neuronode.swarm.hosts import canonical_ip, host_claim_refusal, is_canonical_ip
-from neuronode.swarm.security import Security
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.membership.hosts import canonical_ip, host_claim_refusal, is_canonical_ip
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -187,7 +187,7 @@ def test_a_host_sending_nan_is_dropped_whole_by_the_robust_rules() -> None:
         assert cosine(aggregator(name)(by_host(contributions, hosts, max_weight=W)), honest_mean) > 0.9, name
 
 
-# ---- the host a contribution names, and when a receiver takes it (neuronode.swarm.hosts) ------
+# ---- the host a contribution names, and when a receiver takes it (neuronode.swarm.membership.hosts) ------
 
 
 def test_a_receiver_takes_the_host_it_sees_or_another_where_nobody_else_runs() -> None:

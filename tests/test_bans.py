@@ -1,4 +1,4 @@
-"""The node's one ban list (neuronode.swarm.bans): strikes, backoff and outright bans on the
+"""The node's one ban list (neuronode.swarm.guard.bans): strikes, backoff and outright bans on the
 injected clock; and on the wire, bans fall on what a call's connection proves (its host, or its
 certificate), never on an id a caller writes into its metadata."""
 
@@ -12,11 +12,11 @@ import pytest
 from helpers import key_of, non_loopback_ipv4, swarm_config
 
 from neuronode.clock import ManualClock
-from neuronode.swarm.bans import Bans, host_key, node_key
 from neuronode.swarm.context import Settings
-from neuronode.swarm.membership import PeerTable
+from neuronode.swarm.guard.bans import Bans, host_key, node_key
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.membership.table import PeerTable
 from neuronode.swarm.node import SwarmNode
-from neuronode.swarm.security import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

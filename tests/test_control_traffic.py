@@ -15,9 +15,9 @@ from neuronode.averaging.agreement import decide, receipt_of, statement_of
 from neuronode.bench import membership
 from neuronode.codec import Contribution, Phase
 from neuronode.errors import ConfigError
-from neuronode.swarm.peers import PEX_SAMPLE
-from neuronode.swarm.receipt_wire import receipt_to_pb
-from neuronode.swarm.security import Security
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.membership.peers import PEX_SAMPLE
+from neuronode.swarm.receipts.wire import receipt_to_pb
 from neuronode.v1 import node_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,8 +18,8 @@ from neuronode.averaging.agreement import Receipt, decide, lineage_hash, receipt
 from neuronode.codec import Contribution, ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
 from neuronode.swarm.context import Settings
-from neuronode.swarm.receipt_wire import receipt_to_pb
-from neuronode.swarm.security import Security
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.receipts.wire import receipt_to_pb
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

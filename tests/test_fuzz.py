@@ -54,8 +54,9 @@ from neuronode.node.status import from_data_dir as status_of
 from neuronode.security import auth
 from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Settings
-from neuronode.swarm.inbound import bound_digest
-from neuronode.swarm.security import AUTH_KEY, Security
+from neuronode.swarm.guard.interceptors import AUTH_KEY
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.streams.inbound import bound_digest
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -93,7 +94,7 @@ REQUEST_TYPES: dict[str, type[Message]] = {
     "FetchContribution": pb.ContributionRequest,
 }
 STREAMING = ("FetchState", "FetchContribution")  # server-streaming answers
-# An undecodable request is caught before any handler runs (swarm.security.DecodeGuard).
+# An undecodable request is caught before any handler runs (swarm.guard.interceptors.DecodeGuard).
 UNDECODABLE = {Code.INVALID_ARGUMENT}
 MAX_DETAILS_CHARS = 4096  # a refusal explains itself; it never echoes megabytes back
 FUZZ = settings(max_examples=50, deadline=None, database=None, derandomize=False,

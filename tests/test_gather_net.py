@@ -1,5 +1,5 @@
 """Gather averaging over real SwarmNodes (grpc.aio on 127.0.0.1:0): makers push to their children,
-members forward down each maker's tree (neuronode.swarm.forward), and every node ends the round
+members forward down each maker's tree (neuronode.swarm.streams.forward), and every node ends the round
 on one vector. A forwarder that alters what it forwards is refused by the receivers (the maker's
 signature and digest), who fetch the contribution from a member whose receipt lists it."""
 
@@ -18,8 +18,8 @@ from neuronode.averaging.sortition import draw
 from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.diloco import average
 from neuronode.swarm.context import Settings
-from neuronode.swarm.forward import Copy
 from neuronode.swarm.node import SwarmNode
+from neuronode.swarm.streams.forward import Copy
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Where Δ must pass on any round: encoded, pushed, received, filed, averaged.
 ON_EVERY_PATH = {"codec.contribution", "codec.framing", "averaging.alltoall", "averaging.book",
-                 "swarm.transport", "swarm.inbound", "swarm.chunks", "diloco.aggregate"}
+                 "swarm.transport", "swarm.streams.inbound", "swarm.streams.chunks", "diloco.aggregate"}
 
 
 @pytest.mark.timeout(180)

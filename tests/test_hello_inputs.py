@@ -20,9 +20,9 @@ from neuronode.clock import ManualClock
 from neuronode.codec import Phase
 from neuronode.security import identity
 from neuronode.swarm.context import Settings
-from neuronode.swarm.membership import MAX_GOSSIPED, PeerTable, gossiped_address_ok
-from neuronode.swarm.receipt_wire import receipt_to_pb
-from neuronode.swarm.security import Security, hello_body
+from neuronode.swarm.guard.proofs import Security, hello_body
+from neuronode.swarm.membership.table import MAX_GOSSIPED, PeerTable, gossiped_address_ok
+from neuronode.swarm.receipts.wire import receipt_to_pb
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

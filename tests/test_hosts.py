@@ -20,15 +20,15 @@ from helpers import Nodes, swarm_config, wait_until
 
 from neuronode.clock import ManualClock
 from neuronode.quorum import caller, host, voice
-from neuronode.swarm.admission import Admission
-from neuronode.swarm.bans import host_key
-from neuronode.swarm.lineage import lineages, plan_catch_up
+from neuronode.swarm.guard.admission import Admission
+from neuronode.swarm.guard.bans import host_key
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.guard.trust import askers, witnesses
 from neuronode.swarm.links.resolve import Resolver, literal
 from neuronode.swarm.links.sessions import Inflow
-from neuronode.swarm.membership import Peer, PeerTable, TableFull
+from neuronode.swarm.membership.lineage import lineages, plan_catch_up
+from neuronode.swarm.membership.table import Peer, PeerTable, TableFull
 from neuronode.swarm.node import SwarmNode
-from neuronode.swarm.security import Security
-from neuronode.swarm.trust import askers, witnesses
 from neuronode.v1 import node_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ from neuronode.node.run import load_or_create_node_id
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import NodeKey, check_key, derived_id, is_derived, verify
 from neuronode.swarm.context import Settings
-from neuronode.swarm.security import Security
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

@@ -35,9 +35,20 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "security": ("errors",),
     "averaging": ("clock", "codec", "config", "diloco", "events", "memory", "quorum"),
     "swarm": ("averaging", "clock", "codec", "config", "errors", "events", "quorum", "security", "state", "v1"),
-    "swarm.links": ("clock", "codec", "config", "errors", "events", "v1", "swarm.admission", "swarm.chunks",
-                    "swarm.context", "swarm.membership", "swarm.ratelimit", "swarm.security", "swarm.server",
-                    "swarm.wire"),
+    "swarm.guard": ("averaging", "clock", "events", "quorum", "security", "v1", "swarm.context", "swarm.membership.lineage",
+                    "swarm.membership.table", "swarm.receipts.wire", "swarm.wire"),
+    "swarm.links": ("clock", "codec", "config", "errors", "events", "v1", "swarm.context", "swarm.guard.admission",
+                    "swarm.guard.interceptors", "swarm.guard.proofs", "swarm.guard.ratelimit", "swarm.membership.table", "swarm.server",
+                    "swarm.streams.chunks", "swarm.wire"),
+    "swarm.membership": ("averaging", "clock", "config", "errors", "events", "quorum", "security", "v1", "swarm.context",
+                         "swarm.guard.bans", "swarm.guard.trust", "swarm.links", "swarm.receipts", "swarm.wire"),
+    "swarm.receipts": ("averaging", "codec", "events", "quorum", "security", "v1", "swarm.context",
+                       "swarm.membership.table", "swarm.wire"),
+    "swarm.statesync": ("codec", "events", "security", "state", "v1", "swarm.context", "swarm.guard.proofs",
+                        "swarm.guard.trust", "swarm.links", "swarm.wire"),
+    "swarm.streams": ("averaging", "codec", "events", "quorum", "security", "v1", "swarm.context", "swarm.guard",
+                      "swarm.links", "swarm.membership.hosts", "swarm.membership.table", "swarm.statesync.serving",
+                      "swarm.wire"),
 }
 
 
@@ -241,6 +252,28 @@ def test_the_rule_check_fails_on_an_import_that_breaks_a_rule(tmp_path: Path) ->
         "pkg.guard.bans imports pkg.core.wire, which guard's rule does not allow",
     ]
     assert rule_breaks(pkg, {**rules, "guard": ("core",), "core.links": ("core.wire", "core.node", "base")}) == []
+
+
+def test_the_rule_check_fails_on_a_real_module_that_breaks_its_sub_packages_rule(tmp_path: Path) -> None:
+    """The package as it is, with three imports added that break the rules of `swarm/`'s
+    sub-packages: the bans reaching up to the inbound path, a link to the peers, a receipt check
+    to state transfer (a function-level import). Each is reported, and nothing else."""
+    import shutil
+
+    copy = tmp_path / "neuronode"
+    shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__", "static"))
+    added = {"swarm/guard/bans.py": "from neuronode.swarm.streams.inbound import Inbound\n",
+             "swarm/links/route.py": "import neuronode.swarm.membership.peers\n",
+             "swarm/receipts/checks.py": "def late():\n    from neuronode.swarm.statesync import download\n"}
+    for name, line in added.items():
+        with (copy / name).open("a") as f:
+            f.write(line)
+    assert rule_breaks(copy, MAY_IMPORT) == [
+        "neuronode.swarm.guard.bans imports neuronode.swarm.streams.inbound, which swarm.guard's rule does not allow",
+        "neuronode.swarm.links.route imports neuronode.swarm.membership.peers, which swarm.links's rule does not allow",
+        "neuronode.swarm.receipts.checks imports neuronode.swarm.statesync, which swarm.receipts's rule does not allow",
+        "neuronode.swarm.receipts.checks imports neuronode.swarm.statesync.download, which swarm.receipts's rule does not allow",
+    ]
 
 
 def parts_and_methods(trees: list[ast.AST]) -> set[str]:

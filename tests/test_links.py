@@ -7,7 +7,7 @@ import asyncio
 
 from neuronode.clock import ManualClock
 from neuronode.swarm.links import Carried, Dial, Relayed, Unreachable, relay_for, retry_until, route
-from neuronode.swarm.membership import PeerTable
+from neuronode.swarm.membership.table import PeerTable
 
 
 def table(*peers: tuple[str, str, bool, tuple[str, ...]], me: str = "me") -> PeerTable:

@@ -12,8 +12,10 @@ from helpers import swarm_config
 from neuronode.averaging import RoundState
 from neuronode.clock import ManualClock
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.links import Links
-from neuronode.swarm.membership import (
+from neuronode.swarm.membership.peers import Peers
+from neuronode.swarm.membership.table import (
     MIN_FANOUT,
     PeerTable,
     fanout,
@@ -21,9 +23,7 @@ from neuronode.swarm.membership import (
     rotation,
     round_peers,
 )
-from neuronode.swarm.peers import Peers
-from neuronode.swarm.receipts import Receipts
-from neuronode.swarm.security import Security
+from neuronode.swarm.receipts.receipts import Receipts
 
 BOOTSTRAP = "127.0.0.1:7000"
 

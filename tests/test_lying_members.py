@@ -18,12 +18,13 @@ from helpers import Nodes, wait_until
 
 from neuronode.events import record_fields
 from neuronode.node.catchup import implausible
-from neuronode.swarm import statedonor, statesync
 from neuronode.swarm.context import Tasks
-from neuronode.swarm.lineage import plan_catch_up
-from neuronode.swarm.membership import Peer
+from neuronode.swarm.guard.trust import closed_without_us
+from neuronode.swarm.membership.lineage import plan_catch_up
+from neuronode.swarm.membership.table import Peer
 from neuronode.swarm.node import SwarmNode
-from neuronode.swarm.trust import closed_without_us
+from neuronode.swarm.statesync import donor as statedonor
+from neuronode.swarm.statesync import statesync
 
 pytestmark = pytest.mark.timeout(60)
 

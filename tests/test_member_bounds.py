@@ -25,10 +25,10 @@ from neuronode.codec import Phase
 from neuronode.events import record_fields
 from neuronode.quorum import voice
 from neuronode.swarm.context import buffered_bytes_bound, sender_bytes_bound
-from neuronode.swarm.lineage import Lineages, believable, lineages, same_lineage
-from neuronode.swarm.membership import Peer, PeerTable, TableFull
+from neuronode.swarm.membership.lineage import Lineages, believable, lineages, same_lineage
+from neuronode.swarm.membership.table import Peer, PeerTable, TableFull
 from neuronode.swarm.node import SwarmNode
-from neuronode.swarm.serving import Pace, Slots
+from neuronode.swarm.statesync.serving import Pace, Slots
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

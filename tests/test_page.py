@@ -26,7 +26,7 @@ from neuronode.events import fields, record_fields
 from neuronode.node.history import HISTORY_FILE, History, RoundRecord
 from neuronode.node.page import Page, member_rows, shows_addresses, status_warnings
 from neuronode.node.web import PageApp, Unavailable, serve
-from neuronode.swarm.membership import PeerTable
+from neuronode.swarm.membership.table import PeerTable
 from neuronode.swarm.node import SwarmNode
 
 # ---- the round history in the data dir -------------------------------------------------------

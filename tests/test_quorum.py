@@ -18,9 +18,9 @@ from neuronode.averaging import AllToAll
 from neuronode.averaging.agreement import Receipt, Statement, decide, listed
 from neuronode.codec.contribution import Phase
 from neuronode.quorum import by_id, majority, quorum, voice
-from neuronode.swarm.lineage import believable, lineages, plan_catch_up
-from neuronode.swarm.membership import Peer, PeerTable
-from neuronode.swarm.trust import agreed_host, closed_without_us, reachability, witnesses
+from neuronode.swarm.guard.trust import agreed_host, closed_without_us, reachability, witnesses
+from neuronode.swarm.membership.lineage import believable, lineages, plan_catch_up
+from neuronode.swarm.membership.table import Peer, PeerTable
 
 PKG = Path(__file__).resolve().parent.parent / "neuronode"
 HISTORY = {r: f"h{r}" for r in range(4)}
@@ -183,7 +183,7 @@ def definitions(name: str) -> list[str]:
 def test_one_home_per_rule() -> None:
     """One quorum function, imported wherever members vote; one ban list, on the node's clock."""
     assert definitions("quorum") == ["neuronode/quorum.py"]
-    assert definitions("Bans") == ["neuronode/swarm/bans.py"]
+    assert definitions("Bans") == ["neuronode/swarm/guard/bans.py"]
     for path in sorted([*(PKG / "swarm").rglob("*.py"), *(PKG / "averaging").rglob("*.py")]):
         text = path.read_text()
         assert "QUORUM" not in text and "min(2," not in text, f"{path}: a quorum of its own"
@@ -193,7 +193,7 @@ def test_one_home_per_rule() -> None:
 
 
 def test_quorum_function_is_the_one_the_votes_import() -> None:
-    for module in ("swarm/trust.py", "swarm/lineage.py", "averaging/agreement.py", "swarm/receipt_checks.py",
+    for module in ("swarm/guard/trust.py", "swarm/membership/lineage.py", "averaging/agreement.py", "swarm/receipts/checks.py",
                    "averaging/protocol.py", "averaging/book.py"):
         assert "from neuronode.quorum import" in (PKG / module).read_text(), module
 

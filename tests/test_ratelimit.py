@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from neuronode.swarm.ratelimit import UploadLimiter
+from neuronode.swarm.guard.ratelimit import UploadLimiter
 
 
 @pytest.mark.timeout(30)
@@ -33,7 +33,7 @@ async def test_no_cap_never_schedules() -> None:
 
 def test_upload_meter_measures_concurrent_pushes_as_one_link() -> None:
     """Three pushes of 100 bytes overlapping within 1 s are 300 B/s of link, not 100 each."""
-    from neuronode.swarm.ratelimit import UploadMeter
+    from neuronode.swarm.guard.ratelimit import UploadMeter
 
     meter = UploadMeter()
     assert meter.rate == 0.0

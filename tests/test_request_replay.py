@@ -234,7 +234,7 @@ def test_spent_requests_are_remembered_for_the_window_and_bounded_per_caller_and
     """SpentRequests: a key is refused a second time until twice the freshness window passed on
     the node's clock; a caller holding PER_CALLER is refused (itself only), and once MAX are
     held a caller at its fair share is refused while one below it is still taken."""
-    from neuronode.swarm.security import SpentRequests
+    from neuronode.swarm.guard.replay import SpentRequests
 
     clock = ManualClock()
     spent = SpentRequests(clock, keep_s=600.0)

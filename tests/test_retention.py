@@ -1,4 +1,4 @@
-"""What a node keeps serving to members that missed a contribution (neuronode.swarm.missed):
+"""What a node keeps serving to members that missed a contribution (neuronode.swarm.streams.missed):
 the latest round of each phase, never a pile of rounds. A real SwarmNode (grpc.aio on
 127.0.0.1:0); its transport is what the averaging protocols call."""
 

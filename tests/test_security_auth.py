@@ -221,7 +221,8 @@ def test_auth_imports_no_network() -> None:
 @pytest.mark.parametrize("timestamp", ["¹²³", "١٢٣", "1" * 40, "-5", ""])
 def test_metadata_with_a_non_ascii_or_absurd_timestamp_is_refused_not_a_crash(timestamp: str) -> None:
     """`"¹²³".isdigit()` is True but int() fails: the node must answer AuthError, never crash."""
-    from neuronode.swarm.security import AUTH_KEY, Security
+    from neuronode.swarm.guard.interceptors import AUTH_KEY
+    from neuronode.swarm.guard.proofs import Security
 
     sec = Security(node_id="a", swarm_id="s", secret=b"k" * 32)
     good = dict(sec.metadata("Hello") or ())[AUTH_KEY]

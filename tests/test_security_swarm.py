@@ -35,8 +35,8 @@ from helpers import (
 
 from neuronode import cli
 from neuronode.swarm.context import Settings
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.node import SwarmConfig, SwarmNode
-from neuronode.swarm.security import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc
@@ -499,7 +499,7 @@ def test_hello_body_covers_every_field_a_hello_carries() -> None:
     """Changing any field of NodeInfo, of a RoundDigest in it, or of a listed peer changes the
     digest a Hello's tag binds. Walks the message descriptors, so a field added to the proto
     but forgotten in hello_body fails here."""
-    from neuronode.swarm.security import hello_body
+    from neuronode.swarm.guard.proofs import hello_body
 
     def changed(field: Any, value: Any) -> Any:
         if field.type == field.TYPE_STRING:

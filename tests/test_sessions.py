@@ -16,10 +16,10 @@ from helpers import Nodes, chunks_of, encode, key_of, wait_until
 from neuronode.averaging import AllToAll, AveragingConfig, Prepared
 from neuronode.codec import ContributionEncoder, EncoderConfig, Phase
 from neuronode.diloco import average
-from neuronode.swarm.chunks import maker_chunks
-from neuronode.swarm.links.sessions import Carried, SessionClosed
-from neuronode.swarm.security import Security
-from neuronode.swarm.trust import agreed_host
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.guard.trust import agreed_host
+from neuronode.swarm.links.lanes import Carried, SessionClosed
+from neuronode.swarm.streams.chunks import maker_chunks
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 

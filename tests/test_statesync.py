@@ -20,8 +20,9 @@ from helpers import Nodes, swarm_config, wait_until
 
 from neuronode.events import record_fields
 from neuronode.state import GlobalState
-from neuronode.swarm import statedownload, statesync
 from neuronode.swarm.node import SwarmConfig, SwarmNode
+from neuronode.swarm.statesync import download as statedownload
+from neuronode.swarm.statesync import statesync
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 

@@ -35,8 +35,8 @@ from neuronode.codec import (
 )
 from neuronode.diloco import average
 from neuronode.swarm.context import Settings
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.node import SwarmNode
-from neuronode.swarm.security import Security
 from neuronode.swarm.wire import PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

@@ -10,7 +10,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuronode.swarm.chunks import ChunkView, serialize_chunk
+from neuronode.swarm.streams.chunks import ChunkView, serialize_chunk
 from neuronode.v1 import node_pb2 as pb
 
 TEXT = st.characters(exclude_categories=("Cs",))  # protobuf strings are UTF-8: no lone surrogates

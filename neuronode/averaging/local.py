@@ -289,7 +289,7 @@ class LocalTransport:
         return None
 
     def retain(self, round_id: int, phase: Phase, contributions: Iterable[Contribution], *, for_s: float) -> None:
-        """As neuronode.swarm.missed keeps them: the phase's latest round only."""
+        """As neuronode.swarm.streams.missed keeps them: the phase's latest round only."""
         until = self.swarm.clock.now() + for_s
         kept = self.member.retained
         for s in [s for s in kept if s.phase == phase and s.round_id <= round_id]:

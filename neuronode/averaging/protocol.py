@@ -287,7 +287,7 @@ class Averaging:
         replica averaging these contributions reads alike, whatever host it sees a maker at
         (a member behind NAT is seen at its router by its carriers, under a carrier's host by
         the members it reaches through a relay). Every receiver that sees a maker itself checked
-        that name when the contribution came in (neuronode.swarm.hosts): several ids it sees at
+        that name when the contribution came in (neuronode.swarm.membership.hosts): several ids it sees at
         one host cannot name several."""
         hosts = {sender: voice(sender, c.host) for sender, c in got.items()}
         aggregate, max_weight = self.aggregate, self.cfg.max_weight
@@ -297,7 +297,7 @@ class Averaging:
         """Keep what a member catching up needs of a round we applied `average` in (made from
         `base_digest`): its agreed contributions when they are fewer bytes than the update (a
         compact codec, few members), else the averaged update itself, fp32 so that it applies
-        bit for bit (neuronode.swarm.missed keeps a few rounds of either)."""
+        bit for bit (neuronode.swarm.streams.missed keeps a few rounds of either)."""
         agreed = self.agreed.pop(round_id, {})
         whole = sum(c.data.size_bytes for c in agreed.values())
         if agreed and sorted(agreed) == average.contributors and whole < UPDATE_BYTES_PER_ELEMENT * self.cfg.n_elements:

@@ -38,8 +38,8 @@ FORM_TIMEOUT_S = 120.0
 async def start_members(n: int, *, sampled: bool, heartbeat_s: float, executor: ThreadPoolExecutor) -> list[Any]:
     from neuronode.averaging import RoundState
     from neuronode.security.identity import NodeKey
+    from neuronode.swarm.guard.proofs import Security
     from neuronode.swarm.node import SwarmConfig, SwarmNode
-    from neuronode.swarm.security import Security
 
     members: list[Any] = []
     for i in range(n):
@@ -91,7 +91,7 @@ def sent(members: list[Any]) -> tuple[int, int]:
 
 
 async def measure(args: argparse.Namespace, *, sampled: bool) -> dict[str, float]:
-    from neuronode.swarm.membership import MAX_MEMBERS, MIN_FANOUT, fanout, rotation
+    from neuronode.swarm.membership.table import MAX_MEMBERS, MIN_FANOUT, fanout, rotation
 
     n = args.members
     executor = ThreadPoolExecutor(2, thread_name_prefix="bench")

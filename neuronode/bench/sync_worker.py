@@ -133,8 +133,8 @@ class NodeWorker:
 
     async def run(self) -> dict[str, Any]:
         from neuronode.security.auth import load_secret
+        from neuronode.swarm.guard.proofs import Security
         from neuronode.swarm.node import SwarmConfig, SwarmNode
-        from neuronode.swarm.security import Security
 
         deadline = time.monotonic() + START_TIMEOUT_S
         peers: tuple[str, ...] = ()

@@ -17,7 +17,7 @@ from neuronode.events import Throttled, fields
 from neuronode.node.pools import Pools
 from neuronode.node.replica import Replica
 from neuronode.state import GlobalState
-from neuronode.swarm.lineage import CatchUp as Plan
+from neuronode.swarm.membership.lineage import CatchUp as Plan
 from neuronode.swarm.node import SwarmNode
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class ByRounds:
     start of round r while the swarm is at r + k (it installed a state that the swarm moved on
     from during the download, it was away, or trained a round too slowly) applies rounds r, ...,
     r + k - 1 itself, each from what the swarm applied in it: the averaged update a member that
-    applied it keeps, or the round's agreed contributions (neuronode.swarm.missed keeps
+    applied it keeps, or the round's agreed contributions (neuronode.swarm.streams.missed keeps
     whichever is fewer bytes, CATCHUP_ROUNDS rounds), and keeps each step only if it reaches the
     parameter and momentum digests a quorum of the other hosts published for the round's end
     (never one member's word: a holder that serves anything else costs a try, and we restore the

@@ -43,9 +43,9 @@ from neuronode.node.rounds import Rounds, finite
 from neuronode.node.trainer import make_aggregator
 from neuronode.node.web import on_loop
 from neuronode.swarm.context import Settings
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.node import SwarmConfig, SwarmNode
-from neuronode.swarm.security import Security
-from neuronode.swarm.statesync import TransferProgress
+from neuronode.swarm.statesync.statesync import TransferProgress
 
 logger = logging.getLogger(__name__)
 

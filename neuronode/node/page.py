@@ -24,8 +24,8 @@ from neuronode.config import NodeConfig, is_loopback_host
 from neuronode.events import record_fields
 from neuronode.node.console import round_seconds
 from neuronode.node.history import History, RoundRecord
-from neuronode.swarm.lineage import same_lineage
-from neuronode.swarm.membership import PeerTable
+from neuronode.swarm.membership.lineage import same_lineage
+from neuronode.swarm.membership.table import PeerTable
 from neuronode.swarm.node import SwarmNode
 from neuronode.swarm.wire import dict_to_status, status_to_dict
 

@@ -27,8 +27,8 @@ from neuronode.events import fields
 from neuronode.node.catchup import ByRounds, CatchUp
 from neuronode.node.pools import Pools
 from neuronode.node.replica import Replica
-from neuronode.swarm.missed import CATCHUP_ROUNDS
 from neuronode.swarm.node import SwarmNode
+from neuronode.swarm.streams.missed import CATCHUP_ROUNDS
 
 logger = logging.getLogger(__name__)
 Drill = Callable[[torch.Tensor], torch.Tensor]

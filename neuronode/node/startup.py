@@ -15,7 +15,7 @@ from neuronode.config import NodeConfig, check_data_dir
 from neuronode.errors import ConfigError
 from neuronode.security.auth import load_secret, permissions_warning
 from neuronode.security.identity import NodeKey
-from neuronode.swarm.security import Security
+from neuronode.swarm.guard.proofs import Security
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -26,7 +26,7 @@ def from_peer(address: str, *, timeout_s: float = 5.0, secret_file: str | None =
     metadata = None
     if secret_file:
         from neuronode.security.auth import load_secret
-        from neuronode.swarm.security import Security
+        from neuronode.swarm.guard.proofs import Security
 
         metadata = Security(node_id="status-cli", swarm_id=swarm_id, secret=load_secret(secret_file)).metadata("Status")
     if all(tls):

@@ -88,7 +88,7 @@ def hello_tag(secret: bytes, *, swarm_id: str, node_id: str, advertise: str,
               timestamp_s: int, body: str = "") -> str:
     """Proof of membership for a Hello (either direction), valid near `timestamp_s`. `body`
     is a digest of the rest of the message (rounds, digests, peer lists), so that an on-path
-    attacker cannot rewrite it (neuronode.swarm.security.hello_body)."""
+    attacker cannot rewrite it (neuronode.swarm.guard.proofs.hello_body)."""
     return _tag(secret, "hello", swarm_id, node_id, advertise, _int(timestamp_s), body)
 
 

@@ -15,11 +15,12 @@ from neuronode.clock import Clock
 from neuronode.codec import SPARSE, codec_spec, get_codec, shard_ranges
 from neuronode.config import NodeConfig
 from neuronode.events import Throttled
-from neuronode.swarm.bans import Bans
 from neuronode.swarm.faults import Faults
-from neuronode.swarm.membership import MAX_IDS_PER_HOST, MAX_MEMBERS, MIN_FANOUT, PeerTable
-from neuronode.swarm.ratelimit import UploadLimiter, UploadMeter
-from neuronode.swarm.security import Security, SpentRequests
+from neuronode.swarm.guard.bans import Bans
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.guard.ratelimit import UploadLimiter, UploadMeter
+from neuronode.swarm.guard.replay import SpentRequests
+from neuronode.swarm.membership.table import MAX_IDS_PER_HOST, MAX_MEMBERS, MIN_FANOUT, PeerTable
 from neuronode.swarm.server import Channels, Counters
 
 logger = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class Context:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        self.bans = Bans(clock=self.clock)  # the node's one ban list (neuronode.swarm.bans)
+        self.bans = Bans(clock=self.clock)  # the node's one ban list (neuronode.swarm.guard.bans)
         self.spent = SpentRequests(self.clock)  # signed requests used here (each is good once)
         self.table = PeerTable(self_id=cfg.node_id, dead_after_s=max(3 * cfg.heartbeat_s, 5.0), clock=self.clock,
                                max_ids_per_host=cfg.max_ids_per_host,
@@ -235,7 +236,7 @@ class Context:
         self.upload = UploadLimiter(cfg.max_upload_mbps)
         self.upload_meter = UploadMeter()
         self.say = Throttled(logging.getLogger("neuronode.swarm"), self.clock)
-        self.advertise = cfg.advertise  # "" while a wildcard --listen learns it (neuronode.swarm.reach)
+        self.advertise = cfg.advertise  # "" while a wildcard --listen learns it (neuronode.swarm.membership.reach)
         self.bound_port = 0  # the port the server listens on
         self.reachable = "unknown"  # can peers dial us at `advertise`: "yes", "no" or "unknown"
         self.started = False  # the server is up: announcements may go out

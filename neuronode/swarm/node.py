@@ -23,23 +23,29 @@ from neuronode.averaging import RoundBook, RoundState
 from neuronode.clock import Clock
 from neuronode.config import is_wildcard_host
 from neuronode.state import GlobalState
-from neuronode.swarm.admission import Admission
 from neuronode.swarm.context import Context, SwarmConfig, buffered_bytes_bound
 from neuronode.swarm.faults import FaultPlan
-from neuronode.swarm.forward import Forward
-from neuronode.swarm.inbound import Inbound
-from neuronode.swarm.lineage import CatchUp, believable, plan_catch_up
+from neuronode.swarm.guard.admission import Admission
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.guard.trust import closed_without_us, witnesses
 from neuronode.swarm.links import Links
-from neuronode.swarm.membership import PeerTable
-from neuronode.swarm.peers import Peers
-from neuronode.swarm.reach import Reach, host_of, join_host_port
-from neuronode.swarm.receipts import Receipts
-from neuronode.swarm.security import Security
+from neuronode.swarm.membership.lineage import CatchUp, believable, plan_catch_up
+from neuronode.swarm.membership.peers import Peers
+from neuronode.swarm.membership.reach import Reach, host_of, join_host_port
+from neuronode.swarm.membership.table import PeerTable
+from neuronode.swarm.receipts.receipts import Receipts
 from neuronode.swarm.server import Counters, Server
 from neuronode.swarm.service import NodeService
-from neuronode.swarm.statesync import Donor, StateFetch, StateProvider, TransferProgress, Verify
+from neuronode.swarm.statesync.statesync import (
+    Donor,
+    StateFetch,
+    StateProvider,
+    TransferProgress,
+    Verify,
+)
+from neuronode.swarm.streams.forward import Forward
+from neuronode.swarm.streams.inbound import Inbound
 from neuronode.swarm.transport import GrpcTransport
-from neuronode.swarm.trust import closed_without_us, witnesses
 from neuronode.swarm.wire import PROTOCOL_VERSION
 from neuronode.v1 import node_pb2 as pb
 
@@ -214,24 +220,24 @@ class SwarmNode:
         return plan_catch_up(self.cfg.node_id, self.state.round, self.state.digests, self.table.alive())
 
     async def fetch_state(self, donors: list[str], *, verify: Verify = lambda _: None) -> GlobalState | None:
-        """The swarm's state from `donors` (those we can dial, in this order; neuronode.swarm.statesync)."""
+        """The swarm's state from `donors` (those we can dial, in this order; neuronode.swarm.statesync.statesync)."""
         return await self.fetcher.fetch(donors, verify=verify)
 
     def closed_without_us(self, round_id: int) -> list[str]:
         """Peers of our lineage (same parameters at the start of `round_id`) that already closed
         `round_id`, so averaged it without us (we joined, or trained, too late for it), when
-        enough of them say so (neuronode.swarm.trust.closed_without_us)."""
+        enough of them say so (neuronode.swarm.guard.trust.closed_without_us)."""
         return closed_without_us(round_id, self.state.digests.get(round_id), self.table.alive())
 
     def vouched(self, round_id: int, param_digest: str, momentum_digest: str) -> bool:
         """Whether a quorum of the other live hosts published this state for `round_id`
-        (neuronode.swarm.trust.witnesses): what a replayed round must reach."""
+        (neuronode.swarm.guard.trust.witnesses): what a replayed round must reach."""
         return witnesses(round_id, param_digest, self.cfg.node_id, self.table.alive(), momentum_digest).accepted
 
     def holders(self, round_id: int, param_digest: str) -> list[str]:
         """Live members we can dial that applied `round_id` from `param_digest` (they published
         it for the round's start, and a digest for its end): who may serve what catching up by
-        that round needs (neuronode.swarm.missed). Their word is checked after (`vouched`)."""
+        that round needs (neuronode.swarm.streams.missed). Their word is checked after (`vouched`)."""
         return sorted(p.node_id for p in believable(self.table.alive())
                       if p.digests.get(round_id) == param_digest and round_id + 1 in p.digests
                       and self.links.dialable(p))

@@ -13,7 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neuronode.errors import ConfigError
-from neuronode.swarm.security import NODE_SERVICE_PREFIX, Security
+from neuronode.swarm.guard.interceptors import NODE_SERVICE_PREFIX
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.wire import SERVER_OPTIONS
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

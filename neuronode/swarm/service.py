@@ -1,6 +1,6 @@
 """The gRPC face of a node (service neuronode.v1.Node). Every refusal maps to a status code and
 a message a person can act on. PushContribution is served by the inbound path
-(neuronode.swarm.inbound), which reads the raw chunk bytes."""
+(neuronode.swarm.streams.inbound), which reads the raw chunk bytes."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ import grpc
 
 from neuronode.quorum import voice
 from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission, caller_host, end_call, member_request, signed_by
 from neuronode.swarm.context import Context
-from neuronode.swarm.membership import KeyMismatch, TableFull
-from neuronode.swarm.peers import PEX_SAMPLE, Peers
-from neuronode.swarm.reach import Reach
-from neuronode.swarm.security import NODE_SERVICE_PREFIX, caller_id
-from neuronode.swarm.statedonor import Donor
+from neuronode.swarm.guard.admission import (
+    Admission,
+    caller_host,
+    end_call,
+    member_request,
+    signed_by,
+)
+from neuronode.swarm.guard.interceptors import NODE_SERVICE_PREFIX, caller_id
+from neuronode.swarm.membership.peers import PEX_SAMPLE, Peers
+from neuronode.swarm.membership.reach import Reach
+from neuronode.swarm.membership.table import KeyMismatch, TableFull
+from neuronode.swarm.statesync.donor import Donor
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal, dict_to_status
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

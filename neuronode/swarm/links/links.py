@@ -20,7 +20,7 @@ from neuronode.swarm.links.relay import Relay
 from neuronode.swarm.links.resolve import Resolver, Target
 from neuronode.swarm.links.route import Carried, Dial, Relayed, Route, Unreachable, route
 from neuronode.swarm.links.sessions import Inbox, Sessions
-from neuronode.swarm.membership import Peer
+from neuronode.swarm.membership.table import Peer
 from neuronode.swarm.server import BULK, CONTROL
 from neuronode.v1 import node_pb2 as pb
 

@@ -7,7 +7,7 @@ receiver's session, what one home member sent it and another needs:
 - its Hellos, exactly as it signed them: the receiver checks them as if their maker had called
   (so home members know each other's rounds, digests and receipts);
 - its contributions, as it signed them: the receiver checks the maker's signature on the
-  statement, whoever delivered it (neuronode.swarm.inbound).
+  statement, whoever delivered it (neuronode.swarm.streams.inbound).
 
 One relay per (maker, receiver): among the members the receiver says carry its sessions
 (`NodeInfo.carried_by`), the live one ranked first by a hash of (maker, receiver, member)
@@ -15,7 +15,7 @@ One relay per (maker, receiver): among the members the receiver says carry its s
 The load spreads over the reachable members, and when the one in charge goes, the receiver's
 list changes and the next takes over. A relay can drop or delay what it forwards, never alter it
 undetected; a contribution it drops is fetched from another member whose receipt lists it
-(neuronode.swarm.missed), or missed as any withheld one.
+(neuronode.swarm.streams.missed), or missed as any withheld one.
 
 Bounds: forwarded chunks go at most at --max-relay-mbps (on top of --max-upload-mbps, which
 they share with everything the node sends) and only within the contribution's push window
@@ -32,13 +32,14 @@ from collections.abc import AsyncIterator
 
 from neuronode.codec import Contribution
 from neuronode.events import fields
-from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.ratelimit import UploadLimiter
 from neuronode.swarm.links.backoff import retry_until
+from neuronode.swarm.links.lanes import SessionClosed
 from neuronode.swarm.links.route import live_carriers, relay_for
-from neuronode.swarm.links.sessions import SessionClosed, Sessions
-from neuronode.swarm.membership import MAX_MEMBERS
-from neuronode.swarm.ratelimit import UploadLimiter
+from neuronode.swarm.links.sessions import Sessions
+from neuronode.swarm.membership.table import MAX_MEMBERS
+from neuronode.swarm.streams.chunks import maker_chunks
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)

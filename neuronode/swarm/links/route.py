@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from neuronode.swarm.membership import Peer, PeerTable
+from neuronode.swarm.membership.table import Peer, PeerTable
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Sessions: how a node that peers cannot dial (behind NAT, nothing forwarded) takes part.
 
-Such a node (NodeInfo.reachable = NO, neuronode.swarm.reach) is never dialed. It opens one
+Such a node (NodeInfo.reachable = NO, neuronode.swarm.membership.reach) is never dialed. It opens one
 long-lived `Session` call to every reachable member it knows; the member streams over it what
 it would otherwise send by dialing: its signed Hello answer whenever it announces news (round,
 receipts), and its contributions, chunk by chunk, several at once as numbered streams; and what
@@ -18,7 +18,7 @@ nothing of peers or the transport.
 
 Bounds (docs/protocol.md): one session per caller, MAX_SESSIONS per node, only for live members
 (a member that dies, leaves or is banned loses it), DATA_MESSAGES chunks waiting per session (a
-contribution waits for room: backpressure), and a session is ended when its reader takes
+contribution waits for room: backpressure; neuronode.swarm.links.lanes), and a session is ended when its reader takes
 nothing for STALL_S, on either side: the carrier's write, or the holder's check of a chunk
 (a stream refused or aborted on the way is drained, never waited for); a held session that
 hears nothing for IDLE_S ends too, and is opened again.
@@ -27,7 +27,6 @@ hears nothing for IDLE_S ends too, and is opened again.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -37,11 +36,11 @@ from typing import Protocol
 import grpc
 
 from neuronode.events import fields
-from neuronode.swarm.admission import Admission, member_request
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.admission import Admission, member_request
+from neuronode.swarm.guard.interceptors import caller_id
+from neuronode.swarm.links.lanes import DATA_MESSAGES, Carried, SessionClosed, fail
 from neuronode.swarm.links.route import Dial, route
-from neuronode.swarm.membership import MAX_MEMBERS
-from neuronode.swarm.security import caller_id
 from neuronode.swarm.wire import STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -50,13 +49,8 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_S = 20.0
 IDLE_S = 3 * KEEPALIVE_S  # a held session that hears nothing this long (keepalives included) ended
 MAX_SESSIONS = 256
-DATA_MESSAGES = 8  # chunks waiting to be written to one session
 MAX_STREAMS = 8  # contribution streams one session may carry to us at once
 STREAM_CHUNKS = 16  # chunks of one stream waiting to be checked
-
-
-class SessionClosed(Exception):
-    """The session a contribution was streaming over ended; the push is retried."""
 
 
 class SessionStuck(Exception):
@@ -84,77 +78,6 @@ class Inbox(Protocol):
 
     def carriers_changed(self) -> None:
         """A session we hold opened or ended: who carries us (NodeInfo.carried_by) changed."""
-
-
-Queued = tuple[pb.SessionMessage, "asyncio.Future[None] | None"]  # a message, and who waits for it to go out
-
-
-@dataclass(eq=False)
-class Carried:
-    """A session we carry for a member peers cannot dial: a control lane (Hellos, the latest
-    per maker) written before the data lane (chunks, in order, at most DATA_MESSAGES waiting)."""
-
-    peer_id: str
-    control: dict[str, pb.SessionMessage] = field(default_factory=dict)
-    data: deque[Queued] = field(default_factory=deque)
-    streams: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    closed: bool = False
-    ready: asyncio.Event = field(default_factory=asyncio.Event)  # something waits to be written
-    room: asyncio.Event = field(default_factory=asyncio.Event)  # the data lane took one out
-
-    def offer(self, key: str, msg: pb.SessionMessage) -> None:
-        """A control message, replacing any older one under `key` (the same maker's news)."""
-        if self.closed:
-            return
-        self.control.pop(key, None)
-        if len(self.control) < MAX_MEMBERS:  # Hellos waiting: the latest per maker, one per member
-            self.control[key] = msg
-            self.ready.set()
-
-    async def put(self, msg: pb.SessionMessage, *, written: bool = False) -> None:
-        """Queue a data message (waiting for room); with `written`, return only once it went
-        out on the session, and raise SessionClosed if the session ended first."""
-        while not self.closed and len(self.data) >= DATA_MESSAGES:
-            self.room.clear()
-            await self.room.wait()
-        if self.closed:
-            raise SessionClosed(f"the session of {self.peer_id} ended")
-        done = asyncio.get_running_loop().create_future() if written else None
-        self.data.append((msg, done))
-        self.ready.set()
-        if done is not None:
-            await done
-
-    async def take(self, timeout_s: float) -> Queued | None:
-        """The next message to write (control first), or None after `timeout_s` of nothing."""
-        if not self.control and not self.data:
-            self.ready.clear()
-            try:
-                await asyncio.wait_for(self.ready.wait(), timeout=timeout_s)
-            except TimeoutError:
-                return None
-        if self.control:
-            return self.control.pop(next(iter(self.control))), None
-        if self.data:
-            item = self.data.popleft()
-            self.room.set()
-            return item
-        return None  # ended meanwhile
-
-    def end(self) -> None:
-        """The session ended: what still waited is dropped, and whoever waits for it to go out
-        learns so (a push then goes again, over the next session)."""
-        self.closed = True
-        while self.data:
-            fail(self.data.popleft()[1], self.peer_id)
-        self.control.clear()
-        self.room.set()
-        self.ready.set()
-
-
-def fail(done: asyncio.Future[None] | None, peer_id: str) -> None:
-    if done is not None and not done.done():
-        done.set_exception(SessionClosed(f"the session of {peer_id} ended before this went out"))
 
 
 @dataclass(eq=False)

@@ -17,13 +17,19 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import is_derived
 from neuronode.swarm.context import Context, Settings
-from neuronode.swarm.lineage import agreement
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.links.links import FINAL_CODES
 from neuronode.swarm.links.relay import MAX_CARRIERS
-from neuronode.swarm.membership import MAX_MEMBERS, KeyMismatch, Peer, TableFull, heartbeat_targets
-from neuronode.swarm.receipt_wire import check_sizes as check_receipt_sizes
-from neuronode.swarm.receipts import Receipts
+from neuronode.swarm.membership.lineage import agreement
+from neuronode.swarm.membership.table import (
+    MAX_MEMBERS,
+    KeyMismatch,
+    Peer,
+    TableFull,
+    heartbeat_targets,
+)
+from neuronode.swarm.receipts.receipts import Receipts
+from neuronode.swarm.receipts.wire import check_sizes as check_receipt_sizes
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
     MAX_ID_CHARS,

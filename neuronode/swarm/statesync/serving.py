@@ -1,6 +1,6 @@
 """What a node serves others, and how long a reader may hold it: the transfers it runs for
-other members (state transfers, `neuronode.swarm.statedonor`; missed contributions,
-`neuronode.swarm.missed`) take a slot each, at most a few per caller host and a bounded number
+other members (state transfers, `neuronode.swarm.statesync.donor`; missed contributions,
+`neuronode.swarm.streams.missed`) take a slot each, at most a few per caller host and a bounded number
 in all, and each keeps its slot only while its reader keeps a pace.
 
 Slots are keyed by the caller's voice (`neuronode.quorum.voice`: the host its connection comes

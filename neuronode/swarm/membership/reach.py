@@ -25,10 +25,10 @@ from neuronode.config import is_wildcard_host
 from neuronode.events import fields
 from neuronode.quorum import voice
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.trust import ASKED, agreed_host, askers, reachability
 from neuronode.swarm.links import Links, NoRoute
 from neuronode.swarm.links.resolve import Resolver, canonical_ip, join, literal, split
-from neuronode.swarm.membership import Peer
-from neuronode.swarm.trust import ASKED, agreed_host, askers, reachability
+from neuronode.swarm.membership.table import Peer
 from neuronode.swarm.wire import MAX_ADDRESS_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -179,7 +179,7 @@ class Reach:
 
     async def check(self, target: str, asked: list[Peer]) -> str:
         """Ask `asked` (up to three live peers on distinct hosts) to dial us back at `target`; the
-        verdict needs a majority of the hosts that answered (neuronode.swarm.trust.reachability)."""
+        verdict needs a majority of the hosts that answered (neuronode.swarm.guard.trust.reachability)."""
         answers = await asyncio.gather(*(self.ask(p.node_id, target) for p in asked))
         said = [(peer, resp) for peer, resp in zip(asked, answers, strict=True) if resp is not None]
         verdict = reachability([(p.node_id, resp.reachable) for p, resp in said], self.ctx.table.voice)

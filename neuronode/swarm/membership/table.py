@@ -1,4 +1,4 @@
-"""Who is in the swarm: the peer table and liveness (replica agreement: neuronode.swarm.lineage).
+"""Who is in the swarm: the peer table and liveness (replica agreement: neuronode.swarm.membership.lineage).
 
 Pure bookkeeping (no sockets): the node feeds it what Hello calls and heartbeats learn.
 A peer is alive while we heard from it within `dead_after_s` and it has not said it is leaving.
@@ -26,7 +26,7 @@ from neuronode.errors import ConfigError
 from neuronode.events import fields
 from neuronode.quorum import host as host_of
 from neuronode.quorum import is_loopback, reached, voice
-from neuronode.swarm.bans import Bans, node_key
+from neuronode.swarm.guard.bans import Bans, node_key
 
 logger = logging.getLogger(__name__)
 

@@ -11,21 +11,20 @@
 Both can be combined. The pure HMAC and certificate code lives in neuronode/security/.
 - Always: every node signs what it says with its key (Hellos, contributions, receipts), and the
   requests that speak for it (Leave, FetchState, FetchContribution, CheckReachable, Session):
-  those name the node they are for and a nonce, and that node takes each once (SpentRequests).
+  those name the node they are for and a nonce, and that node takes each once
+  (neuronode.swarm.guard.replay). The checks before any handler runs: neuronode.swarm.guard.interceptors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +36,18 @@ from neuronode.averaging.agreement import Receipt, Statement
 from neuronode.security import auth, identity
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import NodeKey
-from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_ID_CHARS, MAX_PEERS_LISTED, Refusal
+from neuronode.swarm.guard.interceptors import (
+    AUTH_KEY,
+    NODE_SERVICE_PREFIX,
+    AuthInterceptor,
+    DecodeGuard,
+)
+from neuronode.swarm.wire import CHANNEL_OPTIONS, MAX_ID_CHARS, MAX_PEERS_LISTED
 from neuronode.v1 import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-AUTH_KEY = "neuronode-auth"
-NODE_SERVICE_PREFIX = "/neuronode.v1.Node/"
 # Methods whose request body names the caller; the interceptor checks the metadata of all.
-OPEN_METHODS = {NODE_SERVICE_PREFIX + "Status"}  # loopback callers may skip the proof
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Security:
         return grpc.aio.secure_channel(address, channel_credentials(cert, key, ca), options=options)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [DecodeGuard(), *([AuthInterceptor(self)] if self.secret else [])]
+        return [DecodeGuard(), *([AuthInterceptor(self.verify_metadata)] if self.secret else [])]
 
     # ---- per-call proofs -------------------------------------------------------------------
 
@@ -250,51 +252,6 @@ def request_fields(swarm_id: str, method: str, msg: Any) -> tuple[Any, ...]:
     raise ValueError(f"{method} is not a signed request")
 
 
-class SpentRequests:
-    """The signed requests this node accepted within the freshness window, so that each is used
-    once: a second use (a replay, by whoever saw it) is refused. Each is remembered for twice the
-    window (a timestamp may be that far ahead of our clock and still pass) on the node's clock,
-    by the digest of what its signature covers (a fresh nonce makes every honest one unique).
-    Memory is bounded: at most PER_CALLER per caller (the id its signature proved) and, once
-    MAX are remembered, a caller holding its fair share (MAX over the callers remembered) or
-    more is refused until some expire: so at most 2 x MAX, and a caller that floods us
-    refuses itself only."""
-
-    PER_CALLER = 4096
-    MAX = 1 << 16
-
-    def __init__(self, clock: Any, *, keep_s: float = 2 * auth.DEFAULT_MAX_SKEW_S) -> None:
-        self.clock = clock
-        self.keep_s = keep_s
-        self._order: collections.deque[tuple[float, str, bytes]] = collections.deque()  # (until, caller, key)
-        self._keys: set[bytes] = set()
-        self._count: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def spend(self, caller: str, key: bytes, method: str) -> None:
-        """Remember `key` (a request `caller` signed) as used; raise Refusal when it was used
-        already (PERMISSION_DENIED) or `caller` has too many remembered (RESOURCE_EXHAUSTED)."""
-        now = self.clock.now()
-        while self._order and self._order[0][0] <= now:
-            _, old_caller, old = self._order.popleft()
-            self._keys.discard(old)
-            self._count[old_caller] -= 1
-            if not self._count[old_caller]:
-                del self._count[old_caller]
-        if key in self._keys:
-            raise Refusal("PERMISSION_DENIED", f"this {method} request was used here already: a signed request is "
-                          "good once (replayed); each call signs a new one")
-        mine = self._count.get(caller, 0)
-        if mine >= self.PER_CALLER or (len(self._keys) >= self.MAX and mine >= self.MAX // max(1, len(self._count))):
-            raise Refusal("RESOURCE_EXHAUSTED", f"{mine} signed requests of {caller[:MAX_ID_CHARS]!r} were accepted "
-                          f"here in the last {self.keep_s:.0f} s, the most one caller may have; wait a minute")
-        self._keys.add(key)
-        self._count[caller] = mine + 1
-        self._order.append((now + self.keep_s, caller, key))
-
-
 Signed = tuple[bytes, bytes, str, tuple[Any, ...]]  # public key, signature, domain, fields
 FEW_SIGNATURES = 8  # a Hello carrying at most this many has them checked on the loop (about 0.5 ms)
 
@@ -345,7 +302,7 @@ def hello_signatures(swarm_id: str, msg: pb.HelloRequest | pb.HelloResponse) -> 
     """Every signature a Hello carries, with what it signs: the Hello's, its receipts' (over
     their lists' digests) and their statements' (each under the key it names)."""
     from neuronode.averaging.agreement import statements_digest
-    from neuronode.swarm.receipt_wire import check_sizes, statement_from_pb
+    from neuronode.swarm.receipts.wire import check_sizes, statement_from_pb
 
     info = msg.info
     check_sizes(info)  # no more than an honest Hello carries (a Refusal otherwise: nothing checked ahead)
@@ -358,121 +315,6 @@ def hello_signatures(swarm_id: str, msg: pb.HelloRequest | pb.HelloResponse) -> 
                                                               digest.hex())))
         items.extend((st.public_key, st.signature, "contribution", statement_fields(swarm_id, st)) for st in statements)
     return items
-
-
-def caller_id(context: grpc.aio.ServicerContext) -> str:
-    """The node id the interceptor verified for this call ("" when the swarm is open)."""
-    value = dict(context.invocation_metadata() or ()).get(AUTH_KEY, "")
-    return value.rsplit(":", 2)[0] if isinstance(value, str) and value.count(":") >= 2 else ""
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks the membership proof of every neuronode call before its handler runs."""
-
-    def __init__(self, security: Security) -> None:
-        self.security = security
-
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails,
-    ) -> Any:
-        method = details.method
-        if not method.startswith(NODE_SERVICE_PREFIX) or method in OPEN_METHODS:
-            return await continuation(details)
-        try:
-            self.security.verify_metadata(details.invocation_metadata, method)
-        except AuthError as exc:
-            return refuse(await continuation(details), str(exc))
-        return await continuation(details)
-
-
-def refuse(handler: Any, message: str) -> Any:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
-
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        logger.warning("refused an unauthenticated call from %s: %s", context.peer(), message)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.request_streaming and not handler.response_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-    if handler.response_streaming and not handler.request_streaming:
-        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            logger.warning("refused an unauthenticated call from %s: %s", context.peer(), message)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # pragma: no cover - makes this an async generator
-
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
-
-
-@dataclass(frozen=True)
-class Undecodable:
-    """What a request that is not valid protobuf deserializes to (instead of raising inside grpc,
-    which answers UNKNOWN and logs a traceback)."""
-
-    error: str
-
-
-class DecodeGuard(grpc.aio.ServerInterceptor):
-    """Answers INVALID_ARGUMENT, with a message, to a neuronode request that is not valid protobuf."""
-
-    def __init__(self) -> None:
-        self.logged_at = -1e9
-
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(NODE_SERVICE_PREFIX):
-            return handler
-        if handler.request_deserializer is None:
-            return handler  # it reads raw bytes and refuses what it cannot parse itself (PushContribution)
-        name = details.method.rsplit("/", 1)[-1]
-        parse = handler.request_deserializer
-
-        def deserialize(data: bytes) -> Any:
-            try:
-                return parse(data)
-            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
-                return Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
-
-        async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
-            if isinstance(request, Undecodable):
-                now = time.monotonic()
-                if now - self.logged_at >= 60.0:  # at most once a minute: bad input must not flood the log
-                    self.logged_at = now
-                    logger.warning("refused an undecodable %s request from %s: %s", name, context.peer(),
-                                   request.error)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"{name}: the request is not a valid {name} message ({request.error}); "
-                                    "check that both sides run the same neuronode protocol")
-
-        kwargs = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
-        if handler.response_streaming and not handler.request_streaming:
-            inner_us = handler.unary_stream
-            if not inspect.isasyncgenfunction(inner_us):  # it writes with context.write (FetchState)
-                async def unary_stream_writes(request: Any, context: grpc.aio.ServicerContext) -> None:
-                    await refuse_undecodable(request, context)
-                    await inner_us(request, context)
-
-                return grpc.unary_stream_rpc_method_handler(unary_stream_writes, **kwargs)
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                await refuse_undecodable(request, context)
-                async for response in inner_us(request, context):
-                    yield response
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
-        if not handler.request_streaming and not handler.response_streaming:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await refuse_undecodable(request, context)
-                return await inner_uu(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
-        return handler
 
 
 def statement_fields(swarm_id: str, s: Statement) -> tuple[Any, ...]:

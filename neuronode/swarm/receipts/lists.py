@@ -1,7 +1,7 @@
-"""Compact receipts rebuilt into their lists (neuronode.swarm.receipts keeps the receipts).
+"""Compact receipts rebuilt into their lists (neuronode.swarm.receipts.receipts keeps the receipts).
 
 A receipt to a live peer travels as its list's digest alone, or with an 8-byte id per statement
-(neuronode.swarm.receipt_wire). The receiver rebuilds the list from lists it knows (its own
+(neuronode.swarm.receipts.wire). The receiver rebuilds the list from lists it knows (its own
 receipt's first) or from their statements by id. What it cannot rebuild waits here, its maker's
 signature already checked, and once we are ready for that round's phase (our own receipt of it
 is out, or we read its receipts) we ask the maker for it: the ids first, then the statements
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from neuronode.averaging.agreement import Statement, statements_digest
 from neuronode.codec.contribution import Phase
-from neuronode.swarm.receipt_wire import ID_BYTES, MAX_WANTED, receipt_from_pb, short_id
+from neuronode.swarm.receipts.wire import ID_BYTES, MAX_WANTED, receipt_from_pb, short_id
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
 

@@ -3,7 +3,7 @@ and checked here (`Inbound.receive`): its header (who sent it, by membership pro
 or signature; whether its round, geometry and reduce-scatter role are ones this node takes),
 each chunk as it is decoded off the event loop (neuronode.codec.Assembler.take: order, sizes,
 bounded decompression, finite values), and the whole (digest). Chunks are parsed without
-protobuf copying their payload (neuronode.swarm.chunks)."""
+protobuf copying their payload (neuronode.swarm.streams.chunks)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ from neuronode.codec import (
 )
 from neuronode.quorum import host, is_loopback, voice
 from neuronode.security.auth import AuthError
-from neuronode.swarm.admission import Admission
-from neuronode.swarm.bans import node_key
-from neuronode.swarm.chunks import ChunkView, parse_chunk
 from neuronode.swarm.context import Context
-from neuronode.swarm.forward import Forward
-from neuronode.swarm.hosts import host_claim_refusal, is_canonical_ip
+from neuronode.swarm.guard.admission import Admission
+from neuronode.swarm.guard.bans import node_key
+from neuronode.swarm.guard.interceptors import caller_id
 from neuronode.swarm.links.relay import Relay
-from neuronode.swarm.security import caller_id
+from neuronode.swarm.membership.hosts import host_claim_refusal, is_canonical_ip
+from neuronode.swarm.streams.chunks import ChunkView, parse_chunk
+from neuronode.swarm.streams.forward import Forward
 from neuronode.swarm.wire import (
     MAX_ADDRESS_CHARS,
     MAX_ID_CHARS,
@@ -254,7 +254,7 @@ class Inbound:
 
     def check_forwarded(self, chunk: Any, forwarder: str) -> None:
         """A whole contribution `forwarder` passes on down its maker's tree (--averaging gather,
-        neuronode.swarm.forward): its maker's signature (open_stream) proves what it says, and
+        neuronode.swarm.streams.forward): its maker's signature (open_stream) proves what it says, and
         neither may be banned."""
         for who in (forwarder, chunk.sender_id):
             if banned := self.ctx.bans.refusal(node_key(who)):

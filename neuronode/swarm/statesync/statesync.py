@@ -1,11 +1,11 @@
 """State transfer: the joiner's choice of what to download, and from whom (the parts: the
-donor `neuronode.swarm.statedonor`, the state assembled and its checks
-`neuronode.swarm.statechunks`, fetching from many donors at once
-`neuronode.swarm.statedownload`; docs/protocol.md, "State transfer").
+donor `neuronode.swarm.statesync.donor`, the state assembled and its checks
+`neuronode.swarm.statesync.assembly`, fetching from many donors at once
+`neuronode.swarm.statesync.download`; docs/protocol.md, "State transfer").
 
 A download first reads a donor's header, in the donors' order, until one's state is what the
 swarm vouches for: its round, param_digest and chunk list (the chunks_root the members publish
-per round) are what a quorum of the other hosts published (neuronode.swarm.trust.witnesses).
+per round) are what a quorum of the other hosts published (neuronode.swarm.guard.trust.witnesses).
 That header's chunk list is then what every chunk is checked against as it arrives, from
 whichever donor: every donor that holds that state serves a share at once. A download that is
 cut, or whose donors fail or lie, goes on from the chunks it verified (another pass, the same
@@ -28,11 +28,11 @@ from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
 from neuronode.swarm.context import Context
+from neuronode.swarm.guard.trust import witnesses
 from neuronode.swarm.links import Links, NoRoute
-from neuronode.swarm.statechunks import StateReceiver, header_chunks_root
-from neuronode.swarm.statedonor import Donor, StateProvider, encode_chunk
-from neuronode.swarm.statedownload import PROGRESS_S, Download, Late, TransferProgress
-from neuronode.swarm.trust import witnesses
+from neuronode.swarm.statesync.assembly import StateReceiver, header_chunks_root
+from neuronode.swarm.statesync.donor import Donor, StateProvider, encode_chunk
+from neuronode.swarm.statesync.download import PROGRESS_S, Download, Late, TransferProgress
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -51,7 +51,7 @@ Verify = Callable[[GlobalState], str | None]  # the node's own checks on a state
 
 
 class StateFetch:
-    """The joiner's side: download the global state the swarm vouches for (neuronode.swarm.trust.witnesses)
+    """The joiner's side: download the global state the swarm vouches for (neuronode.swarm.guard.trust.witnesses)
     from every donor that holds it at once, one that passes our own checks, going on with the
     chunks verified so far whichever donors fail."""
 
@@ -193,7 +193,7 @@ class StateFetch:
         it is: other live hosts published it, whatever lineage they are in (a host still at
         round 0 vouches for nothing), a quorum of those that published the round and more than
         published another in `lineage` (the donor's, the one the vote chose: the other side of a
-        healed partition objects to nothing) (neuronode.swarm.trust.witnesses); or no other host
+        healed partition objects to nothing) (neuronode.swarm.guard.trust.witnesses); or no other host
         is alive (a swarm of two). A donor's own word is never enough when anyone else can
         speak: with nobody to vouch, we keep our own lineage."""
         seen = witnesses(round_id, param_digest, donor_id, self.ctx.table.alive(), momentum_digest, lineage=lineage)

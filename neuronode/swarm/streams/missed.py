@@ -9,7 +9,7 @@ each of its CATCHUP_ROUNDS newest rounds, what a member that holds the round's s
 apply it: the averaged update it applied (one fp32 contribution of phase UPDATE, signed by it,
 served to FetchContribution with that phase and an empty body), or the round's agreed
 contributions, whichever is fewer bytes (`keep_round`; the caller decides). The fetcher checks
-an update's header and signature as it reads it (neuronode.swarm.inbound), and what it applies
+an update's header and signature as it reads it (neuronode.swarm.streams.inbound), and what it applies
 against the digests a quorum of hosts published for the round's end (neuronode.node.catchup).
 
 Bounds: a holder keeps what a phase averaged in its latest round only (RETAIN_ROUNDS; at most 2x
@@ -17,7 +17,7 @@ Bounds: a holder keeps what a phase averaged in its latest round only (RETAIN_RO
 at most the update's 4 bytes per parameter: 12 bytes per parameter in all, 1.5 times the fp32
 state with its momentum), serves each caller host FETCHES_PER_HOST streams at once and
 MAX_FETCHES in all, and ends a stream whose reader does not keep the pace
-(neuronode.swarm.serving, as FetchState does): k ids on one host take one host's share of our
+(neuronode.swarm.statesync.serving, as FetchState does): k ids on one host take one host's share of our
 uplink, never the rest of it.
 """
 
@@ -34,13 +34,13 @@ from neuronode.averaging.agreement import Statement, statement_of
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
 from neuronode.quorum import voice
-from neuronode.swarm.admission import Admission, caller_host, end_call, member_request
-from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
-from neuronode.swarm.inbound import Inbound
+from neuronode.swarm.guard.admission import Admission, caller_host, end_call, member_request
+from neuronode.swarm.guard.interceptors import caller_id
 from neuronode.swarm.links import Links, NoRoute
-from neuronode.swarm.security import caller_id
-from neuronode.swarm.serving import Pace, Slots
+from neuronode.swarm.statesync.serving import Pace, Slots
+from neuronode.swarm.streams.chunks import maker_chunks
+from neuronode.swarm.streams.inbound import Inbound
 from neuronode.swarm.wire import MAX_ID_CHARS, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 

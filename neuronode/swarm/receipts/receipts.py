@@ -1,5 +1,5 @@
 """Receipts members tell each other (neuronode.averaging.agreement says what they decide;
-neuronode.swarm.receipt_wire their wire forms).
+neuronode.swarm.receipts.wire their wire forms).
 
 Ours are signed and ride in every Hello we send (NodeInfo.receipts, a few recent rounds). A
 member's receipts reach us in its own Hellos: we check the maker's signature and the signature
@@ -14,9 +14,9 @@ A receipt lists N statements of about 210 bytes: sent whole to every member ever
 O(N²) bytes per member. So a receipt to a live peer travels as its list's digest alone (which
 the signature covers; members mostly hold the same list), or with 8 bytes per statement
 (`short_id`) to a peer whose own receipt shows its list differs. The receiver rebuilds the list
-(neuronode.swarm.receipt_lists: what it cannot rebuild waits there, its signature checked, and
+(neuronode.swarm.receipts.lists: what it cannot rebuild waits there, its signature checked, and
 is asked for). Lists are worked on once per distinct list, not per receipt. Whose signatures and
-keys count: neuronode.swarm.receipt_checks.
+keys count: neuronode.swarm.receipts.checks.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from neuronode.averaging.agreement import Receipt, Statement, statements_digest
 from neuronode.codec.contribution import Phase
 from neuronode.events import fields
 from neuronode.swarm.context import Context
-from neuronode.swarm.membership import fanout
-from neuronode.swarm.receipt_checks import ReceiptChecks
-from neuronode.swarm.receipt_lists import ReceiptLists, Slot
-from neuronode.swarm.receipt_wire import (
+from neuronode.swarm.membership.table import fanout
+from neuronode.swarm.receipts.checks import ReceiptChecks
+from neuronode.swarm.receipts.lists import ReceiptLists, Slot
+from neuronode.swarm.receipts.wire import (
     MAX_DISPUTED,
     MAX_ECHOES,
     RECEIPT_ROUNDS,

@@ -1,4 +1,4 @@
-"""Which receipts and statements we believe (neuronode.swarm.receipts keeps the receipts).
+"""Which receipts and statements we believe (neuronode.swarm.receipts.receipts keeps the receipts).
 
 A receipt counts only with its maker's signature, and a statement it lists only with its
 sender's: the key an id speaks with is the one it is bound to here (its own Hello), or the one
@@ -17,7 +17,7 @@ from neuronode.quorum import quorum
 from neuronode.security.auth import AuthError
 from neuronode.security.identity import derived_id, is_derived
 from neuronode.swarm.context import Context
-from neuronode.swarm.receipt_wire import receipt_from_pb
+from neuronode.swarm.receipts.wire import receipt_from_pb
 from neuronode.swarm.wire import MAX_ID_CHARS, Refusal
 from neuronode.v1 import node_pb2 as pb
 

@@ -13,10 +13,10 @@ from neuronode.events import fields
 from neuronode.quorum import host, is_loopback, peer_ip
 from neuronode.security.auth import AuthError
 from neuronode.security.tls import peer_common_name
-from neuronode.swarm.bans import host_key, node_key
 from neuronode.swarm.context import Context
-from neuronode.swarm.membership import Peer
-from neuronode.swarm.security import caller_id
+from neuronode.swarm.guard.bans import host_key, node_key
+from neuronode.swarm.guard.interceptors import caller_id
+from neuronode.swarm.membership.table import Peer
 from neuronode.swarm.wire import MAX_ID_CHARS, STATUS_CODES, Refusal
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """One state download from many donors at once (the joiner's side of FetchState, below the
-choice of what to download: neuronode.swarm.statesync).
+choice of what to download: neuronode.swarm.statesync.statesync).
 
 Once a header is vouched for (its chunk list is what the swarm published: statesync), its
 chunks are fetched in parallel from every donor that holds that state, each asked for a share
@@ -30,10 +30,10 @@ import grpc
 from neuronode.events import fields
 from neuronode.security.auth import AuthError
 from neuronode.state import GlobalState
+from neuronode.swarm.guard.proofs import Security
 from neuronode.swarm.links import NoRoute
-from neuronode.swarm.security import Security
-from neuronode.swarm.statechunks import StateReceiver, header_chunks_root
-from neuronode.swarm.statedonor import TRANSFER_CHUNK_BYTES
+from neuronode.swarm.statesync.assembly import StateReceiver, header_chunks_root
+from neuronode.swarm.statesync.donor import TRANSFER_CHUNK_BYTES
 from neuronode.swarm.wire import MIN_RATE_BYTES_PER_S, STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 

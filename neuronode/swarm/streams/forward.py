@@ -3,10 +3,10 @@ children in the maker's tree (neuronode.averaging.sortition), exactly as its mak
 that no maker uploads N copies.
 
 Each receiver checks the maker's signature on the statement and the digest over the chunks,
-whoever delivered it (neuronode.swarm.inbound), so a forwarder can drop or delay what it
+whoever delivered it (neuronode.swarm.streams.inbound), so a forwarder can drop or delay what it
 forwards, never alter it undetected; the round book charges a stall to the forwarder (`via`),
 and a child that missed a contribution fetches it from a member whose receipt lists it
-(neuronode.swarm.missed). The chunks are serialized once for all children (off the event loop)
+(neuronode.swarm.streams.missed). The chunks are serialized once for all children (off the event loop)
 and let go when the last forward ends; forwards are retried until the push window closes
 (--sync-timeout after the contribution arrived), as our own pushes are.
 """
@@ -23,11 +23,11 @@ import grpc
 from neuronode.averaging.sortition import Draws
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
-from neuronode.swarm.chunks import maker_chunks
 from neuronode.swarm.context import Context
 from neuronode.swarm.links import Links, NoRoute, SessionClosed, retry_until
 from neuronode.swarm.links.links import FINAL_CODES
-from neuronode.swarm.membership import round_peers
+from neuronode.swarm.membership.table import round_peers
+from neuronode.swarm.streams.chunks import maker_chunks
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import hashlib
 
 from neuronode.codec import Assembler, CodecError, decode_frame
 from neuronode.state import STATE_CHUNK_ELEMENTS, GlobalState, chunks_root, state_root
-from neuronode.swarm.statedonor import TRANSFER_CHUNK_BYTES
+from neuronode.swarm.statesync.donor import TRANSFER_CHUNK_BYTES
 from neuronode.swarm.wire import Refusal
 from neuronode.v1 import node_pb2 as pb
 

@@ -1,5 +1,5 @@
 """Replica agreement and catch-up, as pure functions of what peers announce (their rounds and
-recent parameter digests, kept by neuronode.swarm.membership's peer table): which claims are
+recent parameter digests, kept by neuronode.swarm.membership.table's peer table): which claims are
 believable, which lineages the swarm holds, whether we agree with it, and whom to download the
 state from when we are behind or apart. Never on one peer's word (docs/fault-tolerance.md)."""
 
@@ -9,7 +9,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from neuronode.quorum import by_id, reached
-from neuronode.swarm.membership import Peer
+from neuronode.swarm.membership.table import Peer
 
 # A member more than this many rounds ahead of the most advanced other host is not believed:
 # honest members close rounds together (at most 2 apart under --overlap), so only a liar, or a
@@ -134,7 +134,7 @@ class CatchUp:
 
 def plan_catch_up(self_id: str, own_round: int, own: dict[int, str], peers: list[Peer]) -> CatchUp | None:
     """Behind the winning lineage, or outside it: download from its most advanced members
-    (whose state is only adopted if other members vouch for it: neuronode.swarm.trust)."""
+    (whose state is only adopted if other members vouch for it: neuronode.swarm.guard.trust)."""
     peers = believable(peers)
     lin = lineages(self_id, own_round, own, peers)
     winner = lin.winner

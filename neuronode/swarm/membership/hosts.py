@@ -4,7 +4,7 @@ receiver that sees the maker itself takes it (pure).
 The average weighs the ids of one host as one member (neuronode.diloco.hosts), by the host each
 contribution's maker signed into it: every replica averaging the same contributions then groups
 them alike, whatever host each replica sees a maker at (neuronode.averaging.protocol). A maker
-names the host its peers agree they see its connections come from (neuronode.swarm.reach); each
+names the host its peers agree they see its connections come from (neuronode.swarm.membership.reach); each
 receiver that sees the maker itself, at an IP, checks the name against what it sees
 (`host_claim_refusal`) and refuses the contribution (PERMISSION_DENIED) when it may not.
 """

@@ -6,7 +6,7 @@ majority of the hosts that spoke (neuronode.quorum; ids and names are free, so a
 ids on one host are one voice). A donated state needs a quorum of every live host but the
 donor's, not only of the donor's lineage: where too few can vouch, the node keeps its own. A
 swarm of two has no second witness, and says so in its log. A round claimed far ahead of every
-other host is not believed at all (neuronode.swarm.lineage). Pure functions of what the peer
+other host is not believed at all (neuronode.swarm.membership.lineage). Pure functions of what the peer
 table holds.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from neuronode.quorum import VoiceOf, by_id, is_loopback, quorum
-from neuronode.swarm.lineage import believable
-from neuronode.swarm.membership import Peer
+from neuronode.swarm.membership.lineage import believable
+from neuronode.swarm.membership.table import Peer
 
 
 def closed_without_us(round_id: int, own_digest: str | None, peers: list[Peer]) -> list[str]:

@@ -14,7 +14,7 @@ A snapshot of the state (its copy, its chunk digests, its header) serves every t
 state: a joiner asks for its chunks in several requests, several joiners at once, and each
 chunk is encoded when it is sent. A snapshot is kept while a transfer of it runs and LINGER_S
 after, at most MAX_SNAPSHOTS idle ones; a request for a state we no longer hold is answered
-NOT_FOUND. Transfers take a slot per caller host (neuronode.swarm.serving: one per host,
+NOT_FOUND. Transfers take a slot per caller host (neuronode.swarm.statesync.serving: one per host,
 MAX_TRANSFERS in all) and keep it only while their reader keeps the pace; we keep training.
 """
 
@@ -39,8 +39,8 @@ from neuronode.state import (
     chunks_root,
     state_root,
 )
-from neuronode.swarm.security import Security
-from neuronode.swarm.serving import Pace, Slots
+from neuronode.swarm.guard.proofs import Security
+from neuronode.swarm.statesync.serving import Pace, Slots
 from neuronode.swarm.wire import STALL_S, Refusal
 from neuronode.v1 import node_pb2 as pb
 
@@ -220,7 +220,7 @@ class Donor:
 
     async def stream(self, snapshot: Snapshot, header: pb.StateHeader, wanted: list[int],
                      write: Callable[[pb.StateChunk], Awaitable[None]]) -> None:
-        """The header, then each chunk of `wanted`, under the pace (neuronode.swarm.serving)."""
+        """The header, then each chunk of `wanted`, under the pace (neuronode.swarm.statesync.serving)."""
         loop = asyncio.get_running_loop()
         pace = Pace(loop.time, what="state transfer", stall_s=self.stall_s)
         message = pb.StateChunk(header=header)

@@ -1,5 +1,5 @@
 """Receipts on the wire: the three forms a receipt travels in (its statements whole, their
-8-byte ids, or its list's digest alone; neuronode.swarm.receipts says when each), and the bounds
+8-byte ids, or its list's digest alone; neuronode.swarm.receipts.receipts says when each), and the bounds
 a Hello's receipts, echoes, wants and disputes keep."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import hashlib
 
 from neuronode.averaging.agreement import Receipt, Statement
 from neuronode.codec.contribution import Phase
-from neuronode.swarm.membership import MAX_MEMBERS
+from neuronode.swarm.membership.table import MAX_MEMBERS
 from neuronode.swarm.wire import MAX_ID_CHARS, MAX_PEERS_LISTED, Refusal
 from neuronode.v1 import node_pb2 as pb
 
