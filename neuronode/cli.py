@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from neuronode.config import AVERAGINGS, CODECS, NodeConfig, build_config, flag_name, parse_hostport
+from neuronode.config import AVERAGINGS, CODECS, NodeConfig, flag_name, parse_hostport
+from neuronode.config_sources import build_config
 from neuronode.errors import ConfigError, NeuronodeError
 from neuronode.security.ca_cli import add_ca_parser, run_ca
 

@@ -1,8 +1,9 @@
 """One typed, frozen node configuration.
 
 Every option is a field of `NodeConfig`; its metadata (help text, choices) builds the CLI flags,
-the `NEURONODE_*` environment variables and the keys of `--config node.toml`. Precedence:
-flag > environment > config file > default. Validation errors are `ConfigError`s naming the
+the `NEURONODE_*` environment variables and the keys of `--config node.toml`
+(neuronode.config_sources reads those and merges them: flag > environment > config file >
+default). Validation errors are `ConfigError`s naming the
 flag and the fix; the CLI prints them as one line and exits 2.
 """
 
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,6 @@ AVERAGINGS = ("all-to-all", "reduce-scatter", "gather")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-ENV_PREFIX = "NEURONODE_"
 
 
 def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str = "") -> Any:
@@ -332,79 +330,6 @@ def validate_field(name: str, value: Any, meta: Mapping[str, Any]) -> None:
                 raise ConfigError(f"{flag}: '{kv}' is not KEY=VALUE")
     if name in ("swarm_id", "node_id") and (len(value) > 128 or any(c.isspace() for c in value)):
         raise ConfigError(f"{flag}: '{value}' must be at most 128 characters without spaces")
-
-
-def convert(name: str, raw: Any, source: str) -> Any:
-    """Turn a string (flag, env) or TOML value into the field's type."""
-    ftype = FIELD_TYPES[name]
-    try:
-        if ftype == "tuple[str, ...]":
-            if isinstance(raw, (list, tuple)):
-                return tuple(str(x) for x in raw)
-            return tuple(p.strip() for p in str(raw).split(",") if p.strip())
-        if ftype == "bool":
-            if isinstance(raw, bool):
-                return raw
-            lowered = str(raw).strip().lower()
-            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError
-            return lowered in ("1", "true", "yes", "on")
-        if ftype == "int":
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw)
-        if ftype == "float":
-            return float(raw)
-        return str(raw)
-    except ValueError:
-        kind = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(ftype, "a value")
-        raise ConfigError(f"{flag_name(name)}: '{raw}' from {source} is not {kind}") from None
-
-
-FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(NodeConfig)}
-
-
-def read_toml(path: str) -> dict[str, Any]:
-    """Read --config FILE into field names; unknown keys are errors."""
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file '{path}' does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"--config: cannot read '{path}': {exc}") from None
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in FIELD_TYPES:
-            raise ConfigError(f"--config: unknown key '{key}' in {path}")
-        out[name] = convert(name, value, path)
-    return out
-
-
-def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Read NEURONODE_<FIELD> variables (e.g. NEURONODE_INNER_STEPS=20)."""
-    out: dict[str, Any] = {}
-    for name in FIELD_TYPES:
-        var = ENV_PREFIX + name.upper()
-        if var in environ and environ[var] != "":
-            out[name] = convert(name, environ[var], f"${var}")
-    return out
-
-
-def build_config(
-    flags: Mapping[str, Any],
-    *,
-    config_file: str | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> NodeConfig:
-    """Merge default < config file < environment < flags into a validated NodeConfig."""
-    values: dict[str, Any] = {}
-    if config_file:
-        values.update(read_toml(config_file))
-    values.update(read_env(os.environ if environ is None else environ))
-    values.update({k: convert(k, v, flag_name(k)) for k, v in flags.items() if v is not None})
-    return NodeConfig(**values)
 
 
 def check_data_dir(path: str) -> Path:

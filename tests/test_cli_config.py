@@ -12,7 +12,8 @@ import pytest
 from helpers import neuronode_cmd, run_neuronode
 
 from neuronode.cli import main
-from neuronode.config import NodeConfig, build_config, flag_name
+from neuronode.config import NodeConfig, flag_name
+from neuronode.config_sources import build_config
 from neuronode.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ import pytest
 from helpers import llama
 
 from neuronode.cli import build_parser, main
-from neuronode.config import build_config
+from neuronode.config_sources import build_config
 from neuronode.errors import ConfigError
 
 

@@ -29,7 +29,8 @@ from helpers import free_port, poll
 
 from neuronode.cli import build_parser
 from neuronode.codec import get_codec
-from neuronode.config import NodeConfig, build_config, parse_hostport
+from neuronode.config import NodeConfig, parse_hostport
+from neuronode.config_sources import build_config
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

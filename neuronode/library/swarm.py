@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from neuronode.config import FIELD_TYPES, NodeConfig, build_config
+from neuronode.config import NodeConfig
+from neuronode.config_sources import FIELD_TYPES, build_config
 from neuronode.diloco import DiLoCo, OuterConfig
 from neuronode.errors import ConfigError, NeuronodeError
 from neuronode.node.daemon import Daemon
