@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronode.bench.common import POLL_S, BenchError, check, entry_points, free_port, log_tail
-from neuronode.bench.quality import NodeRun, start_process, stop_all
+from neuronode.bench.processes import NodeRun, start_process, stop_all
 from neuronode.config import CODECS
 
 BEHIND = 3  # rounds j comes back behind (what the members keep for catching up)

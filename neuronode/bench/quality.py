@@ -23,18 +23,15 @@ Figures (one JSON object):
   members pointing against the sum of the others; 0 in an honest swarm is what one hopes for).
 - `seconds`: wall time from the first node's start to the last node's exit.
 
-The swarm machinery here (`SwarmSpec`, `run_swarm`, the log parsing) is shared with
-`neuronode bench utilization`.
+The swarm machinery here (`SwarmSpec`, `run_swarm`, the log parsing; the processes in
+neuronode.bench.processes) is shared with `neuronode bench utilization`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +49,7 @@ from neuronode.bench.common import (
     log_tail,
     wait_all,
 )
+from neuronode.bench.processes import NodeRun, start_process, stop_all
 from neuronode.config import AGGREGATORS, AVERAGINGS, CODECS, NodeConfig, flag_name
 from neuronode.errors import ConfigError
 
@@ -64,8 +62,6 @@ SETTINGS = ("outer_lr", "outer_momentum", "sparse_k", "sparse_bits", "sparse_blo
 START_BUDGET_S = 180.0
 ROUND_BUDGET_S = 60.0
 STEP_BUDGET_S = 2.0
-STOP_GRACE_S = 10.0
-PR_SET_PDEATHSIG = 1
 
 ROUND_DONE = re.compile(
     r"round (\d+) done: loss (\S+) val_loss (\S+) contributors (\d+) sync ([\d.]+)s "
@@ -154,45 +150,6 @@ class SwarmSpec:
         return argv
 
 
-@dataclass(frozen=True)
-class NodeRun:
-    """What one finished node left behind: its data dir and its JSON log."""
-
-    node_id: str
-    data_dir: Path
-    log_path: Path
-
-    def records(self) -> list[dict[str, Any]]:
-        """Every JSON log line, in order; other lines are skipped."""
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict):
-                out.append(entry)
-        return out
-
-    def events(self) -> list[tuple[float, str]]:
-        """(timestamp, message) of every JSON log line, in order."""
-        out = []
-        for entry in self.records():
-            try:
-                out.append((float(entry["ts"]), str(entry["msg"])))
-            except (ValueError, KeyError, TypeError):
-                continue
-        return out
-
-    def status(self) -> dict[str, Any]:
-        """`neuronode status --data-dir` of the stopped node."""
-        from neuronode.node.status import (
-            from_data_dir,  # imports torch: only once the nodes are done
-        )
-
-        return from_data_dir(str(self.data_dir))
-
-
 def run_swarm(spec: SwarmSpec, workdir: Path) -> tuple[list[NodeRun], float]:
     """Start the swarm and wait until every node exited 0 (each stops after `spec.rounds`).
 
@@ -213,37 +170,6 @@ def run_swarm(spec: SwarmSpec, workdir: Path) -> tuple[list[NodeRun], float]:
     finally:
         stop_all(procs)
     return runs, time.monotonic() - started
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the bench process dies (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
-def start_process(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, preexec_fn=die_with_parent if sys.platform == "linux" else None)
-
-
-def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every process still running (a clean stop), SIGKILL it after a grace period."""
-    running = [p for p in procs if p.poll() is None]
-    for proc in running:
-        proc.terminate()
-    grace_end = time.monotonic() + STOP_GRACE_S
-    for proc in running:
-        try:
-            proc.wait(timeout=max(0.0, grace_end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def parameter_count(events: list[tuple[float, str]]) -> int:

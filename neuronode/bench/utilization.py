@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from neuronode.bench.common import BenchError, check, entry_points
+from neuronode.bench.processes import NodeRun
 from neuronode.bench.quality import (
     READY,
     ModelFlags,
-    NodeRun,
     SwarmSpec,
     add_swarm_arguments,
     check_finished,
