@@ -188,7 +188,7 @@ def test_one_home_per_rule() -> None:
         text = path.read_text()
         assert "QUORUM" not in text and "min(2," not in text, f"{path}: a quorum of its own"
         assert "banned_until" not in text or path.name == "bans.py", f"{path}: bans of its own"
-    bans = (PKG / "swarm" / "bans.py").read_text()
+    bans = (PKG / "swarm" / "guard" / "bans.py").read_text()
     assert "time." not in bans and "self.clock.now()" in bans
 
 
