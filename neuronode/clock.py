@@ -40,7 +40,8 @@ class ManualClock(Clock):
 
     def __init__(self, start: float = 1000.0) -> None:
         self._now = start
-        self._timers: list[tuple[float, int, asyncio.Future[None]]] = []
+        # (due, seq, timer, the event its waiter also waits for: None for a sleep)
+        self._timers: list[tuple[float, int, asyncio.Future[None], asyncio.Event | None]] = []
         self._seq = itertools.count()
 
     def now(self) -> float:
@@ -48,19 +49,20 @@ class ManualClock(Clock):
 
     @property
     def waiting(self) -> int:
-        """Coroutines blocked on this clock now (sleeping, or waiting with a timeout)."""
-        return sum(not fut.done() for _, _, fut in self._timers)
+        """Coroutines blocked on this clock now (sleeping, or waiting with a timeout). One whose
+        event is set is not: it resumes at the loop's next turn, with news it has not taken in."""
+        return sum(not fut.done() and not (event is not None and event.is_set()) for _, _, fut, event in self._timers)
 
-    def _timer(self, seconds: float) -> asyncio.Future[None]:
+    def _timer(self, seconds: float, event: asyncio.Event | None = None) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._timers, (self._now + max(0.0, seconds), next(self._seq), fut))
+        heapq.heappush(self._timers, (self._now + max(0.0, seconds), next(self._seq), fut, event))
         if seconds <= 0:
             self._fire()
         return fut
 
     def _fire(self) -> None:
         while self._timers and self._timers[0][0] <= self._now:
-            _, _, fut = heapq.heappop(self._timers)
+            _, _, fut, _ = heapq.heappop(self._timers)
             if not fut.done():
                 fut.set_result(None)
 
@@ -70,7 +72,7 @@ class ManualClock(Clock):
     async def wait(self, event: asyncio.Event, timeout_s: float) -> bool:
         if event.is_set():
             return True
-        timer: asyncio.Future[Any] = self._timer(timeout_s)
+        timer: asyncio.Future[Any] = self._timer(timeout_s, event)
         waiter: asyncio.Future[Any] = asyncio.ensure_future(event.wait())
         try:
             await asyncio.wait({waiter, timer}, return_when=asyncio.FIRST_COMPLETED)

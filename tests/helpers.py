@@ -287,7 +287,7 @@ def sign_header(chunk: Any, *, key: Any = None, default: bytes = b"") -> bytes:
     """The signature of `chunk.sender_id` (its test key, or `key`) over the statement a chunk
     header makes; `default` for a header that makes none (an unknown phase)."""
     from neuronode.swarm.guard.proofs import Security
-    from neuronode.swarm.streams.inbound import header_statement
+    from neuronode.swarm.streams.headers import header_statement
 
     try:
         statement = header_statement(chunk)
@@ -302,7 +302,7 @@ def chunks_of(c: Any, *, swarm_id: str, sender_id: str = "", secret: bytes = b""
     `secret` when given and signed with `key` (default: key_of(sender_id)), as the wire
     protocol defines it."""
     from neuronode.swarm.guard.proofs import Security
-    from neuronode.swarm.streams.inbound import bound_digest, header_statement
+    from neuronode.swarm.streams.headers import bound_digest, header_statement
     from neuronode.swarm.wire import CODEC_TO_PB
     from neuronode.v1 import node_pb2 as pb
 

@@ -56,7 +56,7 @@ from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Settings
 from neuronode.swarm.guard.interceptors import AUTH_KEY
 from neuronode.swarm.guard.proofs import Security
-from neuronode.swarm.streams.inbound import bound_digest
+from neuronode.swarm.streams.headers import bound_digest
 from neuronode.swarm.wire import CODEC_TO_PB, PROTOCOL_VERSION, settings_to_pb
 from neuronode.v1 import node_pb2 as pb
 from neuronode.v1 import node_pb2_grpc as pb_grpc

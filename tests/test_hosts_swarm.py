@@ -86,7 +86,7 @@ class NamedNode(two.HostNode):
         return self
 
 
-def swarm(net: Net, tmp: Path, inner_steps: int, *, ghosts: bool) -> tuple[dict[str, NamedNode], tuple[str, ...]]:
+def swarm(net: Net, tmp: Path, training: two.Training, *, ghosts: bool) -> tuple[dict[str, NamedNode], tuple[str, ...]]:
     """The four honest members and the liar, every one resolving through the test's hosts file
     (the liar's 20 names there, all its IP); with `ghosts`, the liar lists its host under those
     names and SPELLINGS spellings of its IP (the addresses listed: the second value)."""
@@ -96,7 +96,7 @@ def swarm(net: Net, tmp: Path, inner_steps: int, *, ghosts: bool) -> tuple[dict[
              *(f"{s}:{GHOST_PORT + NAMES + i}" for i, s in enumerate(spellings(liar_host.ip, SPELLINGS)))) if ghosts else ()
     hosts_file = tmp / "hosts"
     hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{liar_host.ip} g{n:02d}.liar.test\n" for n in range(NAMES)))
-    args = (*ARGS, "--inner-steps", str(inner_steps))
+    args = (*ARGS, *training)
     bootstrap = f"{hosts[HONEST[0]].ip}:{two.PORT}"
     nodes = {name: NamedNode(tmp, host, name, *args, *(("--peers", bootstrap) if name != HONEST[0] else ()),
                              hosts_file=hosts_file) for name, host in hosts.items()}

@@ -60,6 +60,12 @@ ARGS = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32
         "--rounds", str(ROUNDS), "--sync-timeout", str(SYNC_TIMEOUT_S), "--swarm-id", "twoids",
         "--device", "cpu", "--open")
 HONEST = ("h1", "h2", "h3", "h4")
+Training = tuple[str, ...]  # the flags that say how long a round trains (a run's size)
+
+
+def steps(inner_steps: int) -> Training:
+    return ("--inner-steps", str(inner_steps))
+
 FLIP = -10.0  # the stand-aside liars' pseudo-gradients, times this (--fault-file "byzantine_scale")
 FINISH_S = 150  # each honest member's exit (a run takes well under a minute here)
 
@@ -161,7 +167,7 @@ def median_round_s(nodes: dict[str, HostNode]) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dict[str, HostNode]:
+def run(net: Net, tmp: Path, training: Training, attacker: Attacker | None) -> dict[str, HostNode]:
     """Four honest members on four hosts; with `attacker`, its ids on a fifth host, started once
     the honest members know each other."""
     while tmp.exists():  # a run again (an earlier one failed): logs of its own
@@ -170,7 +176,7 @@ def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dic
     # Every round waits for every member that starts (the attacker's ids too), so nobody trains
     # ahead while the others start.
     min_peers = len(HONEST) + (len(attacker.ids) if attacker and attacker.awaited else 0)
-    args = (*ARGS, "--inner-steps", str(inner_steps), "--min-peers", str(min_peers), *(attacker.model if attacker else ()))
+    args = (*ARGS, *training, "--min-peers", str(min_peers), *(attacker.model if attacker else ()))
     nodes = honest_members(net, tmp, args)
     bootstrap = nodes[HONEST[0]].address
     try:
@@ -198,30 +204,29 @@ def run(net: Net, tmp: Path, inner_steps: int, attacker: Attacker | None) -> dic
 
 
 @cache
-@cache
-def reference(base: Path, inner_steps: int) -> Figures:
+def reference(base: Path, training: Training) -> Figures:
     """The four honest members alone, on a network of their own (once per session and size)."""
     with open_net("ref") as net:
-        nodes = run(net, base / f"reference-{inner_steps}", inner_steps, None)
+        nodes = run(net, base / ("reference" + "".join(training)), training, None)
     figures = check_honest(nodes)
-    print(f"reference ({inner_steps} inner steps): {figures}")
+    print(f"reference ({' '.join(training)}): {figures}")
     return figures
 
 
-def side_by_side(base: Path, attacker: Attacker, inner_steps: int) -> tuple[dict[str, HostNode], Figures, Figures]:
+def side_by_side(base: Path, attacker: Attacker, training: Training) -> tuple[dict[str, HostNode], Figures, Figures]:
     """`attacked` and its `reference` at the same time, each on a network of its own: the
     machine's load falls on both alike, and the test takes one run's time, not two."""
     with ThreadPoolExecutor(2) as runs:  # nodes fork from the forkserver, not from these threads
-        ref_run = runs.submit(reference, base, inner_steps)
-        nodes, got = runs.submit(attacked, base, attacker, inner_steps).result()
+        ref_run = runs.submit(reference, base, training)
+        nodes, got = runs.submit(attacked, base, attacker, training).result()
         return nodes, got, ref_run.result()
 
 
 @cache
-def attacked(base: Path, attacker: Attacker, inner_steps: int) -> tuple[dict[str, HostNode], Figures]:
+def attacked(base: Path, attacker: Attacker, training: Training) -> tuple[dict[str, HostNode], Figures]:
     """The same swarm with `attacker` (once per session: tests share its run)."""
     with open_net("atk") as net:
-        nodes = run(net, base / attacker.behaviour, inner_steps, attacker)
+        nodes = run(net, base / attacker.behaviour, training, attacker)
     figures = check_honest(nodes)
     print(f"{attacker}: {figures}")
     return nodes, figures
@@ -229,7 +234,7 @@ def attacked(base: Path, attacker: Attacker, inner_steps: int) -> tuple[dict[str
 
 # (a): "we closed your round: stand aside and listen to us", from two ids, with poisoned updates.
 STAND_ASIDE_LIE = Attacker("claim-closed", ("a-x1", "a-x2"), fault=(("byzantine_scale", FLIP),))
-QUICK = 4  # inner steps: rounds of a fraction of a second, nothing waits for a deadline
+QUICK = steps(4)  # rounds of a fraction of a second, nothing waits for a deadline
 
 
 def base_dir(factory: pytest.TempPathFactory) -> Path:
@@ -271,11 +276,15 @@ def test_two_ids_on_one_host_flipping_their_updates_cost_the_honest_members_unde
 # as the four honest ones would slow each of them by about a quarter (1.22x and 1.39x measured),
 # which is not what its timing costs a swarm whose members run on hosts of their own.
 JUST_IN_TIME = Attacker("just-in-time", ("a-jit",), awaited=False, extra=("--round-seconds", "0.1"))
-# Rounds of about two seconds (0.8 s at TRAINING): what the member that trains little still costs
-# the two shared cores each round (it replays the rounds it falls behind on) is not lost in them,
-# nor is the noise of two loaded cores (the reference's median round varied 0.75-1.0 s at TRAINING).
-LONG_ROUNDS = 400
-TRAINING = 150  # inner steps: rounds of a few seconds, so a round's cost is not lost in noise
+# Rounds that train ROUND_S seconds, however fast the machine: the member costs each round it
+# misses the cut's grace (GRACE x --sync-timeout, 3 s), so the ratio follows the round's length.
+# Rounds of 400 inner steps trained 4.5-5 s on two loaded cores and measured 1.3-1.54x (CI, full
+# runs); a faster machine trains them quicker and measures more. Long enough that what the member
+# that trains little still costs the two shared cores each round (it replays the rounds it falls
+# behind on) and the noise of two loaded cores are not lost in them.
+ROUND_S = 7
+LONG_ROUNDS = (*steps(100_000), "--round-seconds", str(ROUND_S))
+TRAINING = steps(150)  # rounds of a few seconds, so a round's cost is not lost in noise
 
 
 def test_a_just_in_time_member_costs_the_honest_members_little_time(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -298,7 +307,7 @@ JOIN_AT = 4  # rounds the swarm finished when the joiner starts: past the 3 memb
 # start, plans its catch-up mid-round, once every member announced the swarm's round. At TRAINING
 # (rounds of ~3 s) it once planned at a round's turn, when only two honest members had announced
 # the new round, and never met the doctored donors (CI).
-JOINER_ROUNDS = 1000
+JOINER_ROUNDS = steps(1000)
 
 
 def test_a_joiner_takes_no_doctored_momentum_from_two_ids_on_one_host(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -347,7 +356,7 @@ def test_two_ids_a_round_ahead_with_a_doctored_state_move_nobody(tmp_path_factor
 # that reads nothing), rounds of a few seconds.
 SLOW_STATE = Attacker("slow-state", ("a-x1", "a-x2"), joiner=True, awaited=False, extra=("--round-seconds", "0.1"),
                       model=("--d-model", "256", "--n-layers", "2", "--n-heads", "4"))
-SLOW_STATE_STEPS = 20
+SLOW_STATE_STEPS = steps(20)
 
 
 def test_two_ids_reading_every_donors_state_slowly_keep_no_joiner_from_downloading(

@@ -12,43 +12,17 @@ Rules (docs/protocol.md repeats them):
   parameters, which replaces the one it sent before while the round is open here (that one
   would count nowhere: only our lineage's contributions are averaged). A second one of the
   same lineage is refused (ALREADY_EXISTS).
-- A round closes when every expected member's contribution has arrived, or at its *cut*, or at
-  its deadline if at least `min_contributors` have; with fewer the node keeps waiting (one more
-  deadline at a time). The cut: once a strict majority of the round's hosts (neuronode.quorum
-  voices, ours included) delivered, the round waits a grace more, the longest of GRACE x the
-  timeout, the time that majority took since we began collecting, and the longest time one of
-  the round's contributions took to stream in (it follows the contribution's size and the link
-  rates measured). At the cut, a missing member whose stream to us is under way is still waited
-  for (a slow uplink is slow, not late); one that other members list in their receipts as held
-  (`reached`) is no longer waited for and is not late (its push was lost on our link: the
-  caller fetches it if it counts, two listings, else every member leaves it out alike); any
-  other is late. What a minority of hosts does cannot move the cut: it follows the majority.
+- A round closes when every expected member's contribution has arrived, or at its *cut* (a
+  grace after a strict majority of its hosts delivered), or at its deadline if at least
+  `min_contributors` have; with fewer the node keeps waiting (one more deadline at a time).
 - A contribution still arriving at the deadline is waited for while it keeps arriving (its
   stream sends a chunk at least every `idle_s`), one more timeout at most: on a slow link a
   contribution in flight is not left out (every member would leave it out alike, its maker
   too). One still streaming when its round closes is discarded: its stream is aborted and its
   buffer freed (`abort` callbacks), as is a stream that sent no chunk for `idle_s` (`expire`).
-- Late is late, however it is timed: a sender missing at a round's cut or deadline is late.
-  Past the cut a stream is waited for while it moves (a chunk within the grace), so a stream
-  that begins in time and stalls is late too. A round waits for a late sender only a bounded
-  *late grace*: once every member that is not late delivered, LATE_GRACE x the time they took
-  since the round began here (our previous round's close), never past the round's cut or
-  deadline, and not while its stream merely moves; halved for each late grace in a row the
-  sender missed. A late sender whose contribution arrives within it counts in the round, and is
-  late no more (its next late grace is whole again). So a member behind the others by less than
-  LATE_GRACE of a round (slower compute or link, or a round lost once: when the others closed
-  without waiting for it, it started the next round behind them) gets back into the rounds at
-  once, and one further behind gets closer by each late grace the others wait; while a member
-  that delivers after it every round on purpose costs a round at most that late grace, and all
-  rounds together at most twice the first. A late sender also stops being late when a
-  contribution of its that began in time arrives whole (a slow link): by the end of the round's
-  late grace (by the cut, if it fell late at that round's cut), a stream it begins for a round
-  that closed without it (or that the round's close would cut off) runs to its end to show it,
-  and is then dropped. Or when it comes back after it was gone (`forgive`).
-- A relay's stall is charged to the relay (`via`: neuronode.swarm.links.relay forwards whole
-  contributions it holds, so a relayed stream that stalls is the relay's doing): a maker whose
-  relayed stream missed the cut or the deadline is not late; the relay is a late relay, and no
-  stream it relays is waited for past a cut until one it relays, begun by a cut, arrives whole.
+- The cut, and who is late (a sender missing at a round's cut or deadline; a round waits for
+  it only a bounded late grace, until one of its contributions arrives in time; a relay's stall
+  is charged to the relay): neuronode.averaging.lateness, whose rules this book applies.
 
 Memory (`buffered_bytes`): every stream reserves its whole payload (in its encoded form, P x
 bytes-per-parameter of its codec, or one shard of it) when it opens, and keeps it until its round
@@ -66,8 +40,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from neuronode.averaging.lateness import Lateness, cut_grace
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
 from neuronode.events import fields
@@ -76,15 +50,6 @@ from neuronode.quorum import VoiceOf, by_id, majority
 logger = logging.getLogger(__name__)
 
 Lineage = tuple[str, tuple[str, ...]]  # (base_digest, members): Contribution.lineage
-GRACE = 0.5  # the least a round waits past its majority (the cut), as a fraction of its timeout
-LATE_GRACE = 0.5  # a late sender is waited for this fraction of the time the others took (module docstring)
-
-
-def cut_grace(timeout_s: float, waited_s: float, took_s: float = 0.0) -> float:
-    """How long a wait goes on once a majority of hosts answered (the cut, module docstring):
-    GRACE x its timeout, or as long as that majority took (`waited_s`), or as long as the
-    slowest transfer that made it (`took_s`), whichever is longest."""
-    return max(GRACE * timeout_s, waited_s, took_s)
 
 
 class RoundRefused(Exception):
@@ -137,15 +102,7 @@ class RoundBook:
         self._streaming: dict[tuple[Phase, int, str], Stream] = {}
         self._held: dict[tuple[Phase, int, str], int] = {}  # complete contributions' reservations
         self._by_sender: dict[str, int] = {}
-        self.late: set[tuple[Phase, str]] = set()
-        self._missed: dict[tuple[Phase, str], int] = {}  # late graces a late sender missed in a row
-        self.late_relays: set[tuple[Phase, str]] = set()  # relays that stalled a stream they carried
-        self._via: dict[tuple[Phase, int, str], str] = {}  # the relay that carried a maker's stream of a round
-        self._cuts: dict[tuple[Phase, int], float] = {}  # a round's cut, once known (module docstring)
-        self._late_ends: dict[tuple[Phase, int], float] = {}  # when a round stopped waiting for late senders
-        self._graces: dict[tuple[Phase, int], float] = {}  # and the grace it gave
-        self._took: dict[tuple[Phase, int], float] = {}  # the longest a contribution took to stream in
-        self._closed_at: dict[Phase, tuple[int, float]] = {}  # the last round closed, and when
+        self.lateness = Lateness(self.clock)  # the cuts, late graces, late senders and relays
         self._changed = asyncio.Event()
 
     @property
@@ -201,9 +158,8 @@ class RoundBook:
         charged to it, not to the maker). A late sender (or relay) may stream for a round that
         closed without waiting for it, if it begins by that round's cut: its stream runs to its
         end to show it was in time (`finish` then drops it), else RoundClosed."""
-        late = self._owes_proof(phase, sender_id, via)
-        proof = (round_id < self._closed_below[phase] and late
-                 and self.clock.now() <= self._late_ends.get((phase, round_id), float("-inf")))
+        late = self.lateness.owes_proof(phase, sender_id, via)
+        proof = round_id < self._closed_below[phase] and late and self.lateness.may_prove(phase, round_id)
         if not proof:
             self.check_open(round_id, sender_id, phase, lineage)
         elif (phase, round_id, sender_id) in self._streaming:
@@ -220,28 +176,8 @@ class RoundBook:
                              f"{self.max_sender_bytes} per member); send the next contribution once a round closed")
         self._streaming[(phase, round_id, sender_id)] = Stream(reserved_bytes, self.clock.now(), abort, self.clock.now(),
                                                                late)
-        if via:
-            self._via[(phase, round_id, sender_id)] = via
-        else:  # the latest stream of a maker's round says who carried it
-            self._via.pop((phase, round_id, sender_id), None)
+        self.lateness.carried(phase, round_id, sender_id, via)
         self._reserve(sender_id, reserved_bytes)
-
-    def grace(self, round_id: int, phase: Phase = Phase.WHOLE) -> float:
-        """The grace `round_id`'s cut gave here (0.0 if it had none)."""
-        return self._graces.get((phase, round_id), 0.0)
-
-    def _relay(self, phase: Phase, round_id: int, sender_id: str) -> str:
-        """The member that relayed `sender_id`'s latest stream of the round ("" if it sent itself)."""
-        return self._via.get((phase, round_id, sender_id), "")
-
-    def _owes_proof(self, phase: Phase, sender_id: str, via: str) -> bool:
-        """Whether the sender, or the relay carrying its stream, is late in `phase`."""
-        return (phase, sender_id) in self.late or (bool(via) and (phase, via) in self.late_relays)
-
-    def _in_time(self, phase: Phase, round_id: int, stream: Stream) -> bool:
-        """Whether `stream` began by its round's cut, or, from a late sender (or relay), by the
-        end of the round's wait for late senders (any time before those are known)."""
-        return stream.began <= (self._late_ends if stream.late else self._cuts).get((phase, round_id), float("inf"))
 
     def touch(self, round_id: int, sender_id: str, phase: Phase = Phase.WHOLE) -> None:
         """A chunk of the stream arrived: it is not idle."""
@@ -262,33 +198,16 @@ class RoundBook:
         key = (c.phase, c.round_id, c.sender_id)
         stream = self._streaming.pop(key, None)
         reserved = stream.reserved_bytes if stream is not None else 0
-        if stream is not None and self._in_time(c.phase, c.round_id, stream):  # it delivered in time
-            self._missed.pop((c.phase, c.sender_id), None)
-            if (c.phase, c.sender_id) in self.late:
-                self.late.discard((c.phase, c.sender_id))
-                logger.info("round %d: %s delivered its %s in time: rounds wait for it again", c.round_id,
-                            c.sender_id, c.phase.label, extra=fields("late_ended", round_id=c.round_id,
-                                                                       peer_id=c.sender_id))
-            self.late_relays.discard((c.phase, self._relay(*key)))
-        if c.round_id < self._closed_below[c.phase]:
+        closed = c.round_id < self._closed_below[c.phase]
+        if stream is not None:  # in time, its sender is late no more; its time feeds the round's cut
+            self.lateness.arrived(c.phase, c.round_id, c.sender_id, began=stream.began, late=stream.late,
+                                  counts=not closed)
+        if closed:
             self._release(c.sender_id, reserved)
             raise RoundClosed(f"round {c.round_id} closed while the contribution streamed")
         self._complete.setdefault((c.phase, c.round_id), {})[c.sender_id] = c
         self._held[key] = reserved
-        if stream is not None:
-            took = self._took.get((c.phase, c.round_id), 0.0)
-            self._took[(c.phase, c.round_id)] = max(took, self.clock.now() - stream.began)
         self.notify()
-
-    def excused(self, phase: Phase) -> set[str]:
-        """Late senders: a round of `phase` waits for them only its late grace (`late_grace`)."""
-        return {sender for ph, sender in self.late if ph == phase}
-
-    def forgive(self, sender_id: str) -> None:
-        """`sender_id` is back after it was gone (a restart, a healed partition): wait for it again."""
-        self.late_relays = {(phase, relay) for phase, relay in self.late_relays if relay != sender_id}
-        self.late = {(phase, sender) for phase, sender in self.late if sender != sender_id}
-        self._missed = {key: n for key, n in self._missed.items() if key[1] != sender_id}
 
     def expire(self) -> int:
         """Abort streams that sent nothing for `idle_s`; how many were aborted."""
@@ -305,16 +224,13 @@ class RoundBook:
 
     def _discard_below(self, phase: Phase | None, below: int) -> None:
         """Drop what is buffered for rounds below `below` (of `phase`, or all phases)."""
-        kept: list[dict[Any, Any]] = [self._cuts, self._late_ends, self._graces, self._took, self._via]
-        for old in kept:  # a closed round's cut judges streams that begin after it closed
-            for key in [k for k in old if (phase is None or k[0] == phase) and k[1] < below - self.window]:
-                del old[key]
+        self.lateness.forget_below(phase, below - self.window)  # a closed round's cut judges later streams
         for key in [k for k in self._complete if (phase is None or k[0] == phase) and k[1] < below]:
             for sender in self._complete.pop(key):
                 self._release(sender, self._held.pop((key[0], key[1], sender), 0))
         for (ph, round_id, sender), stream in list(self._streaming.items()):
             if (phase is None or ph == phase) and round_id < below:
-                if self._owes_proof(ph, sender, self._relay(ph, round_id, sender)) and self._in_time(ph, round_id, stream):
+                if self.lateness.runs_on(ph, round_id, sender, stream.began, stream.late):
                     continue  # a late sender's stream begun in time: it runs to its end (`begin`)
                 self._stop(ph, round_id, sender, stream, "its round closed before it finished")
 
@@ -351,7 +267,7 @@ class RoundBook:
         (a quorum of the other hosts): the deadline closes it, however few contributed."""
         opened = self.clock.now()
         deadline = opened + timeout_s
-        late_before = self.excused(phase)  # whose late grace this round is (not those late at its cut)
+        late_before = self.lateness.excused(phase)  # whose late grace this round is (not those late at its cut)
         cut: float | None = None
         grace = 0.0
         late_until: float | None = None  # the end of the late grace, once every punctual member delivered
@@ -361,54 +277,39 @@ class RoundBook:
             changed = self._changed
             have = self.contributors(round_id, phase)
             members = expected()
-            missing = members - have - self.excused(phase)
+            missing = members - have - self.lateness.excused(phase)
             now, wake = self.clock.now(), deadline
             if cut is None:
                 if majority(have, members | have, voice):
-                    grace = cut_grace(timeout_s, now - opened, self._took.get((phase, round_id), 0.0))
+                    grace = cut_grace(timeout_s, now - opened, self.lateness.took(phase, round_id))
                     cut = now + grace
-                    self._cuts[(phase, round_id)], self._graces[(phase, round_id)] = cut, grace
+                    self.lateness.cut(phase, round_id, cut, grace)
             held = fetchable() if len(have) < min_contributors else set()
             counted = have if len(have) >= min_contributors else have | held
             if cut is not None and missing:
                 if now >= cut:  # past it, a stream is waited for while it moves (not through a late relay)
-                    moving = {s: st.last_active for (ph, r, s), st in self._streaming.items() if ph == phase and r == round_id
-                              and (ph, self._relay(ph, r, s)) not in self.late_relays and now - st.last_active < grace}
+                    moving = self.lateness.moving(phase, round_id, {s: st.last_active for (ph, r, s), st in
+                                                                    self._streaming.items() if ph == phase and r == round_id},
+                                                  now, grace)
                     gone = missing - set(moving)
                     skipped = gone & (reached or fetchable)()  # its push to us was lost: not late
-                    relays = self._mark_late(phase, round_id, gone - skipped)
+                    self.lateness.missed_cut(phase, round_id, gone, skipped, contributors=len(have), grace=grace)
                     missing -= gone
-                    if skipped:
-                        logger.info("round %d: not waiting for the pushes of %s: other members hold them; "
-                                    "fetching those that count", round_id, ", ".join(sorted(skipped)),
-                                    extra=fields("fetch_early", round_id=round_id, senders=sorted(skipped)))
-                    if gone - skipped:
-                        logger.warning("round %d: %s missed the round's cut (a majority of hosts delivered, and "
-                                       "the grace passed); they are late: rounds wait for them only a late grace until one "
-                                       "of their contributions arrives in time", round_id,
-                                       ", ".join(sorted(gone - skipped)),
-                                       extra=fields("cut", round_id=round_id, late=sorted(gone - skipped),
-                                                    contributors=len(have), grace_s=round(grace, 3), relays=relays))
                     if missing:  # look again when the stalest of them would have stalled for a grace
                         wake = min(deadline, min(moving[s] for s in missing) + grace)
                 else:
                     wake = min(deadline, cut)
             if not missing and len(counted) >= min_contributors:
-                waiting = (members - have) & self.excused(phase)
+                waiting = (members - have) & self.lateness.excused(phase)
                 if not waiting:
                     break
                 if late_until is None:
-                    late_s = self.late_grace(phase, round_id, waiting, since=opened)
+                    late_s = self.lateness.late_grace(phase, round_id, waiting, since=opened)
                     late_until = now + late_s
                 end = min(late_until, deadline, cut if cut is not None else deadline)
-                self._late_ends[(phase, round_id)] = end
+                self.lateness.late_end(phase, round_id, end)
                 if now >= end:
-                    for sender in waiting & late_before:
-                        self._missed[(phase, sender)] = self._missed.get((phase, sender), 0) + 1
-                    logger.info("round %d: closing without %s: late, and not here within the late grace (%.1f s)",
-                                round_id, ", ".join(sorted(waiting)), late_s,
-                                extra=fields("late_grace", round_id=round_id, late=sorted(waiting),
-                                             contributors=len(have), grace_s=round(late_s, 3)))
+                    self.lateness.missed_grace(phase, round_id, waiting, late_before, contributors=len(have), grace=late_s)
                     break
                 await self.clock.wait(changed, end - now)
                 continue
@@ -423,7 +324,7 @@ class RoundBook:
                 continue
             if now >= deadline:
                 # Missing at a deadline: late, whether we close now or wait on for --min-peers.
-                relays = self._mark_late(phase, round_id, missing)
+                relays = self.lateness.mark_late(phase, round_id, missing)
                 if len(counted) >= min_contributors:
                     logger.warning("round %d: deadline passed without %s; closing with %d contributors "
                                    "(they are late: rounds wait for them only a late grace until one of their contributions "
@@ -446,33 +347,13 @@ class RoundBook:
                     on_extend()  # keep pushing our contribution to peers that join meanwhile
                 wake = deadline
             await self.clock.wait(changed, wake - now)
-        self._cuts.setdefault((phase, round_id), deadline)  # it had none: a stream begun by the deadline was in time
-        self._late_ends.setdefault((phase, round_id), self.clock.now())  # it waited for no late sender
+        self.lateness.collected(phase, round_id, deadline)
         return self.close(round_id, phase)
-
-    def late_grace(self, phase: Phase, round_id: int, senders: set[str], *, since: float) -> float:
-        """How long a round waits for its late `senders` once every other member delivered
-        (now): LATE_GRACE x the time those took since the round began here, our close of the
-        round before (or `since`, when we began collecting, if we did not close that one),
-        halved for each late grace in a row the least-missing of them missed."""
-        last = self._closed_at.get(phase)
-        began = last[1] if last is not None and last[0] == round_id - 1 else since
-        missed = min(self._missed.get((phase, s), 0) for s in senders)
-        return LATE_GRACE * max(0.0, self.clock.now() - began) / 2 ** missed
-
-    def _mark_late(self, phase: Phase, round_id: int, senders: set[str]) -> dict[str, str]:
-        """`senders` missed `round_id`'s cut or deadline: each is late, unless a relay carried
-        its stream of the round, which then stalled it: the relay is charged (`late_relays`, module
-        docstring), not the maker. Returns {maker: relay} for those."""
-        relays = {s: via for s in senders if (via := self._relay(phase, round_id, s))}
-        self.late |= {(phase, s) for s in senders - set(relays)}
-        self.late_relays |= {(phase, via) for via in relays.values()}
-        return relays
 
     def close(self, round_id: int, phase: Phase = Phase.WHOLE) -> dict[str, Contribution]:
         """Close `round_id` of `phase` (and everything before it); return its contributions."""
         self._closed_below[phase] = max(self._closed_below[phase], round_id + 1)
-        self._closed_at[phase] = (round_id, self.clock.now())
+        self.lateness.closed(phase, round_id)
         result = self._complete.pop((phase, round_id), {})
         for sender in result:  # the caller holds them now
             self._release(sender, self._held.pop((phase, round_id, sender), 0))

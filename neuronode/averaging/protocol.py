@@ -27,7 +27,8 @@ from neuronode.averaging.agreement import (
     receipt_of,
     statement_of,
 )
-from neuronode.averaging.book import cut_grace, majority_lineage
+from neuronode.averaging.book import majority_lineage
+from neuronode.averaging.lateness import cut_grace
 from neuronode.averaging.sortition import DEFAULT_MAKERS
 from neuronode.averaging.transport import Transport
 from neuronode.clock import Clock
@@ -211,7 +212,7 @@ class Averaging:
     async def wait_for_receipts(self, round_id: int, phase: Phase, members: Callable[[], Iterable[str]], *,
                                 ours: bool = True) -> None:
         """Until every member still in the round published its receipt, the receipts' cut, or the
-        deadline. The cut is the contributions' rule (neuronode.averaging.book): once receipts of
+        deadline. The cut is the contributions' rule (neuronode.averaging.lateness): once receipts of
         a strict majority of the round's hosts are in (ours included, when `ours`: we published
         one), a grace more. A member whose receipt missed the cut or the deadline is late: no round
         waits for its receipt until one comes while we wait. Nor do we wait for a member whose
@@ -229,7 +230,7 @@ class Averaging:
             changed = book.changed()
             views = self.transport.member_views(round_id, phase, members())
             self.late_receipts -= {v.member for v in views if v.has_receipt}  # it came in time
-            late = self.late_receipts | book.excused(phase)
+            late = self.late_receipts | book.lateness.excused(phase)
             waiting = sorted(v.member for v in views if v.present and not v.has_receipt and not v.past_round
                              and v.member not in late)
             now = self.clock.now()
@@ -240,7 +241,7 @@ class Averaging:
                 said = [*me, *(v.member for v in views if v.has_receipt)]
                 if majority(said, [*me, *(v.member for v in views if v.present or v.has_receipt)], voice_of):
                     # twice a phase's grace, as for the deadline
-                    grace = max(cut_grace(self.cfg.sync_timeout_s, now - opened), book.grace(round_id, phase))
+                    grace = max(cut_grace(self.cfg.sync_timeout_s, now - opened), book.lateness.grace(round_id, phase))
                     cut = now + RECEIPT_WAIT_TIMEOUTS * grace
             end = deadline if cut is None else min(cut, deadline)
             if now >= end:

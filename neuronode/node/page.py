@@ -144,7 +144,7 @@ class Page:
                 peer["address"] = ""
         records = self.history.records()
         recent = [r for r in records if r.contributor_ids][-RECENT_ROUNDS:]
-        late = {sender for _, sender in self.swarm.book.late}
+        late = {sender for _, sender in self.swarm.book.lateness.late}
         status.update({
             "uptime_s": round(time.monotonic() - self.started_s, 1), "codec": self.cfg.codec,
             "averaging": self.cfg.averaging, "min_peers": self.cfg.min_peers, "rounds_target": self.cfg.rounds,

@@ -112,7 +112,7 @@ class Rounds:
         (catchup.py says why). Never past --rounds."""
         await self.until_caught_up(stopped)
         adopted = await self.catch_up.maybe(stopped)  # nothing, when we are where the swarm is
-        if adopted is not None and self.cfg.overlap:
+        if adopted is not None and self.cfg.overlap and not self.finished():  # at --rounds: no round R to listen to
             # The swarm's round-R contributions started before the state we adopted (catchup.py).
             self.begin_pending(adopted, self.averaging.listen(adopted, base_digest=None))
         elif adopted is not None:

@@ -30,7 +30,8 @@ from neuronode.swarm.membership.hosts import canonical_ip
 from neuronode.swarm.membership.table import member_views, moved_past, reducers, round_peers
 from neuronode.swarm.receipts.receipts import EQUIVOCATION_BAN_S, Receipts
 from neuronode.swarm.streams.chunks import header_of, serialize_chunk
-from neuronode.swarm.streams.inbound import Inbound, bound_digest
+from neuronode.swarm.streams.headers import bound_digest
+from neuronode.swarm.streams.inbound import Inbound
 from neuronode.swarm.streams.missed import Missed
 from neuronode.v1 import node_pb2 as pb
 

@@ -158,7 +158,7 @@ class Peers:
         if dialed and info.advertise and dialed != info.advertise and dialed not in table.bootstrap:
             table.addresses.discard(dialed)  # the IP its advertised name resolved to: one address per member
         if back:  # new, or back after it was gone (a restart, a healed partition): rounds wait for it again
-            self.ctx.book.forgive(info.node_id)
+            self.ctx.book.lateness.forgive(info.node_id)
             self.receipts.forget(info.node_id)  # and it holds nothing we sent before
         if verified:  # once its id is bound to its key (heard_from refuses another key)
             self.receipts.take(info)

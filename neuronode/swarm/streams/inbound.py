@@ -3,27 +3,21 @@ and checked here (`Inbound.receive`): its header (who sent it, by membership pro
 or signature; whether its round, geometry and reduce-scatter role are ones this node takes),
 each chunk as it is decoded off the event loop (neuronode.codec.Assembler.take: order, sizes,
 bounded decompression, finite values), and the whole (digest). Chunks are parsed without
-protobuf copying their payload (neuronode.swarm.streams.chunks)."""
+protobuf copying their payload (neuronode.swarm.streams.chunks); what a header says by itself
+(the fields a stream repeats, the statement it makes, the payload it announces) is read in
+neuronode.swarm.streams.headers."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
-from neuronode.averaging.agreement import Statement, body_hash, lineage_hash
+from neuronode.averaging.agreement import Statement, lineage_hash
 from neuronode.averaging.book import Abort, RoundRefused
-from neuronode.codec import (
-    Assembler,
-    Contribution,
-    ContributionDigest,
-    Phase,
-    receiving,
-    shard_ranges,
-)
+from neuronode.codec import Assembler, Contribution, ContributionDigest, Phase, receiving
 from neuronode.quorum import host, is_loopback, voice
 from neuronode.security.auth import AuthError
 from neuronode.swarm.context import Context
@@ -34,48 +28,16 @@ from neuronode.swarm.links.relay import Relay
 from neuronode.swarm.membership.hosts import host_claim_refusal, is_canonical_ip
 from neuronode.swarm.streams.chunks import ChunkView, parse_chunk
 from neuronode.swarm.streams.forward import Forward
-from neuronode.swarm.wire import (
-    MAX_ADDRESS_CHARS,
-    MAX_ID_CHARS,
-    MAX_PEERS_LISTED,
-    PB_TO_CODEC,
-    Refusal,
+from neuronode.swarm.streams.headers import (
+    bound_digest,
+    check_same_stream,
+    check_update,
+    header_statement,
+    payload_elements,
+    stream_key,
 )
+from neuronode.swarm.wire import MAX_ADDRESS_CHARS, MAX_ID_CHARS, PB_TO_CODEC, Refusal
 from neuronode.v1 import node_pb2 as pb
-
-STREAM_FIELDS = ("round_id", "sender_id", "chunk_count", "codec", "contribution_digest", "weight",
-                 "total_elements", "chunk_elements", "swarm_id", "auth_tag", "shuffled", "base_digest",
-                 "phase", "shard_index", "shard_count", "members", "contributors", "signature", "sender_host")
-
-
-def stream_key(header: Any) -> tuple[Any, ...]:
-    """The header fields every chunk of one stream must repeat unchanged."""
-    return tuple(getattr(header, name) for name in STREAM_FIELDS)
-
-
-def check_same_stream(first: tuple[Any, ...], header: Any) -> None:
-    """Header fields may not change within one stream (`first`: the first chunk's stream_key)."""
-    key = stream_key(header)
-    if key != first:
-        name = next(n for n, a, b in zip(STREAM_FIELDS, first, key, strict=True) if a != b)
-        raise Refusal("INVALID_ARGUMENT", f"{name} changed within one contribution stream")
-
-
-def bound_digest(digest: str, base_digest: str, phase: int, shard_index: int,
-                 members: Any, contributors: Any) -> str:
-    """Everything a contribution's tag must bind besides round, sender, codec, weight and size:
-    its payload digest, the parameters it started from and its reduce-scatter role."""
-    return json.dumps([digest, base_digest, int(phase), int(shard_index), list(members), list(contributors)])
-
-
-def header_statement(chunk: Any, *, signature: bytes | None = None) -> Statement:
-    """The statement a chunk header makes (neuronode.averaging.agreement), with its signature."""
-    return Statement(round_id=chunk.round_id, sender=chunk.sender_id, phase=Phase(chunk.phase),
-                     shard_index=chunk.shard_index, lineage=lineage_hash(chunk.base_digest, chunk.members),
-                     body=body_hash(digest=chunk.contribution_digest, codec=PB_TO_CODEC.get(chunk.codec, "?"),
-                                    weight=chunk.weight, n_elements=chunk.total_elements,
-                                    contributors=chunk.contributors, host=chunk.sender_host),
-                     signature=chunk.signature if signature is None else signature)
 
 
 def take(assembler: Assembler, chunk: Any, digest: ContributionDigest) -> None:
@@ -316,12 +278,7 @@ class Inbound:
                 wanted.round_id, wanted.sender, Phase.UPDATE, 0, wanted.lineage):
             raise Refusal("DATA_LOSS", f"round {wanted.round_id}: {wanted.sender[:MAX_ID_CHARS]} served another "
                           "contribution than its averaged update of the round, from the parameters we hold")
-        contributors = list(chunk.contributors)
-        if PB_TO_CODEC.get(chunk.codec) != "fp32" or chunk.total_elements != self.ctx.cfg.n_elements \
-                or chunk.members or chunk.shard_count or not 0 < chunk.weight \
-                or len(contributors) > MAX_PEERS_LISTED or contributors != sorted(set(contributors)):
-            raise Refusal("INVALID_ARGUMENT", "an averaged update is the whole model in fp32, of positive weight, "
-                          f"naming no shard, and at most {MAX_PEERS_LISTED} sorted unique contributors")
+        check_update(chunk, self.ctx.cfg.n_elements)
         peer = self.ctx.table.peers.get(wanted.sender)
         self.check_signature(got, peer.public_key if peer is not None else b"")
         return receiving(codec="fp32", n_elems=self.ctx.cfg.n_elements, chunk_elements=chunk.chunk_elements,
@@ -346,7 +303,9 @@ class Inbound:
             raise Refusal("INVALID_ARGUMENT", f"weight {chunk.weight} must be a positive sample count of at most "
                           f"{bound:g} (this swarm's --max-weight {cfg.settings.max_weight:g} per contributor)")
         spec = cfg.settings.codec_spec  # with the swarm's --sparse-* settings, agreed at Hello
-        return receiving(codec=spec, n_elems=self.payload_elements(chunk, spec),
+        n_elems = payload_elements(chunk, spec, averaging=cfg.settings.averaging, n_elements=cfg.n_elements,
+                                   node_id=cfg.node_id)
+        return receiving(codec=spec, n_elems=n_elems,
                          chunk_elements=chunk.chunk_elements, chunk_count=chunk.chunk_count,
                          shuffled=chunk.shuffled)
 
@@ -386,33 +345,3 @@ class Inbound:
             self.ctx.security.check_statement(statement, public_key)
         except (AuthError, ValueError, TypeError) as exc:
             raise Refusal("PERMISSION_DENIED", f"{exc}: not signed by {statement.sender[:MAX_ID_CHARS]!r}'s key") from None
-
-    def payload_elements(self, chunk: Any, codec: str) -> int:
-        """Elements this stream carries: the model, or one reduce-scatter shard of it."""
-        averaging = self.ctx.cfg.settings.averaging  # a phase it does not use would stay buffered
-        whole = averaging in ("all-to-all", "gather")
-        if chunk.phase in (Phase.WHOLE, Phase.SHARD, Phase.AVERAGED) and (chunk.phase == Phase.WHOLE) != whole:
-            raise Refusal("INVALID_ARGUMENT", f"this swarm averages {averaging} (--averaging): " + (
-                "whole contributions only" if whole else "slices and averaged shards only"))
-        if chunk.phase == Phase.WHOLE:
-            if chunk.members or chunk.shard_count or chunk.contributors:
-                raise Refusal("INVALID_ARGUMENT", "a whole contribution names no shard and no contributors")
-            return self.ctx.cfg.n_elements
-        if chunk.phase not in (Phase.SHARD, Phase.AVERAGED):
-            raise Refusal("INVALID_ARGUMENT", f"unknown phase {chunk.phase}")
-        members = list(chunk.members)
-        if not 0 < len(members) <= MAX_PEERS_LISTED or members != sorted(set(members)) \
-                or chunk.shard_count != len(members) or chunk.shard_index >= len(members):
-            raise Refusal("INVALID_ARGUMENT", "members must be sorted unique node ids, one shard each")
-        reducer = members[chunk.shard_index]
-        if chunk.phase == Phase.SHARD and reducer != self.ctx.cfg.node_id:
-            raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not here")
-        if chunk.phase == Phase.AVERAGED and reducer != chunk.sender_id:
-            raise Refusal("INVALID_ARGUMENT", f"shard {chunk.shard_index} is reduced by {reducer}, not the sender")
-        contributors = list(chunk.contributors)
-        if chunk.phase == Phase.SHARD and contributors:
-            raise Refusal("INVALID_ARGUMENT", "a slice names no contributors (an averaged shard does)")
-        if len(contributors) > MAX_PEERS_LISTED or contributors != sorted(set(contributors)):
-            raise Refusal("INVALID_ARGUMENT", f"contributors must be sorted unique node ids, at most {MAX_PEERS_LISTED}")
-        start, stop = shard_ranges(self.ctx.cfg.n_elements, len(members), codec)[chunk.shard_index]
-        return stop - start
