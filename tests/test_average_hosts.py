@@ -21,7 +21,14 @@ import pytest
 import torch
 from helpers import Nodes, chunks_of, encode, hides_refusal, key_of
 
-from neuronode.averaging import AllToAll, Average, AveragingConfig, Gather, ReduceScatter, RoundState
+from neuronode.averaging import (
+    AllToAll,
+    Average,
+    AveragingConfig,
+    Gather,
+    ReduceScatter,
+    RoundState,
+)
 from neuronode.averaging.local import LocalSwarm
 from neuronode.averaging.sortition import draw
 from neuronode.clock import ManualClock
