@@ -107,13 +107,13 @@ class NodeConfig:
     max_restarts: int = opt(0, "with --local-workers: how often the member is restarted from its checkpoint "
                             "after one of its processes failed")
     codec: str = opt("bf16", "how pseudo-gradients are encoded on the wire (sparse: the k largest of each "
-                     "block, few bits each, about 50x fewer bytes than bf16; all-to-all only)", choices=CODECS)
+                     "block, few bits each, about 50x fewer bytes than bf16; all-to-all or gather)", choices=CODECS)
     sparse_k: int = opt(64, "--codec sparse: entries kept per block (1 to 1024, at most --sparse-block)")
     sparse_bits: int = opt(2, "--codec sparse: bits per kept value, sign included (2, 4 or 8)")
     sparse_block: int = opt(4096, "--codec sparse: elements per block (64 to 65536)")
     sparse_decay: float = opt(0.95, "--codec sparse: error feedback keeps this share of what was not sent, "
                               "per round (in (0, 1])")
-    averaging: str = opt("all-to-all", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
+    averaging: str = opt("gather", "all-to-all: everyone sends everyone its contribution; reduce-scatter: "
                          "member i averages shard i (about 2x one contribution sent, whatever the swarm size); "
                          "gather: a round averages --gather-makers members' contributions, spread by "
                          "forwarding, the others' wait in error feedback (flat per member in the swarm size)",

@@ -21,8 +21,16 @@ import pytest
 import torch
 from helpers import Nodes, chunks_of, encode, hides_refusal, key_of
 
-from neuronode.averaging import AllToAll, Average, AveragingConfig, ReduceScatter, RoundState
+from neuronode.averaging import (
+    AllToAll,
+    Average,
+    AveragingConfig,
+    Gather,
+    ReduceScatter,
+    RoundState,
+)
 from neuronode.averaging.local import LocalSwarm
+from neuronode.averaging.sortition import draw
 from neuronode.clock import ManualClock
 from neuronode.codec import ContributionEncoder, EncoderConfig
 from neuronode.diloco.aggregate import Aggregator, NormClip, Weighted
@@ -224,10 +232,11 @@ def pools() -> Iterator[tuple[ThreadPoolExecutor, ThreadPoolExecutor]]:
 
 
 async def one_round(pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: type[AllToAll | ReduceScatter],
-                    hosts: dict[str, str], vectors: dict[str, torch.Tensor]) -> dict[str, Average]:
+                    hosts: dict[str, str], vectors: dict[str, torch.Tensor], *, makers: int = 32) -> dict[str, Average]:
     """Every member of a LocalSwarm (calling from `hosts`, which each names in its contributions)
-    prepares and exchanges round 0 with norm-clip; their averages by id."""
-    local = LocalSwarm(clock=ManualClock())
+    prepares and exchanges round 0 with norm-clip (gather: `makers` of them make it); their
+    averages by id."""
+    local = LocalSwarm(clock=ManualClock(), gather_makers=makers if kind is Gather else 0)
     local.hosts.update(hosts)
     protocols = {}
     for node_id in sorted(vectors):
@@ -235,7 +244,8 @@ async def one_round(pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: 
         encoder = ContributionEncoder(EncoderConfig(codec="fp32", chunk_bytes=4096, zstd_level=0, byte_shuffle=False),
                                       n_elements=P, sender_id=node_id)
         protocols[node_id] = kind(AveragingConfig(node_id=node_id, codec="fp32", n_elements=P, sync_timeout_s=60.0,
-                                                  min_contributors=len(vectors), max_weight=W),
+                                                  min_contributors=min(len(vectors), makers), max_weight=W,
+                                                  makers=makers),
                                   transport=transport, encoder=encoder, encoder_pool=pools[0], aggregate=NormClip(),
                                   executor=pools[1], clock=local.clock)
 
@@ -247,7 +257,7 @@ async def one_round(pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: 
     return dict(zip(sorted(vectors), results, strict=True))
 
 
-@pytest.mark.parametrize("kind", [AllToAll, ReduceScatter])
+@pytest.mark.parametrize("kind", [AllToAll, ReduceScatter, Gather])
 async def test_replicas_weigh_hosts_alike_under_both_averagings(
         pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: type[AllToAll | ReduceScatter]) -> None:
     """Four honest hosts, five ids on one IPv4 host and three in one IPv6 /64, all flipped: every
@@ -264,11 +274,31 @@ async def test_replicas_weigh_hosts_alike_under_both_averagings(
     first = next(iter(results.values()))
     assert all(torch.equal(r.vector, first.vector) and r.contributors == sorted(vectors) for r in results.values())
     assert cosine(first.vector, honest_mean) > 0.9
-    if kind is AllToAll:
+    if kind is not ReduceScatter:
         keys = {p: voice(p, h) for p, h in hosts.items()}
         assert torch.equal(first.vector, NormClip()(by_host({p: (v, W) for p, v in vectors.items()}, keys, max_weight=W)))
     per_id = await one_round(pools, kind, {}, vectors)
     assert cosine(next(iter(per_id.values())).vector, honest_mean) < 0
+
+
+async def test_gather_makers_name_their_host_and_replicas_weigh_hosts_by_it(
+        pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor]) -> None:
+    """Gather with more members than makers (12 members, K = 8: the round's 8 lowest tickets
+    make it, down their trees): each maker's contribution names its host, so every replica
+    weighs the makers' ids of one host as one member, bit for bit norm-clip over the hosts."""
+    contributions, _, honest_mean = swarm(4, 5)
+    vectors = {p: v for p, (v, _) in contributions.items()}  # type: ignore[misc]
+    hosts = {f"h{i}": f"198.51.100.{i + 1}" for i in range(4)} | {f"x{i:02d}": "203.0.113.9" for i in range(5)}
+    for i in range(3):
+        vectors[f"y{i}"] = -honest_mean
+        hosts[f"y{i}"] = f"2001:db8:0:7::{i + 1}"
+    results = await one_round(pools, Gather, hosts, vectors, makers=8)
+    first = next(iter(results.values()))
+    makers = draw(0, "d0", vectors, 8).makers
+    assert all(torch.equal(r.vector, first.vector) for r in results.values())
+    assert first.contributors == sorted(makers) and len({voice(m, hosts[m]) for m in makers}) < len(makers)
+    keys = {p: voice(p, hosts[p]) for p in makers}
+    assert torch.equal(first.vector, NormClip()(by_host({p: (vectors[p], W) for p in makers}, keys, max_weight=W)))
 
 
 # ---- a receiver checks the host a contribution names (real grpc.aio server, raw client) ------

@@ -17,8 +17,11 @@ Round r at a member:
   (`sortition.lowest`), fetches what counts that it lacks, and averages it with the swarm's
   aggregator in sorted sender order, as all-to-all does: every replica ends on one digest.
 
-With at most K members every member is a maker and every tree is a star: the same contributions,
-receipts and average as all-to-all.
+With at most K members (the live members we know, us included) every member is a maker: the
+round runs all-to-all's code (`everyone`), which is what a swarm of 2-30 members averaged
+before gather was the default, --min-peers, catching up and replaying included. Of what its
+receipts agree on, the K lowest tickets still count (`counting`), so a member whose view of the
+swarm's size differs from ours ends on the same vector.
 """
 
 from __future__ import annotations
@@ -67,9 +70,17 @@ class Gather(AllToAll):
         me = {self.cfg.node_id} if with_us else set()
         return self.draws.get(round_id, base_digest, lambda: self.transport.round_peers(round_id) | me)
 
+    def everyone(self) -> bool:
+        """Every member we know (the live ones and us) is a maker: at most K of them."""
+        return len(self.transport.alive()) + 1 <= self.cfg.makers
+
     async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
-        await self.enough_members(round_id, give_up)
+        if self.cfg.min_contributors > self.cfg.makers:  # the draw is made from --min-peers members at least
+            await self.enough_members(round_id, give_up)
+        if self.everyone():
+            self.draw(round_id, base_digest)  # the round's seed, for `counting`
+            return await super().prepare(round_id, delta, base_digest=base_digest, weight=weight, give_up=give_up)
         started = time.perf_counter()
         makers = self.draw(round_id, base_digest).makers
         loop = asyncio.get_running_loop()
@@ -80,13 +91,15 @@ class Gather(AllToAll):
         # It leaves at the upload rate / our tree's fan-out.
         link = self.transport.link_rate() / max(1, min(self.cfg.makers, len(self.transport.alive())))
         enc = await loop.run_in_executor(self.encoder_pool, lambda: self.encoder.contribution(
-            delta, [(0, delta.numel())], link, weight=weight, round_id=round_id, base_digest=base_digest))
+            delta, [(0, delta.numel())], link, weight=weight, round_id=round_id, base_digest=base_digest,
+            host=self.transport.own_host()))
         return Prepared(round_id=round_id, parts=enc.parts, compensated=enc.compensated, members=makers,
                         base_digest=base_digest, encode_s=elapsed(started))
 
     async def enough_members(self, round_id: int, give_up: Callable[[], bool]) -> None:
-        """The round is drawn from the members we know: wait until we know --min-peers of them
-        (us included), or `give_up()`, so that members starting together draw from one view."""
+        """The round is drawn from the members we know: with --min-peers above K, wait until we
+        know --min-peers of them (us included), or `give_up()`, so that members starting
+        together draw from one view (at most K: all-to-all waits in the round, as it always did)."""
         said = False
         while not give_up():
             changed = self.transport.book.changed()
@@ -101,6 +114,8 @@ class Gather(AllToAll):
             await self.clock.wait(changed, MEMBERS_POLL_S)
 
     async def exchange(self, prepared: Prepared) -> Average:
+        if not prepared.members:  # prepared by all-to-all (`everyone`)
+            return await super().exchange(prepared)
         round_id, makers, me = prepared.round_id, set(prepared.members), self.cfg.node_id
         book, base = self.transport.book, prepared.base_digest
         started = time.perf_counter()
@@ -154,6 +169,10 @@ class Gather(AllToAll):
         """A round we only listen to: we are in nobody's tree, so we wait for the makers' receipts
         and fetch what they decided (as `replay`). Without `base_digest` (--overlap, we adopted a
         state after the round began) we follow the start most of what reached us shares."""
+        if self.everyone():
+            if base_digest is not None:
+                self.draw(round_id, base_digest, with_us=False)
+            return await super().listen(round_id, base_digest=base_digest)
         if base_digest is None:  # what reached us already (we are in no tree of the round)
             heard = await self.transport.book.collect(round_id, phase=Phase.WHOLE, expected=set, timeout_s=0.0,
                                                       min_contributors=0, voice=self.transport.voice)
@@ -167,6 +186,9 @@ class Gather(AllToAll):
         return Average(vector=await self.mean(got), contributors=sorted(got), fewest=len(got), weights=weights(got))
 
     async def replay(self, round_id: int, *, base_digest: str) -> Average | None:
+        if self.everyone():
+            self.draw(round_id, base_digest)
+            return await super().replay(round_id, base_digest=base_digest)
         got = await self.decided(round_id, base_digest, with_us=True)
         if not got:
             return Average(vector=torch.zeros(self.cfg.n_elements), contributors=[], fewest=0)

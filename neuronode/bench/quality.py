@@ -316,8 +316,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregator", default="mean", choices=AGGREGATORS, help="aggregation rule (default: mean)")
     parser.add_argument("--aggregator-option", action="append", metavar="K=V",
                         help="--aggregator-option of the nodes (repeatable)")
-    parser.add_argument("--averaging", default="all-to-all", choices=AVERAGINGS,
-                        help="--averaging of the nodes (default: all-to-all)")
+    parser.add_argument("--averaging", default=NodeConfig.averaging, choices=AVERAGINGS,
+                        help="--averaging of the nodes (default: the daemon's, gather)")
     parser.add_argument("--gather-makers", type=int, default=None,
                         help="--gather-makers of the nodes under gather (default: the daemon's)")
 

@@ -278,8 +278,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds every member runs (default: 3)")
     parser.add_argument("--params", type=int, default=10_000,
                         help="elements of the stand-in pseudo-gradient (default: 10000)")
-    parser.add_argument("--averaging", default="all-to-all", choices=AVERAGING,
-                        help="averaging scheme, as the daemon's --averaging (default: all-to-all)")
+    parser.add_argument("--averaging", default=NodeConfig.averaging, choices=AVERAGING,
+                        help="averaging scheme, as the daemon's --averaging (default: the daemon's, gather)")
     parser.add_argument("--codec", default="fp32", choices=CODECS,
                         help="wire codec (default: fp32; sparse with the daemon's default --sparse-* settings)")
     parser.add_argument("--gather-makers", type=int, default=DEFAULT_MAKERS,

@@ -138,11 +138,12 @@ class Rounds:
                               averaging=self.averaging, pools=self.pools, save=self.save).run(target, stopped)
 
     def by_rounds_here(self) -> bool:
-        """Members catch up by rounds under all-to-all without --overlap (a swarm-wide setting).
-        Under --overlap a round's contributions start before the state a member reaches, and
-        under reduce-scatter a member must listen to the round it reaches (catchup.py says why
-        for both): there a member behind downloads the state, and nobody keeps rounds for it."""
-        return not self.cfg.overlap and self.cfg.averaging == "all-to-all"
+        """Members catch up by rounds under all-to-all and gather without --overlap (swarm-wide
+        settings). Under --overlap a round's contributions start before the state a member
+        reaches, and under reduce-scatter a member must listen to the round it reaches
+        (catchup.py says why for both): there a member behind downloads the state, and nobody
+        keeps rounds for it."""
+        return not self.cfg.overlap and self.cfg.averaging in ("all-to-all", "gather")
 
     async def sync(self, round_id: int) -> Awaitable[Average]:
         """What averages `round_id` for us, by how we take part in it."""
