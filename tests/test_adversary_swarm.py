@@ -11,6 +11,7 @@ absurd momentum) need a joiner, so the fourth honest member joins late, through 
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,13 @@ def run(tmp: Path, behaviour: str | None, *, joiner: bool) -> dict[str, Node]:
     # Every round waits for every member that starts with the swarm (the liar too, unless it is
     # refused), so nobody trains ahead while the others start.
     accepted = behaviour is not None and behaviour not in (*REFUSED, *NEVER_DELIVERS, *BANNED, "heavy-flip")
-    # A joiner needs rounds long enough to join the running swarm (about 1 s each here).
-    args = (*ARGS, "--inner-steps", "100" if joiner else "4",
+    # A joiner needs rounds long enough to join the running swarm: 100 inner steps of at least
+    # 10 ms each (--fault-file step_delay_s), 1 s or more however fast the machine (in CI
+    # 100 steps took 0.45 s, and the swarm finished its 6 rounds before the joiner met it).
+    if joiner:
+        pace = tmp / "pace.json"
+        pace.write_text(json.dumps({"step_delay_s": 0.01}))
+    args = (*ARGS, *(("--inner-steps", "100", "--fault-file", str(pace)) if joiner else ("--inner-steps", "4")),
             *(("--chunk-bytes", "4096") if behaviour in NEVER_DELIVERS else ()))  # many chunks: one is kept back
     min_peers = ("--min-peers", str((3 if joiner else 4) + accepted))
     h1 = Node(tmp, "h1", *args, *min_peers, "--node-id", "h1")
