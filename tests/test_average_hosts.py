@@ -257,19 +257,26 @@ async def one_round(pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: 
     return dict(zip(sorted(vectors), results, strict=True))
 
 
-@pytest.mark.parametrize("kind", [AllToAll, ReduceScatter, Gather])
-async def test_replicas_weigh_hosts_alike_under_both_averagings(
-        pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: type[AllToAll | ReduceScatter]) -> None:
-    """Four honest hosts, five ids on one IPv4 host and three in one IPv6 /64, all flipped: every
-    member (the liars too) ends the round with the same bits, which follow the honest direction;
-    all-to-all's are exactly norm-clip over the hosts. Without hosts (every id on loopback, its
-    own) the same contributions turn the average around."""
+def flipped_hosts() -> tuple[dict[str, torch.Tensor], dict[str, str], torch.Tensor]:
+    """Four honest hosts, five ids on one IPv4 host and three in one IPv6 /64, all flipped:
+    (vectors by id, the host each calls from, the honest members' mean)."""
     contributions, _, honest_mean = swarm(4, 5)
     vectors = {p: v for p, (v, _) in contributions.items()}  # type: ignore[misc]
     hosts = {f"h{i}": f"198.51.100.{i + 1}" for i in range(4)} | {f"x{i:02d}": "203.0.113.9" for i in range(5)}
     for i in range(3):
         vectors[f"y{i}"] = -honest_mean
         hosts[f"y{i}"] = f"2001:db8:0:7::{i + 1}"
+    return vectors, hosts, honest_mean
+
+
+@pytest.mark.parametrize("kind", [AllToAll, ReduceScatter, Gather])
+async def test_replicas_weigh_hosts_alike_under_every_averaging(
+        pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], kind: type[AllToAll | ReduceScatter]) -> None:
+    """Four honest hosts, five ids on one IPv4 host and three in one IPv6 /64, all flipped: every
+    member (the liars too) ends the round with the same bits, which follow the honest direction;
+    all-to-all's are exactly norm-clip over the hosts. Without hosts (every id on loopback, its
+    own) the same contributions turn the average around."""
+    vectors, hosts, honest_mean = flipped_hosts()
     results = await one_round(pools, kind, hosts, vectors)
     first = next(iter(results.values()))
     assert all(torch.equal(r.vector, first.vector) and r.contributors == sorted(vectors) for r in results.values())
@@ -286,12 +293,7 @@ async def test_gather_makers_name_their_host_and_replicas_weigh_hosts_by_it(
     """Gather with more members than makers (12 members, K = 8: the round's 8 lowest tickets
     make it, down their trees): each maker's contribution names its host, so every replica
     weighs the makers' ids of one host as one member, bit for bit norm-clip over the hosts."""
-    contributions, _, honest_mean = swarm(4, 5)
-    vectors = {p: v for p, (v, _) in contributions.items()}  # type: ignore[misc]
-    hosts = {f"h{i}": f"198.51.100.{i + 1}" for i in range(4)} | {f"x{i:02d}": "203.0.113.9" for i in range(5)}
-    for i in range(3):
-        vectors[f"y{i}"] = -honest_mean
-        hosts[f"y{i}"] = f"2001:db8:0:7::{i + 1}"
+    vectors, hosts, honest_mean = flipped_hosts()
     results = await one_round(pools, Gather, hosts, vectors, makers=8)
     first = next(iter(results.values()))
     makers = draw(0, "d0", vectors, 8).makers
