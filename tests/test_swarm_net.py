@@ -611,6 +611,28 @@ async def test_a_push_refused_as_too_far_ahead_goes_again_once_the_peer_moved_to
     await wait_until(lambda: "a" in b.book.contributors(2), what="a's round-2 contribution to reach b")
 
 
+async def test_a_member_that_refused_our_contribution_as_closed_is_not_waited_for_in_that_round(
+        nodes: Nodes) -> None:
+    """b closed round 0 without a (the join race under --overlap: a joined while b fixed round 0)
+    and refuses a's contribution to it (FAILED_PRECONDITION, "closed here"). a's round 0 then
+    waits for b no more: it closes at once, not at its --sync-timeout (before, a waited one
+    deadline per phase while b waited for a in round 1: 120 s under reduce-scatter, seen in CI)."""
+    a = await nodes.start("a", sync_timeout_s=60.0)
+    b = await nodes.start("b", peers=[a.advertise], sync_timeout_s=60.0)
+    await wait_until(lambda: alive_ids(a) == {"b"} and alive_ids(b) == {"a"}, what="a and b to meet")
+    b.book.close(0)
+    own = encode("a", make_vector(1), round_id=0)
+    a.book.add_own(own)
+    a.transport.send(0, Phase.WHOLE, own)
+    collected = asyncio.ensure_future(a.book.collect(0, expected=lambda: {"a", "b"}, timeout_s=60.0))
+    try:
+        got = await asyncio.wait_for(asyncio.shield(collected), timeout=20)
+    finally:
+        collected.cancel()
+    assert set(got) == {"a"}
+    assert a.book.lateness.gone(Phase.WHOLE, 0) == {"b"} and "b" not in a.book.lateness.excused(Phase.WHOLE)
+
+
 @pytest.mark.parametrize(("method", "shape"), [
     ("Hello", "unary_unary"), ("Status", "unary_unary"), ("FetchState", "unary_stream"),
     ("PushContribution", "stream_unary"),

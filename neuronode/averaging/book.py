@@ -41,7 +41,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from neuronode.averaging.lateness import Lateness, cut_grace
+from neuronode.averaging.lateness import CLOSED_HERE, Lateness, cut_grace
 from neuronode.clock import Clock
 from neuronode.codec.contribution import Contribution, Phase
 from neuronode.events import fields
@@ -138,7 +138,7 @@ class RoundBook:
         below = self._closed_below[phase]
         if round_id < below:
             raise RoundClosed(
-                f"round {round_id} is closed here (this node is at round {below}); "
+                f"round {round_id} {CLOSED_HERE} (this node is at round {below}); "
                 "late contributions are never mixed into another round")
         if round_id >= below + self.window:
             raise RoundTooFar(
@@ -277,7 +277,7 @@ class RoundBook:
             changed = self._changed
             have = self.contributors(round_id, phase)
             members = expected()
-            missing = members - have - self.lateness.excused(phase)
+            missing = members - have - self.lateness.excused(phase) - self.lateness.gone(phase, round_id)
             now, wake = self.clock.now(), deadline
             if cut is None:
                 if majority(have, members | have, voice):

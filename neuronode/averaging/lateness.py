@@ -27,6 +27,10 @@ Rules (docs/protocol.md repeats them; neuronode.averaging.book applies them as i
   late grace (by the cut, if it fell late at that round's cut), a stream it begins for a round
   that closed without it (or that the round's close would cut off) runs to its end to show it,
   and is then dropped. Or when it comes back after it was gone (`forgive`).
+- A member that refused our contribution to a round because it closed that round there
+  (CLOSED_HERE: it went on without us) is not waited for in it (`left`): its own contribution
+  to the round was made or given up already, and waiting for it cost a deadline per phase while
+  it waited for us in its next round. Its word moves only itself.
 - A relay's stall is charged to the relay (`via`: neuronode.swarm.links.relay forwards whole
   contributions it holds, so a relayed stream that stalls is the relay's doing): a maker whose
   relayed stream missed the cut or the deadline is not late; the relay is a late relay, and no
@@ -48,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 GRACE = 0.5  # the least a round waits past its majority (the cut), as a fraction of its timeout
 LATE_GRACE = 0.5  # a late sender is waited for this fraction of the time the others took (module docstring)
+CLOSED_HERE = "is closed here"  # what a refusal of a round the refusing member closed says (RoundClosed)
 
 
 def cut_grace(timeout_s: float, waited_s: float, took_s: float = 0.0) -> float:
@@ -71,6 +76,7 @@ class Lateness:
         self._graces: dict[tuple[Phase, int], float] = {}  # and the grace it gave
         self._took: dict[tuple[Phase, int], float] = {}  # the longest a contribution took to stream in
         self._closed_at: dict[Phase, tuple[int, float]] = {}  # the last round closed, and when
+        self._left: dict[tuple[Phase, int], set[str]] = {}  # members that closed a round without us
 
     def carried(self, phase: Phase, round_id: int, sender_id: str, via: str) -> None:
         """A stream of `sender_id`'s round begins, relayed by `via` ("": its maker sends it)."""
@@ -199,6 +205,14 @@ class Lateness:
         self._cuts.setdefault((phase, round_id), deadline)
         self._late_ends.setdefault((phase, round_id), self.clock.now())
 
+    def left(self, phase: Phase, round_id: int, member: str) -> None:
+        """`member` refused our contribution to `round_id` as closed there (module docstring)."""
+        self._left.setdefault((phase, round_id), set()).add(member)
+
+    def gone(self, phase: Phase, round_id: int) -> set[str]:
+        """Members not waited for in `round_id`: they closed it without us."""
+        return self._left.get((phase, round_id), set())
+
     def closed(self, phase: Phase, round_id: int) -> None:
         """`round_id` closes now (the next round's late grace counts from here)."""
         self._closed_at[phase] = (round_id, self.clock.now())
@@ -206,7 +220,7 @@ class Lateness:
     def forget_below(self, phase: Phase | None, below: int) -> None:
         """Drop the times of rounds below `below` (of `phase`, or all phases); a closed round's
         cut judges streams that begin after it closed, so the book keeps a window more."""
-        kept: list[dict[Any, Any]] = [self._cuts, self._late_ends, self._graces, self._took, self._via]
+        kept: list[dict[Any, Any]] = [self._cuts, self._late_ends, self._graces, self._took, self._via, self._left]
         for old in kept:
             for key in [k for k in old if (phase is None or k[0] == phase) and k[1] < below]:
                 del old[key]

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from neuronode.averaging.agreement import Receipt, Statement, statement_of
+from neuronode.averaging.lateness import CLOSED_HERE
 from neuronode.averaging.transport import MemberView
 from neuronode.codec import Contribution, Phase
 from neuronode.events import fields
@@ -247,6 +248,9 @@ class GrpcTransport:
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and (peer := self.ctx.table.peers.get(peer_id)):
             box.refused_at[peer_id] = peer.round  # push_pending retries once it moved
             box.pushed.discard(peer_id)
+            if CLOSED_HERE in (exc.details() or ""):  # it closed the round without us: we wait for it no more there
+                self.ctx.book.lateness.left(out.phase, out.round_id, peer_id)
+                self.ctx.book.notify()
         if exc.code() in FINAL_CODES:
             logger.warning("round %d: peer %s refused our contribution: %s", out.round_id, peer_id, exc.details(),
                            extra=fields("push_refused", round_id=out.round_id, peer_id=peer_id, code=exc.code().name))
