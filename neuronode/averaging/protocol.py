@@ -108,6 +108,10 @@ class Averaging:
         self.late_receipts: set[str] = set()  # members whose receipt a deadline passed without
         self.agreed: dict[int, dict[str, Contribution]] = {}  # round -> the whole contributions it averaged
         self.fetched: dict[int, int] = {}  # round -> payload bytes we fetched of it (missed contributions, updates)
+        # The round we resumed at from a checkpoint (-1: none). Our previous run may have published a
+        # receipt of it before it stopped; one that differs would be equivocation (a ban), so we
+        # publish none of it and decide it on the others' receipts, as a listener does.
+        self.resumed_at = -1
 
     async def prepare(self, round_id: int, delta: torch.Tensor, *, base_digest: str, weight: float,
                       give_up: Callable[[], bool] = lambda: False) -> Prepared:
@@ -156,6 +160,7 @@ class Averaging:
         the round's `members`, keep what the receipts agree on, and fetch what they agree on that
         we lack. Returns the agreed contributions by sender."""
         me, transport = self.cfg.node_id, self.transport
+        publish = publish and round_id != self.resumed_at
         ours = receipt_of(round_id, phase, me, held.values()) if publish else None
         if ours is not None:  # what our receipt lists, a member that missed it may fetch from now on
             transport.retain(round_id, phase, held.values(), for_s=RECEIPT_WAIT_TIMEOUTS * self.cfg.sync_timeout_s)

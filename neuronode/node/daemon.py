@@ -172,6 +172,8 @@ class Daemon:
                             makers=cfg.gather_makers),
             transport=swarm.transport, encoder=self.encoder, encoder_pool=self.pools.encode,
             aggregate=make_aggregator(cfg), executor=self.pools.codec)
+        if self.restored_meta:  # resumed from a checkpoint: its round may have our receipt already
+            averaging.resumed_at = self.engine.round
         catch_up = CatchUp(cfg=cfg, trainer=self.trainer, encoder=self.encoder, state=self.state, swarm=swarm,
                            pools=self.pools, save=self.save_checkpoint)
         return Rounds(cfg=cfg, trainer=self.trainer, state=self.state, swarm=swarm, averaging=averaging,
