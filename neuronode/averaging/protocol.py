@@ -190,8 +190,10 @@ class Averaging:
         fetched = await self.fetch_missing(round_id, missing, decision)
         agreed = kept | fetched
         self.retain(round_id, phase, agreed)
-        if phase == Phase.WHOLE:  # what `keep` keeps, if it is fewer bytes than the round's update
-            self.agreed = {r: a for r, a in self.agreed.items() if round_id - 2 <= r < round_id} | {round_id: agreed}
+        if phase == Phase.WHOLE:  # what `keep` keeps, held only when it is fewer bytes than the round's update
+            self.agreed = {r: a for r, a in self.agreed.items() if round_id - 2 <= r < round_id}
+            if sum(c.data.size_bytes for c in agreed.values()) < UPDATE_BYTES_PER_ELEMENT * self.cfg.n_elements:
+                self.agreed[round_id] = agreed
         return agreed
 
     def counting(self, round_id: int, decision: Decision) -> Decision:
@@ -304,9 +306,8 @@ class Averaging:
         `base_digest`): its agreed contributions when they are fewer bytes than the update (a
         compact codec, few members), else the averaged update itself, fp32 so that it applies
         bit for bit (neuronode.swarm.streams.missed keeps a few rounds of either)."""
-        agreed = self.agreed.pop(round_id, {})
-        whole = sum(c.data.size_bytes for c in agreed.values())
-        if agreed and sorted(agreed) == average.contributors and whole < UPDATE_BYTES_PER_ELEMENT * self.cfg.n_elements:
+        agreed = self.agreed.pop(round_id, {})  # held only when fewer bytes than the update (`agree`)
+        if agreed and sorted(agreed) == average.contributors:
             self.transport.keep_round(round_id, agreed.values())
             return
         encoder = VectorEncoder(codec="fp32", chunk_bytes=self.encoder.cfg.chunk_bytes, zstd_level=0, byte_shuffle=False)
