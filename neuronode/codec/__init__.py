@@ -35,7 +35,7 @@ from neuronode.codec.geometry import (
     shard_ranges,
     shuffle_width,
 )
-from neuronode.codec.quant import Codec, CodecError, check_finite
+from neuronode.codec.quant import Codec, CodecError, check_finite, is_finite
 from neuronode.codec.registry import CODECS, SPARSE, codec_spec, get_codec
 
 Digest = ContributionDigest
@@ -59,6 +59,7 @@ __all__ = [
     "ErrorFeedback",
     "Frame",
     "check_finite",
+    "is_finite",
     "codec_spec",
     "SPARSE",
     "shard_ranges",

@@ -27,6 +27,7 @@ import torch
 from neuronode.codec.feedback import ErrorFeedback
 from neuronode.codec.framing import Assembler, ContributionDigest, Frame, encode_frames
 from neuronode.codec.geometry import chunk_elements
+from neuronode.codec.quant import is_finite
 from neuronode.codec.registry import get_codec
 
 logger = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ class ContributionEncoder:
         encode the result as our averaged shard; its weight is the total of the pieces'."""
         self._on_one_thread()
         avg = aggregate({sender: (c.data, c.weight) for sender, c in pieces.items()})
-        if not torch.isfinite(avg).all():
+        if not is_finite(avg):
             logger.error("round %d: averaged shard is not finite; sending a zero update for it", round_id)
             avg = torch.zeros_like(avg)
         weight = float(sum(c.weight for c in pieces.values()))

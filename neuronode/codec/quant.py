@@ -58,9 +58,16 @@ def all_finite(a: np.ndarray) -> bool:
 
 def check_finite(t: torch.Tensor) -> None:
     """Raise CodecError if ``t`` holds any NaN or Inf."""
-    # numpy is ~20x faster than torch's isfinite on CPU float32 (measured on 1 MiB chunks).
-    if t.numel() and not all_finite(t.detach().cpu().numpy()):
+    if not is_finite(t):
         raise CodecError(NOT_FINITE)
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """True if no element of the float tensor ``t`` is NaN or Inf. numpy's one pass is ~20x
+    faster than torch's isfinite on CPU float32 (measured on 1 MiB chunks), which also makes a
+    temporary of the tensor's size: a reducer's 6M-element shard, checked so, was 8% of bench
+    sync's reduce-scatter CPU."""
+    return not t.numel() or all_finite(t.detach().cpu().numpy())
 
 
 def check_input(x: torch.Tensor, *, finite: bool = True) -> torch.Tensor:

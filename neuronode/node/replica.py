@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from neuronode.codec import is_finite
 from neuronode.config import NodeConfig
 from neuronode.diloco import DiLoCo
 from neuronode.state import GlobalState, state_digest
@@ -133,7 +134,7 @@ class Replica:
 
     def apply_average(self, avg: torch.Tensor) -> str:
         """Outer step with an averaged pseudo-gradient; returns the new param_digest."""
-        if not torch.isfinite(avg).all():
+        if not is_finite(avg):
             logger.error("averaged pseudo-gradient is not finite; skipping the outer update")
             avg = torch.zeros_like(avg)
         with self.global_lock:
