@@ -418,3 +418,25 @@ def test_a_held_chunk_repacked_decodes_to_its_raw_payload(codec: str, shuffle: b
     if codec in ("fp32", "bf16"):
         assert compressed and len(data) < len(raw)
     assert repack(raw, width=1, zstd_level=0) == (raw, False)
+
+
+def test_a_reducer_whose_average_is_not_finite_sends_a_zero_shard() -> None:
+    """An aggregate that overflows (finite pieces, an infinite average) never reaches the wire:
+    the reducer sends a zero shard, with the round's weight and contributors."""
+    from neuronode.codec import ContributionEncoder, EncoderConfig, Phase
+
+    n = 5000
+    encoder = ContributionEncoder(EncoderConfig(codec="fp32", chunk_bytes=4096, zstd_level=0, byte_shuffle=False),
+                                  n_elements=n, sender_id="a")
+    pieces = {s: encoder.vector.encode(torch.full((n,), 3e38), 0.0, weight=1.0, sender_id=s) for s in ("a", "b")}
+
+    def overflowing(got):  # noqa: ANN001, ANN202
+        out = torch.zeros(n)
+        for data, _ in got.values():
+            out += data.decode()
+        return out
+
+    shard = encoder.reduce(overflowing, pieces, 0.0, round_id=4)
+    assert torch.isinf(overflowing({s: (c.data, c.weight) for s, c in pieces.items()})).all()
+    assert (shard.phase, shard.round_id, shard.weight, shard.contributors) == (Phase.AVERAGED, 4, 2.0, ("a", "b"))
+    assert torch.equal(shard.data.decode(), torch.zeros(n))

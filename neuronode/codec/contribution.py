@@ -27,7 +27,7 @@ import torch
 from neuronode.codec.feedback import ErrorFeedback
 from neuronode.codec.framing import Assembler, ContributionDigest, Frame, encode_frames
 from neuronode.codec.geometry import chunk_elements
-from neuronode.codec.quant import is_finite
+from neuronode.codec.quant import CodecError
 from neuronode.codec.registry import get_codec
 
 logger = logging.getLogger(__name__)
@@ -235,12 +235,18 @@ class ContributionEncoder:
         encode the result as our averaged shard; its weight is the total of the pieces'."""
         self._on_one_thread()
         avg = aggregate({sender: (c.data, c.weight) for sender, c in pieces.items()})
-        if not is_finite(avg):
-            logger.error("round %d: averaged shard is not finite; sending a zero update for it", round_id)
-            avg = torch.zeros_like(avg)
         weight = float(sum(c.weight for c in pieces.values()))
-        return self.vector.encode(avg, link_bytes_per_s, weight=weight, round_id=round_id, sender_id=self.sender_id,
-                                  phase=Phase.AVERAGED, contributors=tuple(sorted(pieces)), **identity)
+
+        def encode(shard: torch.Tensor) -> Contribution:
+            return self.vector.encode(shard, link_bytes_per_s, weight=weight, round_id=round_id,
+                                      sender_id=self.sender_id, phase=Phase.AVERAGED,
+                                      contributors=tuple(sorted(pieces)), **identity)
+
+        try:  # the encoder refuses NaN/Inf in the pass it makes anyway (no second pass here)
+            return encode(avg)
+        except CodecError:
+            logger.error("round %d: averaged shard is not finite; sending a zero update for it", round_id)
+            return encode(torch.zeros_like(avg))
 
     def reset(self) -> None:
         """After adopting the swarm's state: the feedback of our old lineage no longer applies."""
