@@ -213,12 +213,14 @@ async def test_reachability_rests_on_more_than_one_peer(nodes: Nodes) -> None:
     lie_about_reach(liar, reachable=False)
     await me.check_reachable()
     assert me.reach.reachable == "yes"
-    lie_about_reach(b, reachable=False)  # two of three say no to a newcomer: that is a quorum
+    lie_about_reach(b, reachable=False)
     other = await nodes.start("other", peers=[me.advertise], n_elements=N)
     await seen(other, lambda p: {"a-liar", "b", "c"} <= set(p), "the newcomer to know everyone")
-    # Its background check may have asked before it knew everyone (b, c and me: yes): again, now.
-    await other.check_reachable(again=True)
-    assert other.reach.reachable == "no"
+    # Two of the three it asks say no to a newcomer: that is a quorum. The three are fixed here:
+    # drawn at random (trust.askers) among me, b, c and the liar, me and c with either liar made
+    # a quorum saying yes, and the test failed in 2 of 6 runs.
+    asked = [other.table.peers[name] for name in ("a-liar", "b", "c")]
+    assert await other.reach.check(other.reach.target(), asked) == "no"
 
 
 # ---- 3. a peer's data never kills the node --------------------------------------------------
