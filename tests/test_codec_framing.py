@@ -17,7 +17,10 @@ from neuronode.codec import (
     Assembler,
     CodecError,
     ContributionDigest,
+    ContributionEncoder,
+    EncoderConfig,
     Frame,
+    Phase,
     chunk_ranges,
     contribution_digest,
     decode_frame,
@@ -423,8 +426,6 @@ def test_a_held_chunk_repacked_decodes_to_its_raw_payload(codec: str, shuffle: b
 def test_a_reducer_whose_average_is_not_finite_sends_a_zero_shard() -> None:
     """An aggregate that overflows (finite pieces, an infinite average) never reaches the wire:
     the reducer sends a zero shard, with the round's weight and contributors."""
-    from neuronode.codec import ContributionEncoder, EncoderConfig, Phase
-
     n = 5000
     encoder = ContributionEncoder(EncoderConfig(codec="fp32", chunk_bytes=4096, zstd_level=0, byte_shuffle=False),
                                   n_elements=n, sender_id="a")
